@@ -1,0 +1,91 @@
+package driver
+
+import (
+	"fmt"
+	"os"
+	"sort"
+
+	"github.com/overlayd/overlayd/internal/netnsutil"
+	"github.com/overlayd/overlayd/internal/sandbox"
+)
+
+// Audit compares the kernel with the driver's state and returns every
+// difference, each naming its network and object; empty means they agree.
+// For each network it locks the network in turn (never two at once). It
+// checks every sandbox (links, MTUs, bridge membership, neighbours, FDB
+// entries), that networks without joined endpoints have no sandbox, and that
+// the sandbox directory holds no namespace of a network the driver lacks.
+func (d *Driver) Audit() ([]string, error) {
+	d.mu.Lock()
+	ids := make([]string, 0, len(d.nets))
+	for id := range d.nets {
+		ids = append(ids, id)
+	}
+	d.mu.Unlock()
+	sort.Strings(ids)
+	var problems []string
+	withSandbox := map[string]bool{}
+	for _, id := range ids {
+		n, unlock, err := d.lockNetwork(id)
+		if err != nil {
+			continue // deleted meanwhile
+		}
+		p, err := d.auditNetwork(n)
+		if n.sb != nil {
+			withSandbox[n.id] = true
+		}
+		unlock()
+		if err != nil {
+			return nil, err
+		}
+		for _, s := range p {
+			problems = append(problems, fmt.Sprintf("network %s: %s", id, s))
+		}
+	}
+	entries, err := os.ReadDir(d.cfg.NetnsDir)
+	if err != nil && !os.IsNotExist(err) {
+		return nil, fmt.Errorf("failed to read %s: %w", d.cfg.NetnsDir, err)
+	}
+	for _, e := range entries {
+		if !withSandbox[e.Name()] {
+			// Re-check under the lock: the network may have joined meanwhile.
+			if n, unlock, err := d.lockNetwork(e.Name()); err == nil {
+				has := n.sb != nil
+				unlock()
+				if has {
+					continue
+				}
+			}
+			problems = append(problems, fmt.Sprintf("sandbox %s in %s: no network of this host has a sandbox by that name", e.Name(), d.cfg.NetnsDir))
+		}
+	}
+	return problems, nil
+}
+
+// auditNetwork expects n.mu held.
+func (d *Driver) auditNetwork(n *network) ([]string, error) {
+	var problems []string
+	if n.sb == nil {
+		if n.joined != 0 {
+			problems = append(problems, fmt.Sprintf("%d endpoints joined but no sandbox", n.joined))
+		}
+		if netnsutil.IsNamespace(d.host.Path(n.id)) {
+			problems = append(problems, fmt.Sprintf("sandbox namespace %s exists but no endpoint is joined", d.host.Path(n.id)))
+		}
+		return problems, nil
+	}
+	if n.joined == 0 {
+		problems = append(problems, "sandbox exists but no endpoint is joined")
+	}
+	var eps []sandbox.Endpoint
+	for _, ep := range n.endpoints {
+		if ep.joined {
+			eps = append(eps, ep.sandboxEndpoint(n.mtu))
+		}
+	}
+	p, err := n.sb.Audit(n.peers.Desired(), eps)
+	if err != nil {
+		return nil, fmt.Errorf("auditing network %q: %w", n.id, err)
+	}
+	return append(problems, p...), nil
+}

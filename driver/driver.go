@@ -1,0 +1,357 @@
+// Package driver implements the libnetwork remote network driver: Docker's
+// plugin API (through go-plugins-helpers' api.Driver), the networks and
+// endpoints it creates, and the entry point through which the control plane
+// hands it remote peers.
+//
+// # Locking
+//
+// The lock hierarchy, from top to bottom:
+//
+//	network.mu  — one per network; held for every operation on that network
+//	              (create/delete, endpoints, join/leave, peer events, kernel
+//	              programming of its sandbox)
+//	Driver.encMu — the encryption state lock (keys, per-peer SA state and their
+//	              kernel programming); reserved for encrypted networks
+//	Driver.mu   — the driver's maps; bottom: never take another lock while
+//	              holding it
+//
+// A lock may only be taken while holding locks above it, and never two
+// network locks at once. The locks are lockorder.Mutexes: test builds (tag
+// lockcheck) check every acquisition against this hierarchy. The caller takes a
+// lock, not the callee: every method says which lock it expects held.
+// Operations on distinct networks never wait for each other except for the
+// short Driver.mu sections.
+package driver
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/netip"
+	"path/filepath"
+
+	api "github.com/docker/go-plugins-helpers/network"
+	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
+
+	"github.com/overlayd/overlayd/internal/lockorder"
+	"github.com/overlayd/overlayd/internal/sandbox"
+	"github.com/overlayd/overlayd/peerdb"
+)
+
+// Defaults shared by the daemon and tests.
+const (
+	DefaultVXLANPort = 4799 // not 4789: Docker's own overlay uses that
+	DefaultNetnsDir  = "/run/overlayd/netns"
+	DefaultVNIStart  = 4096
+	MaxVNI           = 1<<24 - 1
+	defaultMTU       = 1450 // when the underlay cannot be found: 1500 - 50
+	vxlanOverhead4   = 50
+	vxlanOverhead6   = 70
+)
+
+// PeerPublisher receives the records of local endpoints as they join and
+// leave, as (prev, next) pairs like remote events. It is called with the
+// network's lock held: it must not block and must not call into the Driver.
+type PeerPublisher interface {
+	PublishLocalPeer(vni uint32, prev, next *peerdb.Peer)
+}
+
+// Config holds the driver's settings. The zero value of every field but
+// NetnsDir has a usable default.
+type Config struct {
+	// Scope answered by GetCapabilities: "local" (standalone) or "global" (swarm).
+	Scope string
+	// AdvertiseAddr is the local VTEP. When invalid it is learned from
+	// DiscoverNew (Self), otherwise from the default route's device.
+	AdvertiseAddr netip.Addr
+	VXLANPort     int
+	// NetnsDir is where network sandboxes are mounted.
+	NetnsDir string
+	// HostNS is the namespace holding the underlay; unset (0 or
+	// netns.None()) means the current one. The driver does not close it.
+	HostNS netns.NsHandle
+	// VNIStart..VNIEnd is the range AllocateNetwork allocates from.
+	VNIStart, VNIEnd uint32
+	Logger           *slog.Logger
+	Publisher        PeerPublisher
+	// OnDiscover is told of every node DiscoverNew announces (swarm): the
+	// control plane joins them. Called without driver locks held.
+	OnDiscover func(addr netip.Addr, self bool)
+	// Trace, if set, is told of every state change that succeeded, under the
+	// lock that linearises it (see TraceEvent). It must be fast and must not
+	// call into the Driver. For tests.
+	Trace func(TraceEvent)
+}
+
+// Driver is the overlay network driver.
+type Driver struct {
+	cfg      Config // immutable after New
+	log      *slog.Logger
+	host     *sandbox.Host // immutable after New; its netlink handle is safe for concurrent use
+	ownsNS   bool
+	hostNS   netns.NsHandle
+	encMu    lockorder.Mutex                     // encryption state lock: below every network.mu, above mu (reserved)
+	mu       lockorder.Mutex                     // driver.mu: bottom of the hierarchy; guards the fields below
+	nets     map[string]*network                 // by network id; guarded by mu
+	byVNI    map[uint32]*network                 // every VNI of every network; guarded by mu
+	pending  map[uint32]map[peerdb.Peer]struct{} // remote peers of networks not (yet) here, by VNI; guarded by mu
+	allocs   map[uint32]string                   // VNIs handed out by AllocateNetwork → network id; guarded by mu
+	allocNet map[string][]uint32                 // the same, by network id; guarded by mu
+	adv      netip.Addr                          // advertise address once known; guarded by mu
+}
+
+var _ api.Driver = (*Driver)(nil)
+
+// New returns a driver. It touches the kernel only to open a netlink handle in
+// the host namespace.
+func New(cfg Config) (*Driver, error) {
+	if cfg.Scope == "" {
+		cfg.Scope = api.LocalScope
+	}
+	if cfg.Scope != api.LocalScope && cfg.Scope != api.GlobalScope {
+		return nil, fmt.Errorf("invalid scope %q: must be %q or %q", cfg.Scope, api.LocalScope, api.GlobalScope)
+	}
+	if cfg.VXLANPort == 0 {
+		cfg.VXLANPort = DefaultVXLANPort
+	}
+	if cfg.VXLANPort < 1 || cfg.VXLANPort > 65535 {
+		return nil, fmt.Errorf("invalid VXLAN port %d: must be in 1..65535", cfg.VXLANPort)
+	}
+	if cfg.NetnsDir == "" {
+		cfg.NetnsDir = DefaultNetnsDir
+	}
+	if !filepath.IsAbs(cfg.NetnsDir) {
+		return nil, fmt.Errorf("invalid netns directory %q: must be an absolute path", cfg.NetnsDir)
+	}
+	if cfg.VNIStart == 0 {
+		cfg.VNIStart = DefaultVNIStart
+	}
+	if cfg.VNIEnd == 0 {
+		cfg.VNIEnd = MaxVNI
+	}
+	if cfg.VNIStart > cfg.VNIEnd || cfg.VNIEnd > MaxVNI {
+		return nil, fmt.Errorf("invalid VNI range %d..%d: must lie within 1..%d", cfg.VNIStart, cfg.VNIEnd, MaxVNI)
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	if cfg.AdvertiseAddr.IsValid() {
+		cfg.AdvertiseAddr = cfg.AdvertiseAddr.Unmap()
+	}
+	d := &Driver{
+		cfg:      cfg,
+		log:      cfg.Logger,
+		nets:     map[string]*network{},
+		byVNI:    map[uint32]*network{},
+		pending:  map[uint32]map[peerdb.Peer]struct{}{},
+		allocs:   map[uint32]string{},
+		allocNet: map[string][]uint32{},
+		adv:      cfg.AdvertiseAddr,
+	}
+	d.hostNS = cfg.HostNS
+	if d.hostNS <= 0 { // unset (the zero value is fd 0, never a namespace) or netns.None()
+		ns, err := netns.Get()
+		if err != nil {
+			return nil, fmt.Errorf("failed to open the host network namespace: %w", err)
+		}
+		d.hostNS, d.ownsNS = ns, true
+	}
+	h, err := netlink.NewHandleAt(d.hostNS, unix.NETLINK_ROUTE)
+	if err != nil {
+		d.closeNS()
+		return nil, fmt.Errorf("failed to open a netlink handle in the host namespace: %w", err)
+	}
+	d.host = &sandbox.Host{NS: d.hostNS, Handle: h, Dir: cfg.NetnsDir, VXLANPort: cfg.VXLANPort}
+	if adv := d.advertiseAddr(); adv.Is6() {
+		d.host.IPv6 = true
+	}
+	return d, nil
+}
+
+// Close releases the driver's handles. Kernel state is left in place: the
+// sandboxes keep serving running containers.
+func (d *Driver) Close() error {
+	d.host.Handle.Close()
+	d.closeNS()
+	return nil
+}
+
+func (d *Driver) closeNS() {
+	if d.ownsNS {
+		d.hostNS.Close()
+	}
+}
+
+// lockNetwork returns the network registered under id, locked, and its unlock
+// function; or a not-found error. It re-checks after locking that the network
+// is still the one registered under id (a concurrent delete may have removed
+// it, or a create registered a new one).
+func (d *Driver) lockNetwork(id string) (*network, func(), error) {
+	for {
+		d.mu.Lock()
+		n := d.nets[id]
+		d.mu.Unlock()
+		if n == nil {
+			return nil, nil, &notFoundError{what: "network", id: id}
+		}
+		n.mu.Lock()
+		if !n.deleted {
+			return n, n.mu.Unlock, nil
+		}
+		n.mu.Unlock() // deleted meanwhile: look again
+	}
+}
+
+// lockNetworkByVNI is lockNetwork for a network identified by any of its
+// VNIs; n is nil (and no lock held) when no network has vni.
+func (d *Driver) lockNetworkByVNI(vni uint32) (*network, func()) {
+	for {
+		d.mu.Lock()
+		n := d.byVNI[vni]
+		d.mu.Unlock()
+		if n == nil {
+			return nil, nil
+		}
+		n.mu.Lock()
+		if !n.deleted {
+			return n, n.mu.Unlock
+		}
+		n.mu.Unlock()
+	}
+}
+
+type notFoundError struct{ what, id string }
+
+func (e *notFoundError) Error() string { return fmt.Sprintf("%s %q not found", e.what, e.id) }
+
+// IsNotFound reports whether err says a network or endpoint does not exist.
+func IsNotFound(err error) bool {
+	var nf *notFoundError
+	return errors.As(err, &nf)
+}
+
+// advertiseAddr returns the local VTEP: the configured one, else the one
+// DiscoverNew announced, else the first address of the default route's
+// device (invalid if none).
+func (d *Driver) advertiseAddr() netip.Addr {
+	d.mu.Lock()
+	adv := d.adv
+	d.mu.Unlock()
+	if adv.IsValid() {
+		return adv
+	}
+	return d.defaultRouteAddr()
+}
+
+func (d *Driver) defaultRouteAddr() netip.Addr {
+	routes, err := d.host.Handle.RouteList(nil, unix.AF_INET)
+	if err != nil {
+		return netip.Addr{}
+	}
+	for _, r := range routes {
+		if r.Dst != nil && r.Dst.IP != nil && !r.Dst.IP.IsUnspecified() {
+			continue
+		}
+		l, err := d.host.Handle.LinkByIndex(r.LinkIndex)
+		if err != nil {
+			continue
+		}
+		addrs, err := d.host.Handle.AddrList(l, unix.AF_INET)
+		if err != nil || len(addrs) == 0 {
+			continue
+		}
+		if a, ok := netip.AddrFromSlice(addrs[0].IP); ok {
+			return a.Unmap()
+		}
+	}
+	return netip.Addr{}
+}
+
+// underlayMTU returns the MTU for a new network's links: the MTU of the
+// device holding the advertise address (or of the default route's device)
+// minus the VXLAN overhead of the underlay's address family.
+func (d *Driver) underlayMTU() int {
+	adv := d.advertiseAddr()
+	if !adv.IsValid() {
+		return defaultMTU
+	}
+	overhead := vxlanOverhead4
+	family := unix.AF_INET
+	if adv.Is6() {
+		overhead, family = vxlanOverhead6, unix.AF_INET6
+	}
+	addrs, err := d.host.Handle.AddrList(nil, family)
+	if err != nil {
+		return defaultMTU
+	}
+	for _, a := range addrs {
+		if ip, ok := netip.AddrFromSlice(a.IP); ok && ip.Unmap() == adv {
+			l, err := d.host.Handle.LinkByIndex(a.LinkIndex)
+			if err == nil && l.Attrs().MTU > overhead {
+				return l.Attrs().MTU - overhead
+			}
+		}
+	}
+	return 1500 - overhead
+}
+
+// GetCapabilities answers dockerd's capability query.
+func (d *Driver) GetCapabilities() (*api.CapabilitiesResponse, error) {
+	return &api.CapabilitiesResponse{Scope: d.cfg.Scope, ConnectivityScope: api.GlobalScope}, nil
+}
+
+// DiscoverNew learns nodes from dockerd (swarm): Self gives the local
+// address when none is configured; others are handed to the control plane.
+func (d *Driver) DiscoverNew(req *api.DiscoveryNotification) error {
+	if req == nil {
+		return errors.New("DiscoverNew: empty request")
+	}
+	const nodeDiscovery = 1
+	if req.DiscoveryType != nodeDiscovery {
+		d.log.Debug("ignoring discovery notification", "type", req.DiscoveryType)
+		return nil
+	}
+	data, ok := req.DiscoveryData.(map[string]interface{})
+	if !ok {
+		return fmt.Errorf("DiscoverNew: DiscoveryData is %T, want an object with Address and Self", req.DiscoveryData)
+	}
+	addrStr, _ := data["Address"].(string)
+	addr, err := netip.ParseAddr(addrStr)
+	if err != nil {
+		return fmt.Errorf("DiscoverNew: DiscoveryData.Address %q is not an IP address", addrStr)
+	}
+	addr = addr.Unmap()
+	self, _ := data["Self"].(bool)
+	if self {
+		d.mu.Lock()
+		if !d.cfg.AdvertiseAddr.IsValid() {
+			d.adv = addr
+		}
+		d.mu.Unlock()
+	}
+	d.log.Info("node discovered", "address", addr, "self", self)
+	if d.cfg.OnDiscover != nil {
+		d.cfg.OnDiscover(addr, self)
+	}
+	return nil
+}
+
+// DiscoverDelete is informational: membership is the control plane's job.
+func (d *Driver) DiscoverDelete(req *api.DiscoveryNotification) error {
+	if req != nil {
+		d.log.Info("node discovery removed", "type", req.DiscoveryType, "data", req.DiscoveryData)
+	}
+	return nil
+}
+
+// ProgramExternalConnectivity is a no-op: egress goes through docker_gwbridge.
+func (d *Driver) ProgramExternalConnectivity(*api.ProgramExternalConnectivityRequest) error {
+	return nil
+}
+
+// RevokeExternalConnectivity is a no-op, like ProgramExternalConnectivity.
+func (d *Driver) RevokeExternalConnectivity(*api.RevokeExternalConnectivityRequest) error {
+	return nil
+}

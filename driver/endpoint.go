@@ -1,0 +1,315 @@
+package driver
+
+import (
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"net/netip"
+
+	api "github.com/docker/go-plugins-helpers/network"
+
+	"github.com/overlayd/overlayd/internal/sandbox"
+	"github.com/overlayd/overlayd/peerdb"
+)
+
+// endpoint is one endpoint of a network; guarded by its network's mu.
+type endpoint struct {
+	id       string
+	addr     netip.Prefix // address with the pool's prefix length as Docker gave it
+	mac      peerdb.MAC
+	subnet   int // index into network.subnets
+	hostName string
+	sbName   string
+	joined   bool
+	vtep     netip.Addr // the VTEP published at Join (the advertise address then)
+}
+
+func (ep *endpoint) peer(vtep netip.Addr) peerdb.Peer {
+	return peerdb.Peer{EndpointID: ep.id, IP: ep.addr.Addr(), MAC: ep.mac, VTEP: vtep}
+}
+
+func (ep *endpoint) sandboxEndpoint(mtu int) sandbox.Endpoint {
+	return sandbox.Endpoint{Subnet: ep.subnet, HostName: ep.hostName, SandboxName: ep.sbName, MAC: ep.mac, MTU: mtu}
+}
+
+// linkNames derives the veth names of an endpoint from a hash of the network
+// and endpoint ids: unique in practice, at most 15 bytes, and the same after a
+// restart.
+func linkNames(netID, epID string) (host, sb string) {
+	sum := sha256.Sum256([]byte(netID + "/" + epID))
+	h := hex.EncodeToString(sum[:])
+	return "ovd" + h[:12], "ovs" + h[:12]
+}
+
+// CreateEndpoint records an endpoint. The address must lie in one of the
+// network's subnets. The MAC is Docker's if given (never changed), otherwise
+// derived from the IP and returned. No kernel change.
+func (d *Driver) CreateEndpoint(req *api.CreateEndpointRequest) (*api.CreateEndpointResponse, error) {
+	if req == nil {
+		return nil, errors.New("CreateEndpoint: empty request")
+	}
+	if err := checkID("EndpointID", req.EndpointID); err != nil {
+		return nil, err
+	}
+	if req.Interface == nil || req.Interface.Address == "" {
+		return nil, fmt.Errorf("endpoint %q: Interface.Address is empty: overlayd endpoints need an IPv4 address", req.EndpointID)
+	}
+	if req.Interface.AddressIPv6 != "" {
+		return nil, fmt.Errorf("endpoint %q: Interface.AddressIPv6 %q: IPv6 is not supported yet by overlayd", req.EndpointID, req.Interface.AddressIPv6)
+	}
+	addr, err := netip.ParsePrefix(req.Interface.Address)
+	if err != nil || !addr.Addr().Is4() {
+		return nil, fmt.Errorf("endpoint %q: Interface.Address %q is not an IPv4 address with prefix length (like 192.0.2.5/24)", req.EndpointID, req.Interface.Address)
+	}
+	var mac peerdb.MAC
+	macGiven := req.Interface.MacAddress != ""
+	if macGiven {
+		if mac, err = peerdb.ParseMAC(req.Interface.MacAddress); err != nil || !mac.IsUnicast() {
+			return nil, fmt.Errorf("endpoint %q: Interface.MacAddress %q is not a unicast 48-bit MAC address", req.EndpointID, req.Interface.MacAddress)
+		}
+	} else {
+		mac = peerdb.MACFromIP(addr.Addr())
+	}
+
+	n, unlock, err := d.lockNetwork(req.NetworkID)
+	if err != nil {
+		return nil, fmt.Errorf("CreateEndpoint %q: %w", req.EndpointID, err)
+	}
+	defer unlock()
+	if _, exists := n.endpoints[req.EndpointID]; exists {
+		return nil, fmt.Errorf("EndpointID %q already exists in network %q", req.EndpointID, n.id)
+	}
+	subnet := -1
+	for i, s := range n.subnets {
+		if s.pool.Contains(addr.Addr()) {
+			subnet = i
+		}
+	}
+	if subnet < 0 {
+		return nil, fmt.Errorf("endpoint %q: Interface.Address %s is not in any subnet of network %q (%v)", req.EndpointID, addr, n.id, n.pools())
+	}
+	ep := &endpoint{id: req.EndpointID, addr: addr, mac: mac, subnet: subnet}
+	ep.hostName, ep.sbName = linkNames(n.id, ep.id)
+	n.endpoints[ep.id] = ep
+	d.trace(TraceEvent{Kind: TraceCreateEndpoint, Network: n.id, Endpoint: ep.id, Addr: ep.addr, MAC: ep.mac})
+	resp := &api.CreateEndpointResponse{}
+	if !macGiven {
+		resp.Interface = &api.EndpointInterface{MacAddress: mac.String()}
+	}
+	return resp, nil
+}
+
+// DeleteEndpoint forgets an endpoint, undoing its Join first if dockerd did
+// not send Leave. Unknown networks and endpoints succeed (dockerd sends them
+// after restarts).
+func (d *Driver) DeleteEndpoint(req *api.DeleteEndpointRequest) error {
+	if req == nil {
+		return errors.New("DeleteEndpoint: empty request")
+	}
+	n, unlock, err := d.lockNetwork(req.NetworkID)
+	if err != nil {
+		if IsNotFound(err) {
+			return nil
+		}
+		return err
+	}
+	defer unlock()
+	ep := n.endpoints[req.EndpointID]
+	if ep == nil {
+		return nil
+	}
+	if ep.joined {
+		if err := d.leave(n, ep); err != nil {
+			return err
+		}
+	}
+	delete(n.endpoints, ep.id)
+	d.trace(TraceEvent{Kind: TraceDeleteEndpoint, Network: n.id, Endpoint: ep.id})
+	return nil
+}
+
+// EndpointInfo returns operational data of an endpoint.
+func (d *Driver) EndpointInfo(req *api.InfoRequest) (*api.InfoResponse, error) {
+	if req == nil {
+		return nil, errors.New("EndpointOperInfo: empty request")
+	}
+	n, unlock, err := d.lockNetwork(req.NetworkID)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	ep := n.endpoints[req.EndpointID]
+	if ep == nil {
+		return nil, &notFoundError{what: "endpoint", id: req.EndpointID}
+	}
+	return &api.InfoResponse{Value: map[string]string{
+		"address": ep.addr.String(),
+		"mac":     ep.mac.String(),
+		"vni":     fmt.Sprint(n.subnets[ep.subnet].vni),
+		"veth":    ep.hostName,
+	}}, nil
+}
+
+// Join builds the network's sandbox if this is its first local endpoint,
+// creates the endpoint's veth and records it as a local peer. Any failure
+// undoes what this call made.
+func (d *Driver) Join(req *api.JoinRequest) (_ *api.JoinResponse, err error) {
+	if req == nil {
+		return nil, errors.New("Join: empty request")
+	}
+	n, unlock, err := d.lockNetwork(req.NetworkID)
+	if err != nil {
+		return nil, fmt.Errorf("Join of endpoint %q: %w", req.EndpointID, err)
+	}
+	defer unlock()
+	ep := n.endpoints[req.EndpointID]
+	if ep == nil {
+		return nil, fmt.Errorf("Join: endpoint %q not found in network %q (CreateEndpoint first)", req.EndpointID, n.id)
+	}
+	if ep.joined {
+		return nil, fmt.Errorf("Join: endpoint %q of network %q is already joined", ep.id, n.id)
+	}
+	var undo []func()
+	defer func() {
+		if err != nil {
+			for i := len(undo) - 1; i >= 0; i-- {
+				undo[i]()
+			}
+		}
+	}()
+	if n.sb == nil {
+		sb, err := sandbox.Create(d.host, n.id, n.sandboxSubnets())
+		if err != nil {
+			return nil, fmt.Errorf("Join of endpoint %q: %w", ep.id, err)
+		}
+		if _, err := sb.Reconcile(n.peers.Desired()); err != nil {
+			sb.Destroy()
+			return nil, fmt.Errorf("Join of endpoint %q: programming the known peers of network %q: %w", ep.id, n.id, err)
+		}
+		n.sb = sb
+		undo = append(undo, func() {
+			if err := n.sb.Destroy(); err != nil {
+				d.log.Error("rollback: failed to destroy sandbox", "network", n.id, "error", err)
+			}
+			n.sb = nil
+		})
+	}
+	if err := n.sb.AddEndpoint(ep.sandboxEndpoint(n.mtu)); err != nil {
+		// A host end left by an earlier crash blocks the name: remove it and retry once.
+		if rmErr := sandbox.RemoveHostLink(d.host.Handle, ep.hostName); rmErr == nil {
+			err = n.sb.AddEndpoint(ep.sandboxEndpoint(n.mtu))
+		}
+		if err != nil {
+			return nil, fmt.Errorf("Join of endpoint %q: %w", ep.id, err)
+		}
+	}
+	undo = append(undo, func() {
+		if err := n.sb.RemoveEndpoint(ep.sbName); err != nil {
+			d.log.Error("rollback: failed to remove veth", "network", n.id, "endpoint", ep.id, "error", err)
+		}
+	})
+	vtep := d.advertiseAddr()
+	delta, err := n.peers.AddLocal(ep.peer(vtep))
+	if err != nil {
+		return nil, fmt.Errorf("Join of endpoint %q: %w", ep.id, err)
+	}
+	undo = append(undo, func() { n.peers.RemoveLocal(ep.id) })
+	if err := n.sb.ApplyDelta(delta); err != nil {
+		// The delta only removes remote claimants of this IP; restore them.
+		undoDelta, _ := n.peers.RemoveLocal(ep.id)
+		undo = undo[:len(undo)-1]
+		if rerr := n.sb.ApplyDelta(undoDelta); rerr != nil {
+			d.log.Error("rollback: failed to restore peers", "network", n.id, "error", rerr)
+		}
+		return nil, fmt.Errorf("Join of endpoint %q: %w", ep.id, err)
+	}
+	ep.joined = true
+	ep.vtep = vtep
+	n.joined++
+	d.publish(n, ep, true)
+	d.trace(TraceEvent{Kind: TraceJoin, Network: n.id, Endpoint: ep.id, Addr: ep.addr, MAC: ep.mac, VTEP: vtep})
+
+	resp := &api.JoinResponse{
+		InterfaceName:         api.InterfaceName{SrcName: ep.hostName, DstPrefix: "eth"},
+		DisableGatewayService: n.internal,
+	}
+	own := n.subnets[ep.subnet]
+	for i, s := range n.subnets {
+		if i == ep.subnet || !own.gateway.IsValid() {
+			continue
+		}
+		resp.StaticRoutes = append(resp.StaticRoutes, &api.StaticRoute{
+			Destination: s.pool.String(), RouteType: 0, NextHop: own.gateway.Addr().String(),
+		})
+	}
+	d.log.Debug("endpoint joined", "network", n.id, "endpoint", ep.id, "address", ep.addr, "veth", ep.hostName)
+	return resp, nil
+}
+
+// Leave undoes Join. Unknown networks and endpoints succeed.
+func (d *Driver) Leave(req *api.LeaveRequest) error {
+	if req == nil {
+		return errors.New("Leave: empty request")
+	}
+	n, unlock, err := d.lockNetwork(req.NetworkID)
+	if err != nil {
+		if IsNotFound(err) {
+			return nil
+		}
+		return err
+	}
+	defer unlock()
+	ep := n.endpoints[req.EndpointID]
+	if ep == nil || !ep.joined {
+		return nil
+	}
+	return d.leave(n, ep)
+}
+
+// leave removes what Join made for ep: its local peer (re-activating remote
+// claimants of its IP), its veth, and the sandbox when ep was the last joined
+// endpoint. Expects n.mu held.
+func (d *Driver) leave(n *network, ep *endpoint) error {
+	var delta peerdb.Delta
+	if !faultActive(FaultLeaveKeepsLocal) {
+		delta, _ = n.peers.RemoveLocal(ep.id)
+	}
+	ep.joined = false
+	n.joined--
+	d.publish(n, ep, false)
+	d.trace(TraceEvent{Kind: TraceLeave, Network: n.id, Endpoint: ep.id})
+	var errs []error
+	if n.joined == 0 {
+		if err := n.sb.Destroy(); err != nil {
+			errs = append(errs, err)
+		}
+		n.sb = nil
+	} else {
+		if err := n.sb.RemoveEndpoint(ep.sbName); err != nil {
+			errs = append(errs, err)
+		}
+		if err := n.sb.ApplyDelta(delta); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("Leave of endpoint %q from network %q: %w", ep.id, n.id, err)
+	}
+	return nil
+}
+
+// publish tells the control plane that a local endpoint joined or left.
+// Expects n.mu held.
+func (d *Driver) publish(n *network, ep *endpoint, up bool) {
+	if d.cfg.Publisher == nil {
+		return
+	}
+	p := ep.peer(ep.vtep)
+	vni := n.subnets[ep.subnet].vni
+	if up {
+		d.cfg.Publisher.PublishLocalPeer(vni, nil, &p)
+	} else {
+		d.cfg.Publisher.PublishLocalPeer(vni, &p, nil)
+	}
+}

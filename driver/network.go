@@ -1,0 +1,270 @@
+package driver
+
+import (
+	"fmt"
+	"net/netip"
+
+	api "github.com/docker/go-plugins-helpers/network"
+
+	"github.com/overlayd/overlayd/internal/lockorder"
+	"github.com/overlayd/overlayd/internal/sandbox"
+	"github.com/overlayd/overlayd/peerdb"
+)
+
+// network is one overlay network on this host. Every mutable field is
+// guarded by mu (network.mu, the top of the lock hierarchy).
+type network struct {
+	mu lockorder.Mutex // network.mu: top of the hierarchy
+
+	// Immutable after creation.
+	id       string
+	subnets  []subnetSpec
+	mtu      int
+	internal bool
+	options  map[string]string
+
+	endpoints map[string]*endpoint // guarded by mu
+	peers     *peerdb.DB           // guarded by mu: the network owns its peer DB
+	sb        *sandbox.Sandbox     // guarded by mu; nil until the first Join
+	joined    int                  // endpoints joined; guarded by mu
+	deleted   bool                 // guarded by mu; set when removed from the driver
+}
+
+// trace emits the creation of n; expects n.mu held.
+func (n *network) trace(d *Driver, kind TraceKind) {
+	if d.cfg.Trace == nil {
+		return
+	}
+	ev := TraceEvent{Kind: kind, Network: n.id, VNIs: n.vnis(), Pools: n.pools(), MTU: n.mtu, Internal: n.internal}
+	for _, s := range n.subnets {
+		ev.Gateways = append(ev.Gateways, s.gateway)
+	}
+	d.trace(ev)
+}
+
+func (n *network) vnis() []uint32 {
+	v := make([]uint32, len(n.subnets))
+	for i, s := range n.subnets {
+		v[i] = s.vni
+	}
+	return v
+}
+
+func (n *network) pools() []netip.Prefix {
+	p := make([]netip.Prefix, len(n.subnets))
+	for i, s := range n.subnets {
+		p[i] = s.pool
+	}
+	return p
+}
+
+func (n *network) sandboxSubnets() []sandbox.Subnet {
+	s := make([]sandbox.Subnet, len(n.subnets))
+	for i, sub := range n.subnets {
+		s[i] = sandbox.Subnet{VNI: sub.vni, Pool: sub.pool, Gateway: sub.gateway, MTU: n.mtu}
+	}
+	return s
+}
+
+// CreateNetwork validates the request and registers the network. It makes no
+// kernel change: the sandbox is built at the first Join. Remote peers that
+// arrived for its VNIs before it existed are taken into its peer DB.
+func (d *Driver) CreateNetwork(req *api.CreateNetworkRequest) error {
+	spec, err := parseCreateNetwork(req)
+	if err != nil {
+		d.log.Warn("CreateNetwork rejected", "network", reqNetworkID(req), "error", err)
+		return err
+	}
+	mtu := spec.mtu
+	if mtu == 0 {
+		mtu = d.underlayMTU()
+	}
+	n := &network{
+		mu:        lockorder.Mutex{Level: lockorder.LevelNetwork},
+		id:        spec.id,
+		subnets:   spec.subnets,
+		mtu:       mtu,
+		internal:  spec.internal,
+		options:   spec.options,
+		endpoints: map[string]*endpoint{},
+	}
+	n.peers = peerdb.New(n.pools())
+
+	// Lock the new network before publishing it, so that operations finding
+	// it wait until it is complete.
+	n.mu.Lock()
+	defer n.mu.Unlock()
+
+	d.mu.Lock()
+	if _, exists := d.nets[spec.id]; exists {
+		d.mu.Unlock()
+		return fmt.Errorf("NetworkID %q already exists on this host", spec.id)
+	}
+	for _, s := range spec.subnets {
+		if other := d.byVNI[s.vni]; other != nil {
+			d.mu.Unlock()
+			return fmt.Errorf("option %s: VNI %d is already used by network %q on this host: each network needs its own VNIs", OptVNI, s.vni, other.id)
+		}
+	}
+	d.nets[spec.id] = n
+	var early []peerdb.Event
+	for _, s := range spec.subnets {
+		d.byVNI[s.vni] = n
+		for p := range d.pending[s.vni] {
+			p := p
+			early = append(early, peerdb.Event{Next: &p})
+		}
+		delete(d.pending, s.vni)
+	}
+	d.mu.Unlock()
+
+	n.trace(d, TraceCreateNetwork)
+	if len(early) > 0 {
+		_, errs := n.peers.ApplyAll(early)
+		for i, e := range errs {
+			if e != nil {
+				d.log.Warn("dropping early peer that does not fit the network", "network", n.id, "peer", early[i].Next.String(), "error", e)
+			}
+		}
+	}
+	d.log.Info("network created", "network", n.id, "vnis", formatVNIs(n.vnis()), "mtu", n.mtu, "internal", n.internal)
+	return nil
+}
+
+func reqNetworkID(req *api.CreateNetworkRequest) string {
+	if req == nil {
+		return ""
+	}
+	return req.NetworkID
+}
+
+// DeleteNetwork removes the network and everything of it in the kernel. An
+// unknown id succeeds: dockerd sends deletes for networks a restarted plugin
+// never saw. Remote peers of the network go back to the pending set, so that
+// re-creating it finds them.
+func (d *Driver) DeleteNetwork(req *api.DeleteNetworkRequest) error {
+	if req == nil {
+		return fmt.Errorf("DeleteNetwork: empty request")
+	}
+	n, unlock, err := d.lockNetwork(req.NetworkID)
+	if err != nil {
+		if IsNotFound(err) {
+			d.log.Info("DeleteNetwork for an unknown network: nothing to do", "network", req.NetworkID)
+			return nil
+		}
+		return err
+	}
+	defer unlock()
+	if n.sb != nil {
+		if err := n.sb.Destroy(); err != nil {
+			// Keep the network registered: a retry can finish the job.
+			return fmt.Errorf("failed to delete network %q: %w", n.id, err)
+		}
+		n.sb = nil
+	}
+	for _, ep := range n.endpoints {
+		if ep.joined {
+			d.publish(n, ep, false)
+		}
+	}
+	remote := n.peers.Remote()
+	d.mu.Lock()
+	delete(d.nets, n.id)
+	vni0 := n.subnets[0].vni
+	for _, s := range n.subnets {
+		delete(d.byVNI, s.vni)
+	}
+	for _, p := range remote {
+		vni := vni0
+		if i, ok := n.peers.SubnetOf(p.IP); ok {
+			vni = n.subnets[i].vni
+		}
+		d.addPendingLocked(vni, p)
+	}
+	d.mu.Unlock()
+	n.deleted = true
+	n.endpoints = nil
+	d.trace(TraceEvent{Kind: TraceDeleteNetwork, Network: n.id})
+	d.log.Info("network deleted", "network", n.id)
+	return nil
+}
+
+// AllocateNetwork (swarm leader) echoes the options and adds a VNI per IPv4
+// subnet unless they carry VNIs already — the leader re-sends its previous
+// output after a restart, so allocation is idempotent: given VNIs are kept
+// and marked used.
+func (d *Driver) AllocateNetwork(req *api.AllocateNetworkRequest) (*api.AllocateNetworkResponse, error) {
+	if req == nil {
+		return nil, fmt.Errorf("AllocateNetwork: empty request")
+	}
+	if err := checkID("NetworkID", req.NetworkID); err != nil {
+		return nil, err
+	}
+	if len(req.IPv4Data) == 0 {
+		return nil, fmt.Errorf("IPv4Data is empty: an overlayd network needs at least one IPv4 subnet (--subnet)")
+	}
+	out := map[string]string{}
+	for k, v := range req.Options {
+		out[k] = v
+	}
+	vnis, given, err := parseVNIs(out)
+	if err != nil {
+		return nil, err
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if given {
+		if len(vnis) != len(req.IPv4Data) {
+			return nil, fmt.Errorf("option %s=%s gives %d VNI(s) for %d IPv4 subnet(s): give exactly one VNI per subnet", OptVNI, formatVNIs(vnis), len(vnis), len(req.IPv4Data))
+		}
+		for _, v := range vnis {
+			if owner, ok := d.allocs[v]; ok && owner != req.NetworkID {
+				return nil, fmt.Errorf("option %s: VNI %d is already allocated to network %q", OptVNI, v, owner)
+			}
+		}
+		for _, v := range vnis {
+			d.allocs[v] = req.NetworkID
+		}
+		d.allocNet[req.NetworkID] = vnis
+		return &api.AllocateNetworkResponse{Options: out}, nil
+	}
+	// Re-allocation for a network that already holds VNIs returns them.
+	mine := d.allocNet[req.NetworkID]
+	if len(mine) != len(req.IPv4Data) {
+		for _, v := range mine {
+			delete(d.allocs, v)
+		}
+		mine = nil
+		for v := d.cfg.VNIStart; len(mine) < len(req.IPv4Data); v++ {
+			if _, used := d.allocs[v]; !used && d.byVNI[v] == nil {
+				mine = append(mine, v)
+			}
+			if v >= d.cfg.VNIEnd {
+				break
+			}
+		}
+		if len(mine) != len(req.IPv4Data) {
+			return nil, fmt.Errorf("no free VNI left in the allocation range %d..%d", d.cfg.VNIStart, d.cfg.VNIEnd)
+		}
+		for _, v := range mine {
+			d.allocs[v] = req.NetworkID
+		}
+		d.allocNet[req.NetworkID] = mine
+	}
+	out[OptVNI] = formatVNIs(mine)
+	return &api.AllocateNetworkResponse{Options: out}, nil
+}
+
+// FreeNetwork (swarm leader) releases the network's VNIs. Unknown ids succeed.
+func (d *Driver) FreeNetwork(req *api.FreeNetworkRequest) error {
+	if req == nil {
+		return fmt.Errorf("FreeNetwork: empty request")
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	for _, v := range d.allocNet[req.NetworkID] {
+		delete(d.allocs, v)
+	}
+	delete(d.allocNet, req.NetworkID)
+	return nil
+}

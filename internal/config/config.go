@@ -1,0 +1,142 @@
+// Package config reads overlayd's settings from command-line flags, each with
+// an environment equivalent (the managed plugin sets environment variables).
+// A flag given on the command line wins over its environment variable.
+package config
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+
+	"github.com/overlayd/overlayd/driver"
+)
+
+// Settings are the daemon's settings after parsing and validation.
+type Settings struct {
+	Socket        string
+	StateDir      string
+	Scope         string
+	AdvertiseAddr netip.Addr // invalid: learn it
+	VXLANPort     int
+	NetnsDir      string
+	LogLevel      slog.Level
+}
+
+// Defaults.
+const (
+	DefaultSocket   = "/run/docker/plugins/overlayd.sock"
+	DefaultStateDir = "/var/lib/overlayd"
+)
+
+// setting describes one flag and its environment variable.
+type setting struct {
+	flag, env, def, usage string
+}
+
+var settings = []setting{
+	{"socket", "OVERLAYD_SOCKET", DefaultSocket, "plugin socket that dockerd connects to (created with mode 0660)"},
+	{"state-dir", "OVERLAYD_STATE_DIR", DefaultStateDir, "directory for overlayd's persistent state"},
+	{"scope", "OVERLAYD_SCOPE", "local", "driver scope announced to dockerd: local (standalone engines) or global (swarm)"},
+	{"advertise-addr", "OVERLAYD_ADVERTISE_ADDR", "", "local VTEP address; default: learned from swarm (DiscoverNew), else the default route's device address"},
+	{"vxlan-port", "OVERLAYD_VXLAN_PORT", strconv.Itoa(driver.DefaultVXLANPort), "VXLAN UDP port (not 4789, which Docker's own overlay uses)"},
+	{"netns-dir", "OVERLAYD_NETNS_DIR", driver.DefaultNetnsDir, "directory where network sandbox namespaces are mounted"},
+	{"log-level", "OVERLAYD_LOG_LEVEL", "info", "log level: debug, info, warn or error"},
+}
+
+// Usage writes the settings table (flag, environment variable, default).
+func Usage(w io.Writer, prog string) {
+	fmt.Fprintf(w, "Usage: %s [serve] [flags]\n       %s help\n\n", prog, prog)
+	fmt.Fprintf(w, "overlayd is a Docker network plugin joining containers on many hosts over VXLAN.\nWith no command it serves the plugin API.\n\nFlags (each also read from its environment variable; the flag wins):\n")
+	for _, s := range settings {
+		def := s.def
+		if def == "" {
+			def = "(none)"
+		}
+		fmt.Fprintf(w, "  --%-16s %-26s %s\n  %-44s default %s\n", s.flag, "$"+s.env, s.usage, "", def)
+	}
+}
+
+// Parse reads args (without the program name) and the environment through
+// getenv. It returns flag.ErrHelp for -h/--help.
+func Parse(args []string, getenv func(string) string) (*Settings, error) {
+	fs := flag.NewFlagSet("overlayd", flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	vals := map[string]*string{}
+	for _, s := range settings {
+		vals[s.flag] = fs.String(s.flag, s.def, s.usage)
+	}
+	if err := fs.Parse(args); err != nil {
+		return nil, err
+	}
+	if fs.NArg() > 0 {
+		return nil, fmt.Errorf("unexpected argument %q", fs.Arg(0))
+	}
+	given := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { given[f.Name] = true })
+	get := func(name string) (val, source string) {
+		for _, s := range settings {
+			if s.flag != name {
+				continue
+			}
+			if given[name] {
+				return *vals[name], "--" + name
+			}
+			if v := getenv(s.env); v != "" {
+				return v, "$" + s.env
+			}
+			return s.def, "--" + name
+		}
+		panic("unknown setting " + name)
+	}
+	var errs []error
+	st := &Settings{}
+	var src string
+	st.Socket, src = get("socket")
+	if !filepath.IsAbs(st.Socket) {
+		errs = append(errs, fmt.Errorf("%s %q: must be an absolute path", src, st.Socket))
+	}
+	st.StateDir, src = get("state-dir")
+	if !filepath.IsAbs(st.StateDir) {
+		errs = append(errs, fmt.Errorf("%s %q: must be an absolute path", src, st.StateDir))
+	}
+	st.Scope, src = get("scope")
+	if st.Scope != "local" && st.Scope != "global" {
+		errs = append(errs, fmt.Errorf("%s %q: must be local or global", src, st.Scope))
+	}
+	if v, src := get("advertise-addr"); v != "" {
+		a, err := netip.ParseAddr(v)
+		if err != nil || a.IsUnspecified() || a.IsMulticast() {
+			errs = append(errs, fmt.Errorf("%s %q: must be a unicast IP address of this host", src, v))
+		}
+		st.AdvertiseAddr = a.Unmap()
+	}
+	if v, src := get("vxlan-port"); v != "" {
+		p, err := strconv.Atoi(v)
+		if err != nil || p < 1 || p > 65535 {
+			errs = append(errs, fmt.Errorf("%s %q: must be a UDP port number in 1..65535", src, v))
+		}
+		st.VXLANPort = p
+	}
+	st.NetnsDir, src = get("netns-dir")
+	if !filepath.IsAbs(st.NetnsDir) {
+		errs = append(errs, fmt.Errorf("%s %q: must be an absolute path", src, st.NetnsDir))
+	}
+	lvl, src := get("log-level")
+	if err := st.LogLevel.UnmarshalText([]byte(strings.ToLower(lvl))); err != nil {
+		errs = append(errs, fmt.Errorf("%s %q: must be debug, info, warn or error", src, lvl))
+	}
+	if err := errors.Join(errs...); err != nil {
+		return nil, err
+	}
+	return st, nil
+}
+
+// Env returns the process environment lookup (for Parse).
+func Env(k string) string { return os.Getenv(k) }

@@ -1,0 +1,87 @@
+package config
+
+import (
+	"bytes"
+	"errors"
+	"flag"
+	"strings"
+	"testing"
+)
+
+func env(m map[string]string) func(string) string { return func(k string) string { return m[k] } }
+
+func TestDefaults(t *testing.T) {
+	st, err := Parse(nil, env(nil))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.Socket != DefaultSocket || st.StateDir != DefaultStateDir || st.Scope != "local" ||
+		st.VXLANPort != 4799 || st.NetnsDir != "/run/overlayd/netns" || st.AdvertiseAddr.IsValid() || st.LogLevel.String() != "INFO" {
+		t.Fatalf("defaults: %+v", st)
+	}
+}
+
+func TestFlagWinsOverEnv(t *testing.T) {
+	e := env(map[string]string{
+		"OVERLAYD_SOCKET": "/env.sock", "OVERLAYD_SCOPE": "global", "OVERLAYD_VXLAN_PORT": "5000",
+		"OVERLAYD_ADVERTISE_ADDR": "192.0.2.7", "OVERLAYD_LOG_LEVEL": "debug", "OVERLAYD_STATE_DIR": "/env/state",
+		"OVERLAYD_NETNS_DIR": "/env/netns",
+	})
+	st, err := Parse(nil, e)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.Socket != "/env.sock" || st.Scope != "global" || st.VXLANPort != 5000 || st.AdvertiseAddr.String() != "192.0.2.7" ||
+		st.LogLevel.String() != "DEBUG" || st.StateDir != "/env/state" || st.NetnsDir != "/env/netns" {
+		t.Fatalf("env not used: %+v", st)
+	}
+	st, err = Parse([]string{"--socket", "/flag.sock", "--scope=local", "--vxlan-port", "6000", "--advertise-addr", "198.51.100.1",
+		"--log-level", "warn", "--state-dir", "/flag/state", "--netns-dir", "/flag/netns"}, e)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.Socket != "/flag.sock" || st.Scope != "local" || st.VXLANPort != 6000 || st.AdvertiseAddr.String() != "198.51.100.1" ||
+		st.LogLevel.String() != "WARN" || st.StateDir != "/flag/state" || st.NetnsDir != "/flag/netns" {
+		t.Fatalf("flags must win over env: %+v", st)
+	}
+}
+
+func TestBadSettingsNameTheSetting(t *testing.T) {
+	cases := []struct {
+		args []string
+		env  map[string]string
+		want string
+	}{
+		{[]string{"--scope", "cluster"}, nil, "--scope \"cluster\": must be local or global"},
+		{nil, map[string]string{"OVERLAYD_SCOPE": "x"}, "$OVERLAYD_SCOPE \"x\""},
+		{[]string{"--vxlan-port", "0"}, nil, "--vxlan-port \"0\""},
+		{[]string{"--vxlan-port", "http"}, nil, "1..65535"},
+		{[]string{"--advertise-addr", "host"}, nil, "--advertise-addr \"host\""},
+		{[]string{"--advertise-addr", "0.0.0.0"}, nil, "unicast"},
+		{[]string{"--socket", "rel.sock"}, nil, "--socket \"rel.sock\": must be an absolute path"},
+		{[]string{"--log-level", "loud"}, nil, "--log-level \"loud\""},
+		{[]string{"--netns-dir", "x"}, nil, "--netns-dir"},
+		{[]string{"--state-dir", "x"}, nil, "--state-dir"},
+		{[]string{"--nope"}, nil, "flag provided but not defined"},
+		{[]string{"extra"}, nil, "unexpected argument"},
+	}
+	for _, c := range cases {
+		_, err := Parse(c.args, env(c.env))
+		if err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("Parse(%v, %v) = %v, want error containing %q", c.args, c.env, err, c.want)
+		}
+	}
+}
+
+func TestHelpListsEverySetting(t *testing.T) {
+	if _, err := Parse([]string{"--help"}, env(nil)); !errors.Is(err, flag.ErrHelp) {
+		t.Fatalf("--help: %v", err)
+	}
+	var b bytes.Buffer
+	Usage(&b, "overlayd")
+	for _, s := range settings {
+		if !strings.Contains(b.String(), "--"+s.flag) || !strings.Contains(b.String(), s.env) {
+			t.Errorf("usage lacks %s / %s", s.flag, s.env)
+		}
+	}
+}

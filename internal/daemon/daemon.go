@@ -1,0 +1,93 @@
+// Package daemon runs overlayd's plugin server: it opens the driver, serves
+// the remote driver API on the plugin socket and shuts down gracefully.
+package daemon
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"time"
+
+	"github.com/docker/go-plugins-helpers/network"
+
+	"github.com/overlayd/overlayd/driver"
+	"github.com/overlayd/overlayd/internal/config"
+)
+
+// Run serves until ctx is cancelled, then stops accepting, finishes the calls
+// in flight and returns nil. Kernel state is left in place.
+func Run(ctx context.Context, st *config.Settings, log *slog.Logger) error {
+	if err := os.MkdirAll(st.StateDir, 0o700); err != nil {
+		return fmt.Errorf("failed to create state directory %s: %w", st.StateDir, err)
+	}
+	if err := os.MkdirAll(st.NetnsDir, 0o755); err != nil {
+		return fmt.Errorf("failed to create netns directory %s: %w", st.NetnsDir, err)
+	}
+	d, err := driver.New(driver.Config{
+		Scope:         st.Scope,
+		AdvertiseAddr: st.AdvertiseAddr,
+		VXLANPort:     st.VXLANPort,
+		NetnsDir:      st.NetnsDir,
+		Logger:        log,
+	})
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+
+	l, err := listen(st.Socket)
+	if err != nil {
+		return err
+	}
+	g := &gate{d: d, log: log}
+	h := network.NewHandler(g)
+	served := make(chan error, 1)
+	go func() { served <- h.Serve(l) }()
+	log.Info("overlayd serving", "socket", st.Socket, "scope", st.Scope, "vxlan_port", st.VXLANPort,
+		"netns_dir", st.NetnsDir, "state_dir", st.StateDir, "advertise_addr", st.AdvertiseAddr)
+
+	select {
+	case <-ctx.Done():
+	case err := <-served:
+		return fmt.Errorf("plugin server stopped: %w", err)
+	}
+	log.Info("shutting down: no new calls, waiting for calls in flight")
+	l.Close()
+	g.close()
+	os.Remove(st.Socket)
+	log.Info("overlayd stopped; kernel state left in place")
+	return nil
+}
+
+// listen creates the plugin socket (mode 0660), replacing a stale socket file
+// left by a process that died, but refusing to steal one that is in use.
+func listen(path string) (net.Listener, error) {
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		return nil, fmt.Errorf("failed to create socket directory for %s: %w", path, err)
+	}
+	if _, err := os.Lstat(path); err == nil {
+		c, derr := net.DialTimeout("unix", path, time.Second)
+		if derr == nil {
+			c.Close()
+			return nil, fmt.Errorf("socket %s is in use by another process (is overlayd already running?)", path)
+		}
+		if err := os.Remove(path); err != nil {
+			return nil, fmt.Errorf("failed to remove stale socket %s: %w", path, err)
+		}
+	} else if !errors.Is(err, os.ErrNotExist) {
+		return nil, fmt.Errorf("failed to check socket %s: %w", path, err)
+	}
+	l, err := net.Listen("unix", path)
+	if err != nil {
+		return nil, fmt.Errorf("failed to listen on %s: %w", path, err)
+	}
+	if err := os.Chmod(path, 0o660); err != nil {
+		l.Close()
+		return nil, fmt.Errorf("failed to set mode of %s: %w", path, err)
+	}
+	return l, nil
+}

@@ -1,0 +1,226 @@
+package daemon
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/overlayd/overlayd/internal/config"
+	"github.com/overlayd/overlayd/internal/netnsutil"
+	"github.com/overlayd/overlayd/internal/testutil/nstest"
+)
+
+// startDaemon runs the daemon in-process on a temporary socket and returns
+// an HTTP client that talks to it as dockerd does.
+func startDaemon(t *testing.T, scope string) (*http.Client, func() error) {
+	t.Helper()
+	nstest.RequireRoot(t)
+	dir := t.TempDir()
+	st, err := config.Parse([]string{
+		"--socket", filepath.Join(dir, "plugins", "overlayd.sock"),
+		"--state-dir", filepath.Join(dir, "state"),
+		"--netns-dir", nstest.NetnsDir(t),
+		"--scope", scope,
+	}, func(string) string { return "" })
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+	host := nstest.NewNS(t, "host")
+	go func() {
+		// Run on a thread in a test namespace: the driver takes the
+		// namespace it starts in as the host namespace, so every link it
+		// makes lives in a namespace this test owns.
+		err := netnsutil.DoIn(host.Handle, func() error { return Run(ctx, st, log) })
+		if err != nil {
+			t.Logf("daemon: %v", err)
+		}
+		done <- err
+	}()
+	if err := nstest.Eventually(5*time.Second, 10*time.Millisecond, func() error {
+		select {
+		case err := <-done:
+			return fmt.Errorf("daemon exited: %v", err)
+		default:
+		}
+		c, err := net.Dial("unix", st.Socket)
+		if err == nil {
+			c.Close()
+		}
+		return err
+	}); err != nil {
+		cancel()
+		t.Fatalf("daemon did not serve: %v", err)
+	}
+	fi, err := os.Stat(st.Socket)
+	if err != nil || fi.Mode().Perm() != 0o660 {
+		t.Errorf("socket mode %v (err %v), want 0660", fi.Mode().Perm(), err)
+	}
+	client := &http.Client{Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+		return (&net.Dialer{}).DialContext(ctx, "unix", st.Socket)
+	}}, Timeout: 10 * time.Second}
+	stopped := false
+	stop := func() error {
+		if stopped {
+			return nil
+		}
+		stopped = true
+		cancel()
+		select {
+		case err := <-done:
+			return err
+		case <-time.After(10 * time.Second):
+			return fmt.Errorf("daemon did not stop")
+		}
+	}
+	t.Cleanup(func() { stop() })
+	return client, stop
+}
+
+func post(t *testing.T, c *http.Client, method string, body string) (int, map[string]interface{}) {
+	t.Helper()
+	resp, err := c.Post("http://plugin/"+method, "application/vnd.docker.plugins.v1.1+json", bytes.NewBufferString(body))
+	if err != nil {
+		t.Fatalf("%s: %v", method, err)
+	}
+	defer resp.Body.Close()
+	raw, _ := io.ReadAll(resp.Body)
+	var out map[string]interface{}
+	json.Unmarshal(raw, &out)
+	if out == nil {
+		out = map[string]interface{}{"_raw": string(raw)}
+	}
+	return resp.StatusCode, out
+}
+
+func TestPluginAPIOverHTTP(t *testing.T) {
+	for _, scope := range []string{"local", "global"} {
+		t.Run(scope, func(t *testing.T) {
+			c, stop := startDaemon(t, scope)
+			code, out := post(t, c, "Plugin.Activate", "")
+			if code != 200 || fmt.Sprint(out["Implements"]) != "[NetworkDriver]" {
+				t.Fatalf("Activate: %d %v", code, out)
+			}
+			code, out = post(t, c, "NetworkDriver.GetCapabilities", "{}")
+			if code != 200 || out["Scope"] != scope || out["ConnectivityScope"] != "global" {
+				t.Fatalf("GetCapabilities: %d %v", code, out)
+			}
+			// Malformed JSON → 400.
+			if code, _ := post(t, c, "NetworkDriver.CreateNetwork", "{not json"); code != 400 {
+				t.Fatalf("malformed JSON: status %d, want 400", code)
+			}
+			// Unknown method → 404.
+			if code, _ := post(t, c, "NetworkDriver.Frobnicate", "{}"); code != 404 {
+				t.Fatalf("unknown method: status %d, want 404", code)
+			}
+			// A bad option comes back as an error naming it.
+			code, out = post(t, c, "NetworkDriver.CreateNetwork", `{"NetworkID":"n1","Options":{"com.docker.network.generic":{"vni":"abc"}},"IPv4Data":[{"Pool":"192.0.2.0/24","Gateway":"192.0.2.1/24"}]}`)
+			if code != 500 || !strings.Contains(fmt.Sprint(out["Err"]), "vni") {
+				t.Fatalf("bad vni: %d %v", code, out)
+			}
+			// The full endpoint life cycle as dockerd drives it.
+			steps := []struct{ method, body string }{
+				{"NetworkDriver.CreateNetwork", `{"NetworkID":"n1","Options":{"com.docker.network.enable_ipv6":false,"com.docker.network.generic":{"vni":"4242"}},"IPv4Data":[{"AddressSpace":"LocalDefault","Pool":"192.0.2.0/24","Gateway":"192.0.2.1/24"}],"IPv6Data":[]}`},
+				{"NetworkDriver.CreateEndpoint", `{"NetworkID":"n1","EndpointID":"e1","Interface":{"Address":"192.0.2.2/24","AddressIPv6":"","MacAddress":""},"Options":{}}`},
+				{"NetworkDriver.Join", `{"NetworkID":"n1","EndpointID":"e1","SandboxKey":"/var/run/docker/netns/x","Options":{}}`},
+				{"NetworkDriver.ProgramExternalConnectivity", `{"NetworkID":"n1","EndpointID":"e1","Options":{}}`},
+				{"NetworkDriver.EndpointOperInfo", `{"NetworkID":"n1","EndpointID":"e1"}`},
+				{"NetworkDriver.RevokeExternalConnectivity", `{"NetworkID":"n1","EndpointID":"e1"}`},
+				{"NetworkDriver.Leave", `{"NetworkID":"n1","EndpointID":"e1"}`},
+				{"NetworkDriver.DeleteEndpoint", `{"NetworkID":"n1","EndpointID":"e1"}`},
+				{"NetworkDriver.DeleteNetwork", `{"NetworkID":"n1"}`},
+				// Unknown ids after a restart: deletes succeed.
+				{"NetworkDriver.Leave", `{"NetworkID":"gone","EndpointID":"e9"}`},
+				{"NetworkDriver.DeleteEndpoint", `{"NetworkID":"gone","EndpointID":"e9"}`},
+				{"NetworkDriver.DeleteNetwork", `{"NetworkID":"gone"}`},
+				{"NetworkDriver.DiscoverNew", `{"DiscoveryType":1,"DiscoveryData":{"Address":"192.0.2.50","BindAddress":"0.0.0.0","Self":true}}`},
+				{"NetworkDriver.DiscoverDelete", `{"DiscoveryType":1,"DiscoveryData":{"Address":"192.0.2.51","Self":false}}`},
+				{"NetworkDriver.AllocateNetwork", `{"NetworkID":"swarm1","Options":{"a":"b"},"IPv4Data":[{"Pool":"198.51.100.0/24"}]}`},
+				{"NetworkDriver.FreeNetwork", `{"NetworkID":"swarm1"}`},
+			}
+			for _, s := range steps {
+				code, out := post(t, c, s.method, s.body)
+				if code != 200 {
+					t.Fatalf("%s: status %d: %v", s.method, code, out)
+				}
+				switch s.method {
+				case "NetworkDriver.CreateEndpoint":
+					iface, _ := out["Interface"].(map[string]interface{})
+					if iface["MacAddress"] != "02:42:c0:00:02:02" {
+						t.Fatalf("CreateEndpoint: %v", out)
+					}
+				case "NetworkDriver.Join":
+					in, _ := out["InterfaceName"].(map[string]interface{})
+					if !strings.HasPrefix(fmt.Sprint(in["SrcName"]), "ovd") || in["DstPrefix"] != "eth" {
+						t.Fatalf("Join: %v", out)
+					}
+				case "NetworkDriver.AllocateNetwork":
+					opts, _ := out["Options"].(map[string]interface{})
+					if opts["a"] != "b" || opts["vni"] != "4096" {
+						t.Fatalf("AllocateNetwork: %v", out)
+					}
+				}
+			}
+			// Unknown ids: Join fails clearly.
+			code, out = post(t, c, "NetworkDriver.Join", `{"NetworkID":"gone","EndpointID":"e9"}`)
+			if code != 500 || !strings.Contains(fmt.Sprint(out["Err"]), "not found") {
+				t.Fatalf("Join on unknown network: %d %v", code, out)
+			}
+			if err := stop(); err != nil {
+				t.Fatalf("shutdown: %v", err)
+			}
+		})
+	}
+}
+
+// Shutdown waits for calls in flight and refuses new ones.
+func TestGateDrains(t *testing.T) {
+	release := make(chan struct{})
+	entered := make(chan struct{})
+	g := &gate{log: slog.New(slog.NewTextHandler(io.Discard, nil))}
+	go call0(g, "slow", func(int) error { close(entered); <-release; return nil }, 0)
+	<-entered
+	closed := make(chan struct{})
+	go func() { g.close(); close(closed) }()
+	select {
+	case <-closed:
+		t.Fatal("close returned while a call was in flight")
+	case <-time.After(50 * time.Millisecond):
+	}
+	close(release)
+	<-closed
+	if err := call0(g, "late", func(int) error { return nil }, 0); err != errShuttingDown {
+		t.Fatalf("call after close: %v", err)
+	}
+}
+
+func TestStaleSocketReplacedLiveSocketRefused(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "x.sock")
+	l, err := listen(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := listen(path); err == nil || !strings.Contains(err.Error(), "in use") {
+		t.Fatalf("second listener on a live socket: %v", err)
+	}
+	l.(*net.UnixListener).SetUnlinkOnClose(false)
+	l.Close()
+	l2, err := listen(path)
+	if err != nil {
+		t.Fatalf("stale socket not replaced: %v", err)
+	}
+	l2.Close()
+}

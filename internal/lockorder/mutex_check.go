@@ -1,0 +1,140 @@
+//go:build lockcheck
+
+package lockorder
+
+import (
+	"bytes"
+	"fmt"
+	"runtime"
+	"strconv"
+	"sync"
+)
+
+// Enabled reports whether acquisitions are checked (the lockcheck build tag).
+const Enabled = true
+
+// Mutex is a sync.Mutex with a level in the lock hierarchy. Set Level before
+// first use; the zero Level is not checked.
+type Mutex struct {
+	mu    sync.Mutex
+	Level int
+}
+
+type held struct {
+	m     *Mutex
+	level int
+	stack string
+}
+
+var (
+	regMu sync.Mutex
+	// held locks per goroutine id; guarded by regMu (a leaf lock).
+	holding = map[uint64][]held{}
+	// Violations are reported here; the default panics. Tests may replace
+	// it to count inversions instead.
+	onViolation = func(msg string) { panic(msg) }
+)
+
+// SetViolationHandler replaces the handler called on an inversion (the
+// default panics) and returns the previous one.
+func SetViolationHandler(f func(msg string)) func(msg string) {
+	regMu.Lock()
+	defer regMu.Unlock()
+	prev := onViolation
+	onViolation = f
+	return prev
+}
+
+func goid() uint64 {
+	var buf [64]byte
+	n := runtime.Stack(buf[:], false)
+	b := bytes.TrimPrefix(buf[:n], []byte("goroutine "))
+	if i := bytes.IndexByte(b, ' '); i > 0 {
+		b = b[:i]
+	}
+	id, _ := strconv.ParseUint(string(b), 10, 64)
+	return id
+}
+
+func stack() string {
+	buf := make([]byte, 4096)
+	return string(buf[:runtime.Stack(buf, false)])
+}
+
+func (m *Mutex) check() {
+	if m.Level == 0 {
+		return
+	}
+	g := goid()
+	regMu.Lock()
+	var msg string
+	for _, h := range holding[g] {
+		if h.level >= m.Level {
+			msg = fmt.Sprintf("lock order inversion: taking %s while holding %s (the hierarchy is network.mu → encryption lock → driver.mu, one lock per level)\nheld since:\n%s\nnow:\n%s",
+				levelName(m.Level), levelName(h.level), h.stack, stack())
+			break
+		}
+	}
+	handler := onViolation
+	regMu.Unlock()
+	if msg != "" {
+		handler(msg)
+	}
+}
+
+func (m *Mutex) record() {
+	if m.Level == 0 {
+		return
+	}
+	g := goid()
+	st := stack()
+	regMu.Lock()
+	holding[g] = append(holding[g], held{m: m, level: m.Level, stack: st})
+	regMu.Unlock()
+}
+
+func (m *Mutex) forget() {
+	if m.Level == 0 {
+		return
+	}
+	regMu.Lock()
+	defer regMu.Unlock()
+	// Unlock may happen on another goroutine than Lock (allowed by
+	// sync.Mutex): search every goroutine's list.
+	for g, hs := range holding {
+		for i := len(hs) - 1; i >= 0; i-- {
+			if hs[i].m == m {
+				hs = append(hs[:i], hs[i+1:]...)
+				if len(hs) == 0 {
+					delete(holding, g)
+				} else {
+					holding[g] = hs
+				}
+				return
+			}
+		}
+	}
+}
+
+// Lock checks the hierarchy, then locks.
+func (m *Mutex) Lock() {
+	m.check()
+	m.mu.Lock()
+	m.record()
+}
+
+// TryLock is sync.Mutex.TryLock with the hierarchy check.
+func (m *Mutex) TryLock() bool {
+	m.check()
+	if !m.mu.TryLock() {
+		return false
+	}
+	m.record()
+	return true
+}
+
+// Unlock unlocks.
+func (m *Mutex) Unlock() {
+	m.forget()
+	m.mu.Unlock()
+}

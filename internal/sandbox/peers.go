@@ -1,0 +1,195 @@
+package sandbox
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+	"sort"
+
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+
+	"github.com/overlayd/overlayd/internal/nlbatch"
+	"github.com/overlayd/overlayd/peerdb"
+)
+
+var errExist = unix.EEXIST
+
+// ApplyDelta writes a change of desired peer state: sets with replace
+// semantics, deletes naming the destination they remove. It is the fast path
+// for peer events; Reconcile is the level-triggered path that does not trust
+// what the kernel is believed to hold.
+func (sb *Sandbox) ApplyDelta(d peerdb.Delta) error {
+	if d.Empty() {
+		return nil
+	}
+	ops := make([]nlbatch.Op, 0, len(d.NeighSet)+len(d.NeighDel)+len(d.FDBSet)+len(d.FDBDel))
+	var bad []error
+	for _, n := range d.NeighSet {
+		if idx, ok := sb.vxlanIndex(n.Subnet); ok {
+			ops = append(ops, nlbatch.Op{Kind: nlbatch.NeighSet, LinkIndex: idx, IP: n.IP, MAC: n.MAC})
+		} else {
+			bad = append(bad, fmt.Errorf("neighbour %s: no subnet %d in sandbox %s", n.IP, n.Subnet, sb.path))
+		}
+	}
+	for _, f := range d.FDBSet {
+		if idx, ok := sb.vxlanIndex(f.Subnet); ok {
+			ops = append(ops, nlbatch.Op{Kind: nlbatch.FDBSet, LinkIndex: idx, MAC: f.MAC, VTEP: f.VTEP})
+		} else {
+			bad = append(bad, fmt.Errorf("fdb %s: no subnet %d in sandbox %s", f.MAC, f.Subnet, sb.path))
+		}
+	}
+	for _, n := range d.NeighDel {
+		if idx, ok := sb.vxlanIndex(n.Subnet); ok {
+			ops = append(ops, nlbatch.Op{Kind: nlbatch.NeighDel, LinkIndex: idx, IP: n.IP, MAC: n.MAC})
+		}
+	}
+	for _, f := range d.FDBDel {
+		if idx, ok := sb.vxlanIndex(f.Subnet); ok {
+			ops = append(ops, nlbatch.Op{Kind: nlbatch.FDBDel, LinkIndex: idx, MAC: f.MAC, VTEP: f.VTEP})
+		}
+	}
+	if err := sb.batch.Apply(ops); err != nil {
+		bad = append(bad, fmt.Errorf("sandbox %s: %w", sb.path, err))
+	}
+	return errors.Join(bad...)
+}
+
+func (sb *Sandbox) vxlanIndex(subnet int) (int, bool) {
+	if subnet < 0 || subnet >= len(sb.subnets) {
+		return 0, false
+	}
+	return sb.subnets[subnet].vxlan, true
+}
+
+// Kernel is what the kernel holds of a network's peer state: permanent
+// neighbours and FDB self entries on the sandbox's VXLAN links.
+type Kernel struct {
+	Neigh map[peerdb.NeighKey]peerdb.MAC
+	FDB   map[peerdb.FDBKey]netip.Addr
+	// Foreign counts entries on our links that we cannot map to a subnet
+	// (for example an FDB entry with several destinations).
+	Foreign []string
+}
+
+// Dump reads the peer state of the sandbox from the kernel.
+func (sb *Sandbox) Dump() (Kernel, error) {
+	k := Kernel{Neigh: map[peerdb.NeighKey]peerdb.MAC{}, FDB: map[peerdb.FDBKey]netip.Addr{}}
+	for i, sl := range sb.subnets {
+		neighs, err := neighList(sb.h, sl.vxlan, unix.AF_INET)
+		if err != nil {
+			return k, fmt.Errorf("failed to dump neighbours of %s in sandbox %s: %w", VXLANName(sl.VNI), sb.path, err)
+		}
+		for _, n := range neighs {
+			if n.State&netlink.NUD_PERMANENT == 0 {
+				continue
+			}
+			ip, ok := netip.AddrFromSlice(n.IP)
+			if !ok || len(n.HardwareAddr) != 6 {
+				k.Foreign = append(k.Foreign, fmt.Sprintf("neigh %v lladdr %v on %s", n.IP, n.HardwareAddr, VXLANName(sl.VNI)))
+				continue
+			}
+			k.Neigh[peerdb.NeighKey{Subnet: i, IP: ip.Unmap()}] = peerdb.MAC(n.HardwareAddr)
+		}
+		fdbs, err := neighList(sb.h, sl.vxlan, unix.AF_BRIDGE)
+		if err != nil {
+			return k, fmt.Errorf("failed to dump fdb of %s in sandbox %s: %w", VXLANName(sl.VNI), sb.path, err)
+		}
+		for _, f := range fdbs {
+			if f.Flags&netlink.NTF_SELF == 0 || f.Flags&netlink.NTF_MASTER != 0 || f.LinkIndex != sl.vxlan {
+				continue
+			}
+			var mac peerdb.MAC
+			if len(f.HardwareAddr) == 6 {
+				mac = peerdb.MAC(f.HardwareAddr)
+			}
+			dst, ok := netip.AddrFromSlice(f.IP)
+			key := peerdb.FDBKey{Subnet: i, MAC: mac}
+			if _, dup := k.FDB[key]; dup || !ok || mac.IsZero() {
+				k.Foreign = append(k.Foreign, fmt.Sprintf("fdb %v dst %v on %s", f.HardwareAddr, f.IP, VXLANName(sl.VNI)))
+				continue
+			}
+			k.FDB[key] = dst.Unmap()
+		}
+	}
+	return k, nil
+}
+
+// Diff compares what the kernel holds with the desired state. The result's
+// Delta turns the kernel into the desired state; Problems describes each
+// difference, naming the object.
+func Diff(want peerdb.State, have Kernel) (peerdb.Delta, []string) {
+	var d peerdb.Delta
+	var problems []string
+	for k, mac := range want.Neigh {
+		if got, ok := have.Neigh[k]; !ok {
+			problems = append(problems, fmt.Sprintf("neighbour %s (subnet %d): missing, want lladdr %s", k.IP, k.Subnet, mac))
+			d.NeighSet = append(d.NeighSet, peerdb.Neigh{Subnet: k.Subnet, IP: k.IP, MAC: mac})
+		} else if got != mac {
+			problems = append(problems, fmt.Sprintf("neighbour %s (subnet %d): lladdr %s, want %s", k.IP, k.Subnet, got, mac))
+			d.NeighSet = append(d.NeighSet, peerdb.Neigh{Subnet: k.Subnet, IP: k.IP, MAC: mac})
+		}
+	}
+	for k, mac := range have.Neigh {
+		if _, ok := want.Neigh[k]; !ok {
+			problems = append(problems, fmt.Sprintf("neighbour %s lladdr %s (subnet %d): not desired", k.IP, mac, k.Subnet))
+			d.NeighDel = append(d.NeighDel, peerdb.Neigh{Subnet: k.Subnet, IP: k.IP, MAC: mac})
+		}
+	}
+	for k, vtep := range want.FDB {
+		if got, ok := have.FDB[k]; !ok {
+			problems = append(problems, fmt.Sprintf("fdb %s (subnet %d): missing, want dst %s", k.MAC, k.Subnet, vtep))
+			d.FDBSet = append(d.FDBSet, peerdb.FDB{Subnet: k.Subnet, MAC: k.MAC, VTEP: vtep})
+		} else if got != vtep {
+			problems = append(problems, fmt.Sprintf("fdb %s (subnet %d): dst %s, want %s", k.MAC, k.Subnet, got, vtep))
+			d.FDBSet = append(d.FDBSet, peerdb.FDB{Subnet: k.Subnet, MAC: k.MAC, VTEP: vtep})
+		}
+	}
+	for k, vtep := range have.FDB {
+		if _, ok := want.FDB[k]; !ok {
+			problems = append(problems, fmt.Sprintf("fdb %s dst %s (subnet %d): not desired", k.MAC, vtep, k.Subnet))
+			d.FDBDel = append(d.FDBDel, peerdb.FDB{Subnet: k.Subnet, MAC: k.MAC, VTEP: vtep})
+		}
+	}
+	problems = append(problems, have.Foreign...)
+	sort.Strings(problems)
+	return d, problems
+}
+
+// Reconcile makes the kernel hold exactly the desired peer state: it dumps,
+// diffs and applies the difference. It returns the differences it found.
+func (sb *Sandbox) Reconcile(want peerdb.State) ([]string, error) {
+	have, err := sb.Dump()
+	if err != nil {
+		return nil, err
+	}
+	d, problems := Diff(want, have)
+	return problems, sb.ApplyDelta(d)
+}
+
+// neighList dumps the neighbour (or, for AF_BRIDGE, FDB) entries of a link,
+// retrying when the kernel reports the dump was interrupted by a concurrent
+// change (the partial result would be wrong).
+func neighList(h *netlink.Handle, index, family int) ([]netlink.Neigh, error) {
+	var err error
+	for attempt := 0; attempt < 10; attempt++ {
+		var res []netlink.Neigh
+		res, err = h.NeighList(index, family)
+		if !errors.Is(err, netlink.ErrDumpInterrupted) {
+			return res, err
+		}
+	}
+	return nil, err
+}
+
+func linkList(h *netlink.Handle) ([]netlink.Link, error) {
+	var err error
+	for attempt := 0; attempt < 10; attempt++ {
+		var res []netlink.Link
+		res, err = h.LinkList()
+		if !errors.Is(err, netlink.ErrDumpInterrupted) {
+			return res, err
+		}
+	}
+	return nil, err
+}

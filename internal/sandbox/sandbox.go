@@ -1,0 +1,270 @@
+// Package sandbox manages the kernel side of one overlay network on one host:
+// a named network namespace holding, per subnet, a bridge with the gateway
+// address and a VXLAN link enslaved to it, plus one veth per joined endpoint,
+// and the permanent neighbour and FDB entries for the network's remote peers.
+//
+// The VXLAN links are created from the host namespace directly into the
+// sandbox, so their UDP sockets live in the host namespace (where the
+// underlay is) while the links themselves live in the sandbox. Veths are
+// created in the sandbox with their peer directly in the host namespace:
+// creating links in their target namespace is an order of magnitude cheaper
+// than moving them.
+//
+// A Sandbox is not safe for concurrent use: its owner (the driver's network,
+// under network.mu) serialises calls.
+package sandbox
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"path/filepath"
+
+	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
+
+	"github.com/overlayd/overlayd/internal/netnsutil"
+	"github.com/overlayd/overlayd/internal/nlbatch"
+)
+
+// Host is the host side the sandboxes of one driver share: the namespace
+// holding the underlay (where VXLAN sockets live and host veth ends are left)
+// and a netlink handle bound to it.
+type Host struct {
+	NS        netns.NsHandle
+	Handle    *netlink.Handle
+	Dir       string // directory where sandbox namespaces are mounted
+	VXLANPort int
+	IPv6      bool // the underlay is IPv6: VXLAN links get an IPv6 family
+}
+
+// Subnet describes one subnet of a network: its VNI, the gateway address with
+// the pool's prefix length (invalid when Docker gave no gateway), and the MTU
+// of its links.
+type Subnet struct {
+	VNI     uint32
+	Pool    netip.Prefix
+	Gateway netip.Prefix
+	MTU     int
+}
+
+// BridgeName and VXLANName name the links of subnet vni inside a sandbox.
+func BridgeName(vni uint32) string { return fmt.Sprintf("ovbr-%d", vni) }
+func VXLANName(vni uint32) string  { return fmt.Sprintf("ovvx-%d", vni) }
+
+type subnetLinks struct {
+	Subnet
+	bridge int // ifindex in the sandbox
+	vxlan  int // ifindex in the sandbox
+}
+
+// Sandbox is one network's namespace and links.
+type Sandbox struct {
+	host    *Host
+	id      string
+	path    string
+	ns      netns.NsHandle
+	h       *netlink.Handle
+	batch   *nlbatch.Conn
+	subnets []subnetLinks
+}
+
+// Path returns where the sandbox namespace of network id is mounted.
+func (hs *Host) Path(id string) string { return filepath.Join(hs.Dir, id) }
+
+// Create makes the sandbox of network id with the given subnets. A leftover
+// namespace of the same id (from a crashed run) is emptied and removed first,
+// so its VXLAN links cannot block the VNIs. On failure nothing is left behind.
+func Create(host *Host, id string, subnets []Subnet) (_ *Sandbox, err error) {
+	path := host.Path(id)
+	if _, statErr := os.Lstat(path); statErr == nil {
+		if err := RemoveLeftover(host, id); err != nil {
+			return nil, err
+		}
+	}
+	ns, err := netnsutil.NewNamed(path)
+	if err != nil {
+		return nil, err
+	}
+	sb := &Sandbox{host: host, id: id, path: path, ns: ns}
+	defer func() {
+		if err != nil {
+			sb.Destroy()
+		}
+	}()
+	if sb.h, err = netlink.NewHandleAt(ns, unix.NETLINK_ROUTE); err != nil {
+		return nil, fmt.Errorf("failed to open netlink handle in sandbox %s: %w", path, err)
+	}
+	if sb.batch, err = nlbatch.Open(ns); err != nil {
+		return nil, fmt.Errorf("failed to open netlink socket in sandbox %s: %w", path, err)
+	}
+	if err := sb.setupNamespace(); err != nil {
+		return nil, err
+	}
+	for _, s := range subnets {
+		sl, err := sb.createSubnet(s)
+		if err != nil {
+			return nil, err
+		}
+		sb.subnets = append(sb.subnets, sl)
+	}
+	return sb, nil
+}
+
+// setupNamespace brings up loopback and enables forwarding, which routing
+// between the subnets of a multi-subnet network needs.
+func (sb *Sandbox) setupNamespace() error {
+	lo, err := sb.h.LinkByName("lo")
+	if err == nil {
+		err = sb.h.LinkSetUp(lo)
+	}
+	if err != nil {
+		return fmt.Errorf("failed to bring up lo in sandbox %s: %w", sb.path, err)
+	}
+	return netnsutil.DoIn(sb.ns, func() error {
+		if err := os.WriteFile("/proc/sys/net/ipv4/ip_forward", []byte("1"), 0o644); err != nil {
+			return fmt.Errorf("failed to enable forwarding in sandbox %s: %w", sb.path, err)
+		}
+		return nil
+	})
+}
+
+func (sb *Sandbox) createSubnet(s Subnet) (subnetLinks, error) {
+	sl := subnetLinks{Subnet: s}
+	brName, vxName := BridgeName(s.VNI), VXLANName(s.VNI)
+	br := &netlink.Bridge{LinkAttrs: netlink.LinkAttrs{Name: brName, MTU: s.MTU, Flags: net.FlagUp, TxQLen: -1}}
+	if err := sb.h.LinkAdd(br); err != nil {
+		return sl, fmt.Errorf("failed to create bridge %s in sandbox %s: %w", brName, sb.path, err)
+	}
+	sl.bridge = br.Index
+	if s.Gateway.IsValid() {
+		addr := &netlink.Addr{IPNet: prefixToIPNet(s.Gateway)}
+		if err := sb.h.AddrAdd(br, addr); err != nil {
+			return sl, fmt.Errorf("failed to add gateway %s to bridge %s in sandbox %s: %w", s.Gateway, brName, sb.path, err)
+		}
+	}
+	vx := &netlink.Vxlan{
+		LinkAttrs: netlink.LinkAttrs{Name: vxName, MTU: s.MTU, TxQLen: -1, Namespace: netlink.NsFd(int(sb.ns))},
+		VxlanId:   int(s.VNI),
+		Port:      sb.host.VXLANPort,
+		Learning:  false,
+		Proxy:     true,
+		L2miss:    false,
+		L3miss:    false,
+	}
+	if sb.host.IPv6 {
+		vx.Group = net.IPv6zero // IPv6 family, so IPv6 FDB destinations are accepted
+	}
+	// Created through the host handle: the UDP socket stays in the host namespace.
+	if err := sb.host.Handle.LinkAdd(vx); err != nil {
+		if errors.Is(err, unix.EEXIST) {
+			return sl, fmt.Errorf("failed to create VXLAN %s (VNI %d, port %d) for sandbox %s: a VXLAN link with VNI %d on UDP port %d already exists in the host namespace (another network or a leftover of an earlier run): %w",
+				vxName, s.VNI, sb.host.VXLANPort, sb.path, s.VNI, sb.host.VXLANPort, err)
+		}
+		return sl, fmt.Errorf("failed to create VXLAN %s (VNI %d, port %d) for sandbox %s: %w", vxName, s.VNI, sb.host.VXLANPort, sb.path, err)
+	}
+	link, err := sb.h.LinkByName(vxName)
+	if err != nil {
+		return sl, fmt.Errorf("failed to find VXLAN %s in sandbox %s: %w", vxName, sb.path, err)
+	}
+	sl.vxlan = link.Attrs().Index
+	if err := sb.h.LinkSetMasterByIndex(link, sl.bridge); err != nil {
+		return sl, fmt.Errorf("failed to attach VXLAN %s to bridge %s in sandbox %s: %w", vxName, brName, sb.path, err)
+	}
+	if err := sb.h.LinkSetUp(link); err != nil {
+		return sl, fmt.Errorf("failed to bring up VXLAN %s in sandbox %s: %w", vxName, sb.path, err)
+	}
+	return sl, nil
+}
+
+// ID returns the network id of the sandbox.
+func (sb *Sandbox) ID() string { return sb.id }
+
+// Path returns where the sandbox namespace is mounted.
+func (sb *Sandbox) Path() string { return sb.path }
+
+// NS returns the sandbox namespace handle (owned by the sandbox).
+func (sb *Sandbox) NS() netns.NsHandle { return sb.ns }
+
+// Destroy deletes the sandbox's links and namespace. The VXLAN links are
+// deleted explicitly rather than left to the namespace's asynchronous
+// teardown, so their VNIs are free again when Destroy returns.
+func (sb *Sandbox) Destroy() error {
+	var errs []error
+	if sb.h != nil {
+		errs = append(errs, deleteAllLinks(sb.h, sb.path))
+		sb.h.Close()
+		sb.h = nil
+	}
+	if sb.batch != nil {
+		sb.batch.Close()
+		sb.batch = nil
+	}
+	if sb.ns.IsOpen() {
+		sb.ns.Close()
+		sb.ns = netns.None()
+	}
+	errs = append(errs, netnsutil.RemoveNamed(sb.path))
+	return errors.Join(errs...)
+}
+
+// RemoveLeftover empties and removes a sandbox namespace of network id that
+// no Sandbox value owns (a crashed run's). A missing one is not an error.
+func RemoveLeftover(host *Host, id string) error {
+	path := host.Path(id)
+	if netnsutil.IsNamespace(path) {
+		ns, err := netnsutil.Open(path)
+		if err != nil {
+			return err
+		}
+		h, err := netlink.NewHandleAt(ns, unix.NETLINK_ROUTE)
+		ns.Close()
+		if err != nil {
+			return fmt.Errorf("failed to open netlink handle in leftover sandbox %s: %w", path, err)
+		}
+		err = deleteAllLinks(h, path)
+		h.Close()
+		if err != nil {
+			return err
+		}
+	}
+	return netnsutil.RemoveNamed(path)
+}
+
+// deleteAllLinks deletes every link but loopback in the namespace of h:
+// VXLANs first (they hold VNIs in the host namespace), then the rest.
+func deleteAllLinks(h *netlink.Handle, path string) error {
+	links, err := linkList(h)
+	if err != nil {
+		return fmt.Errorf("failed to list links in sandbox %s: %w", path, err)
+	}
+	var errs []error
+	for pass := 0; pass < 2; pass++ {
+		for _, l := range links {
+			isVX := l.Type() == "vxlan"
+			if l.Attrs().Name == "lo" || (pass == 0) != isVX {
+				continue
+			}
+			if err := h.LinkDel(l); err != nil && !isNotFound(err) {
+				errs = append(errs, fmt.Errorf("failed to delete %s %s in sandbox %s: %w", l.Type(), l.Attrs().Name, path, err))
+			}
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func isNotFound(err error) bool {
+	var nf netlink.LinkNotFoundError
+	return errors.As(err, &nf) || errors.Is(err, unix.ENODEV) || errors.Is(err, unix.ENOENT)
+}
+
+func prefixToIPNet(p netip.Prefix) *net.IPNet {
+	bits := 32
+	if p.Addr().Is6() {
+		bits = 128
+	}
+	return &net.IPNet{IP: p.Addr().AsSlice(), Mask: net.CIDRMask(p.Bits(), bits)}
+}

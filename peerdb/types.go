@@ -1,0 +1,115 @@
+package peerdb
+
+import (
+	"fmt"
+	"net"
+	"net/netip"
+)
+
+// MAC is an Ethernet address as a comparable value.
+type MAC [6]byte
+
+// ParseMAC parses the textual form of a 48-bit MAC address.
+func ParseMAC(s string) (MAC, error) {
+	hw, err := net.ParseMAC(s)
+	if err != nil {
+		return MAC{}, err
+	}
+	if len(hw) != 6 {
+		return MAC{}, fmt.Errorf("%q is not a 48-bit MAC address", s)
+	}
+	return MAC(hw), nil
+}
+
+// MACFromIP derives a locally administered unicast MAC from an IPv4 address
+// (02:42:a:b:c:d), the way Docker does, so the MAC of an endpoint is the same
+// on every host that derives it.
+func MACFromIP(ip netip.Addr) MAC {
+	m := MAC{0x02, 0x42}
+	if ip.Is4() {
+		b := ip.As4()
+		copy(m[2:], b[:])
+	} else {
+		b := ip.As16()
+		copy(m[2:], b[12:])
+	}
+	return m
+}
+
+func (m MAC) String() string { return net.HardwareAddr(m[:]).String() }
+
+// HardwareAddr returns a fresh net.HardwareAddr holding m.
+func (m MAC) HardwareAddr() net.HardwareAddr { return append(net.HardwareAddr(nil), m[:]...) }
+
+// IsZero reports whether m is 00:00:00:00:00:00.
+func (m MAC) IsZero() bool { return m == MAC{} }
+
+// IsUnicast reports whether m is a non-zero unicast address (group bit clear).
+func (m MAC) IsUnicast() bool { return !m.IsZero() && m[0]&1 == 0 }
+
+// Peer is one endpoint's record: where the endpoint with this IP and MAC lives.
+// It is a comparable value; two records are the same entry iff all fields are
+// equal.
+type Peer struct {
+	EndpointID string
+	IP         netip.Addr
+	MAC        MAC
+	VTEP       netip.Addr // the underlay address of the host holding the endpoint
+}
+
+func (p Peer) String() string {
+	return fmt.Sprintf("%s ip=%s mac=%s vtep=%s", p.EndpointID, p.IP, p.MAC, p.VTEP)
+}
+
+// Neigh is a desired permanent neighbour entry (IP -> MAC) on the VXLAN link
+// of subnet Subnet (an index into the DB's subnets).
+type Neigh struct {
+	Subnet int
+	IP     netip.Addr
+	MAC    MAC
+}
+
+// FDB is a desired permanent forwarding entry (MAC -> VTEP, "self") on the
+// VXLAN link of subnet Subnet.
+type FDB struct {
+	Subnet int
+	MAC    MAC
+	VTEP   netip.Addr
+}
+
+// NeighKey identifies a neighbour entry: the kernel holds one entry per IP on
+// a link.
+type NeighKey struct {
+	Subnet int
+	IP     netip.Addr
+}
+
+// FDBKey identifies a forwarding entry: we hold one destination per MAC on a
+// link (written with replace semantics).
+type FDBKey struct {
+	Subnet int
+	MAC    MAC
+}
+
+// State is the complete desired kernel state of a network.
+type State struct {
+	Neigh map[NeighKey]MAC
+	FDB   map[FDBKey]netip.Addr
+}
+
+// Delta is the change of desired state caused by one mutation of the DB.
+// A key never appears in both the Set and the Del list of one kind: an entry
+// whose value changes is only Set (the kernel write uses replace semantics).
+// Del entries carry the value that was desired before, because deleting an
+// FDB entry must name its current destination.
+type Delta struct {
+	NeighSet []Neigh
+	NeighDel []Neigh
+	FDBSet   []FDB
+	FDBDel   []FDB
+}
+
+// Empty reports whether d changes nothing.
+func (d Delta) Empty() bool {
+	return len(d.NeighSet) == 0 && len(d.NeighDel) == 0 && len(d.FDBSet) == 0 && len(d.FDBDel) == 0
+}
