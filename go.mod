@@ -13,4 +13,5 @@ require (
 	github.com/Microsoft/go-winio v0.6.2 // indirect
 	github.com/coreos/go-systemd v0.0.0-20191104093116-d3cd4ed1dbcf // indirect
 	github.com/docker/go-connections v0.8.2 // indirect
+	go.etcd.io/bbolt v1.4.3 // indirect
 )

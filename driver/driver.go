@@ -12,6 +12,8 @@
 //	              programming of its sandbox)
 //	Driver.encMu — the encryption state lock (keys, per-peer SA state and their
 //	              kernel programming); reserved for encrypted networks
+//	Driver.allocMu — VNI allocation for AllocateNetwork/FreeNetwork (swarm
+//	              leader); held while the allocation is persisted
 //	Driver.mu   — the driver's maps; bottom: never take another lock while
 //	              holding it
 //
@@ -37,6 +39,7 @@ import (
 
 	"github.com/overlayd/overlayd/internal/lockorder"
 	"github.com/overlayd/overlayd/internal/sandbox"
+	"github.com/overlayd/overlayd/internal/store"
 	"github.com/overlayd/overlayd/peerdb"
 )
 
@@ -79,6 +82,9 @@ type Config struct {
 	// OnDiscover is told of every node DiscoverNew announces (swarm): the
 	// control plane joins them. Called without driver locks held.
 	OnDiscover func(addr netip.Addr, self bool)
+	// Store, if set, persists networks, endpoints and allocations; New
+	// restores them and adopts the kernel state an earlier run left.
+	Store *store.Store
 	// Trace, if set, is told of every state change that succeeded, under the
 	// lock that linearises it (see TraceEvent). It must be fast and must not
 	// call into the Driver. For tests.
@@ -97,8 +103,9 @@ type Driver struct {
 	nets     map[string]*network                 // by network id; guarded by mu
 	byVNI    map[uint32]*network                 // every VNI of every network; guarded by mu
 	pending  map[uint32]map[peerdb.Peer]struct{} // remote peers of networks not (yet) here, by VNI; guarded by mu
-	allocs   map[uint32]string                   // VNIs handed out by AllocateNetwork → network id; guarded by mu
-	allocNet map[string][]uint32                 // the same, by network id; guarded by mu
+	allocMu  lockorder.Mutex                     // allocation lock: below encMu, above mu; guards allocs and allocNet
+	allocs   map[uint32]string                   // VNIs handed out by AllocateNetwork → network id; guarded by allocMu
+	allocNet map[string][]uint32                 // the same, by network id; guarded by allocMu
 	adv      netip.Addr                          // advertise address once known; guarded by mu
 }
 
@@ -167,12 +174,31 @@ func New(cfg Config) (*Driver, error) {
 	if adv := d.advertiseAddr(); adv.Is6() {
 		d.host.IPv6 = true
 	}
+	if cfg.Store != nil {
+		if err := d.restore(); err != nil {
+			d.Close()
+			return nil, err
+		}
+	}
 	return d, nil
 }
 
 // Close releases the driver's handles. Kernel state is left in place: the
 // sandboxes keep serving running containers.
 func (d *Driver) Close() error {
+	d.mu.Lock()
+	nets := make([]*network, 0, len(d.nets))
+	for _, n := range d.nets {
+		nets = append(nets, n)
+	}
+	d.mu.Unlock()
+	for _, n := range nets {
+		n.mu.Lock()
+		if n.sb != nil {
+			n.sb.Close()
+		}
+		n.mu.Unlock()
+	}
 	d.host.Handle.Close()
 	d.closeNS()
 	return nil

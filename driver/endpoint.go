@@ -91,6 +91,9 @@ func (d *Driver) CreateEndpoint(req *api.CreateEndpointRequest) (*api.CreateEndp
 	}
 	ep := &endpoint{id: req.EndpointID, addr: addr, mac: mac, subnet: subnet}
 	ep.hostName, ep.sbName = linkNames(n.id, ep.id)
+	if err := d.saveEndpoint(n, ep); err != nil {
+		return nil, fmt.Errorf("CreateEndpoint %q: %w", ep.id, err)
+	}
 	n.endpoints[ep.id] = ep
 	d.trace(TraceEvent{Kind: TraceCreateEndpoint, Network: n.id, Endpoint: ep.id, Addr: ep.addr, MAC: ep.mac})
 	resp := &api.CreateEndpointResponse{}
@@ -123,6 +126,9 @@ func (d *Driver) DeleteEndpoint(req *api.DeleteEndpointRequest) error {
 		if err := d.leave(n, ep); err != nil {
 			return err
 		}
+	}
+	if err := d.forgetEndpoint(n, ep); err != nil {
+		return fmt.Errorf("DeleteEndpoint %q: %w", ep.id, err)
 	}
 	delete(n.endpoints, ep.id)
 	d.trace(TraceEvent{Kind: TraceDeleteEndpoint, Network: n.id, Endpoint: ep.id})
@@ -214,18 +220,21 @@ func (d *Driver) Join(req *api.JoinRequest) (_ *api.JoinResponse, err error) {
 	if err != nil {
 		return nil, fmt.Errorf("Join of endpoint %q: %w", ep.id, err)
 	}
-	undo = append(undo, func() { n.peers.RemoveLocal(ep.id) })
-	if err := n.sb.ApplyDelta(delta); err != nil {
-		// The delta only removes remote claimants of this IP; restore them.
-		undoDelta, _ := n.peers.RemoveLocal(ep.id)
-		undo = undo[:len(undo)-1]
-		if rerr := n.sb.ApplyDelta(undoDelta); rerr != nil {
-			d.log.Error("rollback: failed to restore peers", "network", n.id, "error", rerr)
+	undo = append(undo, func() {
+		// The local entry only removed remote claimants of its IP: restore them.
+		back, _ := n.peers.RemoveLocal(ep.id)
+		if err := n.sb.ApplyDelta(back); err != nil {
+			d.log.Error("rollback: failed to restore peers", "network", n.id, "error", err)
 		}
+	})
+	if err := n.sb.ApplyDelta(delta); err != nil {
 		return nil, fmt.Errorf("Join of endpoint %q: %w", ep.id, err)
 	}
-	ep.joined = true
-	ep.vtep = vtep
+	ep.joined, ep.vtep = true, vtep
+	if err := d.saveEndpoint(n, ep); err != nil {
+		ep.joined, ep.vtep = false, netip.Addr{}
+		return nil, fmt.Errorf("Join of endpoint %q: %w", ep.id, err)
+	}
 	n.joined++
 	d.publish(n, ep, true)
 	d.trace(TraceEvent{Kind: TraceJoin, Network: n.id, Endpoint: ep.id, Addr: ep.addr, MAC: ep.mac, VTEP: vtep})
@@ -292,6 +301,9 @@ func (d *Driver) leave(n *network, ep *endpoint) error {
 		if err := n.sb.ApplyDelta(delta); err != nil {
 			errs = append(errs, err)
 		}
+	}
+	if err := d.saveEndpoint(n, ep); err != nil {
+		errs = append(errs, err)
 	}
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("Leave of endpoint %q from network %q: %w", ep.id, n.id, err)

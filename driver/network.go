@@ -107,9 +107,30 @@ func (d *Driver) CreateNetwork(req *api.CreateNetworkRequest) error {
 		}
 	}
 	d.nets[spec.id] = n
-	var early []peerdb.Event
 	for _, s := range spec.subnets {
 		d.byVNI[s.vni] = n
+	}
+	d.mu.Unlock()
+
+	// Persist before answering (outside driver.mu: a write waits for the
+	// disk). On failure the registration is undone; operations that found n
+	// meanwhile wait on n.mu and then see it deleted.
+	if err := d.saveNetwork(n); err != nil {
+		d.mu.Lock()
+		delete(d.nets, n.id)
+		for _, s := range spec.subnets {
+			delete(d.byVNI, s.vni)
+		}
+		d.mu.Unlock()
+		n.deleted = true
+		return fmt.Errorf("CreateNetwork %q: %w", n.id, err)
+	}
+
+	// Peers that arrived before the network existed. None can be added to
+	// pending for its VNIs any more: they go to the network now.
+	d.mu.Lock()
+	var early []peerdb.Event
+	for _, s := range spec.subnets {
 		for p := range d.pending[s.vni] {
 			p := p
 			early = append(early, peerdb.Event{Next: &p})
@@ -162,6 +183,9 @@ func (d *Driver) DeleteNetwork(req *api.DeleteNetworkRequest) error {
 		}
 		n.sb = nil
 	}
+	if err := d.forgetNetwork(n); err != nil {
+		return fmt.Errorf("DeleteNetwork %q: %w", n.id, err)
+	}
 	for _, ep := range n.endpoints {
 		if ep.joined {
 			d.publish(n, ep, false)
@@ -211,8 +235,8 @@ func (d *Driver) AllocateNetwork(req *api.AllocateNetworkRequest) (*api.Allocate
 	if err != nil {
 		return nil, err
 	}
-	d.mu.Lock()
-	defer d.mu.Unlock()
+	d.allocMu.Lock()
+	defer d.allocMu.Unlock()
 	if given {
 		if len(vnis) != len(req.IPv4Data) {
 			return nil, fmt.Errorf("option %s=%s gives %d VNI(s) for %d IPv4 subnet(s): give exactly one VNI per subnet", OptVNI, formatVNIs(vnis), len(vnis), len(req.IPv4Data))
@@ -221,6 +245,12 @@ func (d *Driver) AllocateNetwork(req *api.AllocateNetworkRequest) (*api.Allocate
 			if owner, ok := d.allocs[v]; ok && owner != req.NetworkID {
 				return nil, fmt.Errorf("option %s: VNI %d is already allocated to network %q", OptVNI, v, owner)
 			}
+		}
+		if err := d.saveAllocation(req.NetworkID, vnis); err != nil {
+			return nil, fmt.Errorf("AllocateNetwork %q: %w", req.NetworkID, err)
+		}
+		for _, v := range d.allocNet[req.NetworkID] {
+			delete(d.allocs, v)
 		}
 		for _, v := range vnis {
 			d.allocs[v] = req.NetworkID
@@ -231,20 +261,26 @@ func (d *Driver) AllocateNetwork(req *api.AllocateNetworkRequest) (*api.Allocate
 	// Re-allocation for a network that already holds VNIs returns them.
 	mine := d.allocNet[req.NetworkID]
 	if len(mine) != len(req.IPv4Data) {
-		for _, v := range mine {
-			delete(d.allocs, v)
-		}
+		old := mine
 		mine = nil
+		d.mu.Lock() // to skip VNIs that local networks use
 		for v := d.cfg.VNIStart; len(mine) < len(req.IPv4Data); v++ {
-			if _, used := d.allocs[v]; !used && d.byVNI[v] == nil {
+			if owner, used := d.allocs[v]; (!used || owner == req.NetworkID) && d.byVNI[v] == nil {
 				mine = append(mine, v)
 			}
 			if v >= d.cfg.VNIEnd {
 				break
 			}
 		}
+		d.mu.Unlock()
 		if len(mine) != len(req.IPv4Data) {
 			return nil, fmt.Errorf("no free VNI left in the allocation range %d..%d", d.cfg.VNIStart, d.cfg.VNIEnd)
+		}
+		if err := d.saveAllocation(req.NetworkID, mine); err != nil {
+			return nil, fmt.Errorf("AllocateNetwork %q: %w", req.NetworkID, err)
+		}
+		for _, v := range old {
+			delete(d.allocs, v)
 		}
 		for _, v := range mine {
 			d.allocs[v] = req.NetworkID
@@ -260,8 +296,14 @@ func (d *Driver) FreeNetwork(req *api.FreeNetworkRequest) error {
 	if req == nil {
 		return fmt.Errorf("FreeNetwork: empty request")
 	}
-	d.mu.Lock()
-	defer d.mu.Unlock()
+	d.allocMu.Lock()
+	defer d.allocMu.Unlock()
+	if _, ok := d.allocNet[req.NetworkID]; !ok {
+		return nil
+	}
+	if err := d.saveAllocation(req.NetworkID, nil); err != nil {
+		return fmt.Errorf("FreeNetwork %q: %w", req.NetworkID, err)
+	}
 	for _, v := range d.allocNet[req.NetworkID] {
 		delete(d.allocs, v)
 	}

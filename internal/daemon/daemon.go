@@ -16,6 +16,7 @@ import (
 
 	"github.com/overlayd/overlayd/driver"
 	"github.com/overlayd/overlayd/internal/config"
+	"github.com/overlayd/overlayd/internal/store"
 )
 
 // Run serves until ctx is cancelled, then stops accepting, finishes the calls
@@ -27,17 +28,30 @@ func Run(ctx context.Context, st *config.Settings, log *slog.Logger) error {
 	if err := os.MkdirAll(st.NetnsDir, 0o755); err != nil {
 		return fmt.Errorf("failed to create netns directory %s: %w", st.NetnsDir, err)
 	}
+	db, err := store.Open(st.StateDir)
+	if err != nil {
+		return err
+	}
+	defer db.Close()
 	d, err := driver.New(driver.Config{
 		Scope:         st.Scope,
 		AdvertiseAddr: st.AdvertiseAddr,
 		VXLANPort:     st.VXLANPort,
 		NetnsDir:      st.NetnsDir,
 		Logger:        log,
+		Store:         db,
 	})
 	if err != nil {
 		return err
 	}
 	defer d.Close()
+	// Without a control plane no remote peer will be re-delivered: the peer
+	// DBs are complete now, so make the kernel match them.
+	if fixed, err := d.ReconcileAll(); err != nil {
+		log.Warn("reconciling restored networks", "error", err)
+	} else if len(fixed) > 0 {
+		log.Info("reconciled restored networks", "corrected", len(fixed))
+	}
 
 	l, err := listen(st.Socket)
 	if err != nil {

@@ -25,11 +25,15 @@ import (
 func startDaemon(t *testing.T, scope string) (*http.Client, func() error) {
 	t.Helper()
 	nstest.RequireRoot(t)
-	dir := t.TempDir()
+	return startDaemonIn(t, scope, t.TempDir(), nstest.NetnsDir(t), nstest.NewNS(t, "host"))
+}
+
+func startDaemonIn(t *testing.T, scope, dir, netnsDir string, host *nstest.NS) (*http.Client, func() error) {
+	t.Helper()
 	st, err := config.Parse([]string{
 		"--socket", filepath.Join(dir, "plugins", "overlayd.sock"),
 		"--state-dir", filepath.Join(dir, "state"),
-		"--netns-dir", nstest.NetnsDir(t),
+		"--netns-dir", netnsDir,
 		"--scope", scope,
 	}, func(string) string { return "" })
 	if err != nil {
@@ -38,7 +42,6 @@ func startDaemon(t *testing.T, scope string) (*http.Client, func() error) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	log := slog.New(slog.NewTextHandler(io.Discard, nil))
-	host := nstest.NewNS(t, "host")
 	go func() {
 		// Run on a thread in a test namespace: the driver takes the
 		// namespace it starts in as the host namespace, so every link it
@@ -223,4 +226,47 @@ func TestStaleSocketReplacedLiveSocketRefused(t *testing.T) {
 		t.Fatalf("stale socket not replaced: %v", err)
 	}
 	l2.Close()
+}
+
+// State survives a restart of the daemon: dockerd's later calls for the
+// endpoint it created before find it.
+func TestRestartKeepsState(t *testing.T) {
+	nstest.RequireRoot(t)
+	dir, netnsDir, host := t.TempDir(), nstest.NetnsDir(t), nstest.NewNS(t, "host")
+	c, stop := startDaemonIn(t, "local", dir, netnsDir, host)
+	for _, s := range []struct{ method, body string }{
+		{"NetworkDriver.CreateNetwork", `{"NetworkID":"n1","Options":{"com.docker.network.generic":{"vni":"4242"}},"IPv4Data":[{"Pool":"192.0.2.0/24","Gateway":"192.0.2.1/24"}]}`},
+		{"NetworkDriver.CreateEndpoint", `{"NetworkID":"n1","EndpointID":"e1","Interface":{"Address":"192.0.2.2/24"}}`},
+		{"NetworkDriver.Join", `{"NetworkID":"n1","EndpointID":"e1","SandboxKey":"/x"}`},
+	} {
+		if code, out := post(t, c, s.method, s.body); code != 200 {
+			t.Fatalf("%s: %d %v", s.method, code, out)
+		}
+	}
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	c, stop = startDaemonIn(t, "local", dir, netnsDir, host)
+	code, out := post(t, c, "NetworkDriver.EndpointOperInfo", `{"NetworkID":"n1","EndpointID":"e1"}`)
+	if code != 200 {
+		t.Fatalf("endpoint forgotten across a restart: %d %v", code, out)
+	}
+	if code, out := post(t, c, "NetworkDriver.CreateNetwork", `{"NetworkID":"n2","Options":{"com.docker.network.generic":{"vni":"4242"}},"IPv4Data":[{"Pool":"198.51.100.0/24"}]}`); code != 500 || !strings.Contains(fmt.Sprint(out["Err"]), "already used") {
+		t.Fatalf("VNI of the restored network reused: %d %v", code, out)
+	}
+	for _, s := range []struct{ method, body string }{
+		{"NetworkDriver.Leave", `{"NetworkID":"n1","EndpointID":"e1"}`},
+		{"NetworkDriver.DeleteEndpoint", `{"NetworkID":"n1","EndpointID":"e1"}`},
+		{"NetworkDriver.DeleteNetwork", `{"NetworkID":"n1"}`},
+	} {
+		if code, out := post(t, c, s.method, s.body); code != 200 {
+			t.Fatalf("%s: %d %v", s.method, code, out)
+		}
+	}
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	if entries, _ := os.ReadDir(netnsDir); len(entries) != 0 {
+		t.Fatalf("sandboxes left: %v", entries)
+	}
 }

@@ -11,6 +11,7 @@ package lockorder
 const (
 	LevelNetwork    = 10 // network.mu
 	LevelEncryption = 20 // the encryption state lock
+	LevelAlloc      = 25 // the driver's VNI allocation lock (swarm leader)
 	LevelDriver     = 30 // driver.mu: bottom, never held while taking another
 )
 
@@ -18,6 +19,7 @@ const (
 var levelNames = map[int]string{
 	LevelNetwork:    "network.mu",
 	LevelEncryption: "encryption lock",
+	LevelAlloc:      "allocation lock",
 	LevelDriver:     "driver.mu",
 }
 

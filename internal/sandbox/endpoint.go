@@ -35,6 +35,7 @@ func (sb *Sandbox) AddEndpoint(ep Endpoint) error {
 			MTU:    ep.MTU,
 			TxQLen: -1,
 			Flags:  net.FlagUp,
+			Group:  LinkGroup,
 		},
 		PeerName:         ep.HostName,
 		PeerHardwareAddr: ep.MAC.HardwareAddr(),

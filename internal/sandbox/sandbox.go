@@ -23,6 +23,7 @@ import (
 	"path/filepath"
 
 	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netlink/nl"
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
@@ -50,6 +51,11 @@ type Subnet struct {
 	Gateway netip.Prefix
 	MTU     int
 }
+
+// LinkGroup is the interface group of every link overlayd creates in a
+// sandbox: Destroy deletes them all with one RTM_DELLINK, which the kernel
+// does as one batch (one RCU grace period instead of one per link).
+const LinkGroup = 0x6f766c64 // "ovld"
 
 // BridgeName and VXLANName name the links of subnet vni inside a sandbox.
 func BridgeName(vni uint32) string { return fmt.Sprintf("ovbr-%d", vni) }
@@ -135,7 +141,7 @@ func (sb *Sandbox) setupNamespace() error {
 func (sb *Sandbox) createSubnet(s Subnet) (subnetLinks, error) {
 	sl := subnetLinks{Subnet: s}
 	brName, vxName := BridgeName(s.VNI), VXLANName(s.VNI)
-	br := &netlink.Bridge{LinkAttrs: netlink.LinkAttrs{Name: brName, MTU: s.MTU, Flags: net.FlagUp, TxQLen: -1}}
+	br := &netlink.Bridge{LinkAttrs: netlink.LinkAttrs{Name: brName, MTU: s.MTU, Flags: net.FlagUp, TxQLen: -1, Group: LinkGroup}}
 	if err := sb.h.LinkAdd(br); err != nil {
 		return sl, fmt.Errorf("failed to create bridge %s in sandbox %s: %w", brName, sb.path, err)
 	}
@@ -147,7 +153,7 @@ func (sb *Sandbox) createSubnet(s Subnet) (subnetLinks, error) {
 		}
 	}
 	vx := &netlink.Vxlan{
-		LinkAttrs: netlink.LinkAttrs{Name: vxName, MTU: s.MTU, TxQLen: -1, Namespace: netlink.NsFd(int(sb.ns))},
+		LinkAttrs: netlink.LinkAttrs{Name: vxName, MTU: s.MTU, TxQLen: -1, Group: LinkGroup, Namespace: netlink.NsFd(int(sb.ns))},
 		VxlanId:   int(s.VNI),
 		Port:      sb.host.VXLANPort,
 		Learning:  false,
@@ -195,6 +201,11 @@ func (sb *Sandbox) NS() netns.NsHandle { return sb.ns }
 func (sb *Sandbox) Destroy() error {
 	var errs []error
 	if sb.h != nil {
+		if err := deleteGroup(sb.ns, LinkGroup); err != nil {
+			errs = append(errs, fmt.Errorf("failed to delete the links of sandbox %s: %w", sb.path, err))
+		}
+		// Whatever the group delete missed (links made by others, or by an
+		// older version) goes one by one.
 		errs = append(errs, deleteAllLinks(sb.h, sb.path))
 		sb.h.Close()
 		sb.h = nil
@@ -256,6 +267,20 @@ func deleteAllLinks(h *netlink.Handle, path string) error {
 	return errors.Join(errs...)
 }
 
+// deleteGroup deletes every link of group in ns with one request.
+func deleteGroup(ns netns.NsHandle, group uint32) error {
+	return netnsutil.DoIn(ns, func() error {
+		req := nl.NewNetlinkRequest(unix.RTM_DELLINK, unix.NLM_F_ACK)
+		req.AddData(nl.NewIfInfomsg(unix.AF_UNSPEC))
+		req.AddData(nl.NewRtAttr(unix.IFLA_GROUP, nl.Uint32Attr(group)))
+		_, err := req.Execute(unix.NETLINK_ROUTE, 0)
+		if errors.Is(err, unix.ENODEV) || errors.Is(err, unix.ENOENT) {
+			return nil // no link in the group
+		}
+		return err
+	})
+}
+
 func isNotFound(err error) bool {
 	var nf netlink.LinkNotFoundError
 	return errors.As(err, &nf) || errors.Is(err, unix.ENODEV) || errors.Is(err, unix.ENOENT)
@@ -268,3 +293,74 @@ func prefixToIPNet(p netip.Prefix) *net.IPNet {
 	}
 	return &net.IPNet{IP: p.Addr().AsSlice(), Mask: net.CIDRMask(p.Bits(), bits)}
 }
+
+// Adopt takes over the sandbox of network id left by an earlier run of the
+// daemon, if its namespace and links match subnets (names, VNIs, port).
+// It returns an error naming the first mismatch; the caller then rebuilds.
+func Adopt(host *Host, id string, subnets []Subnet) (_ *Sandbox, err error) {
+	path := host.Path(id)
+	if !netnsutil.IsNamespace(path) {
+		return nil, fmt.Errorf("sandbox %s: no namespace mounted", path)
+	}
+	ns, err := netnsutil.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	sb := &Sandbox{host: host, id: id, path: path, ns: ns}
+	defer func() {
+		if err != nil {
+			sb.close()
+		}
+	}()
+	if sb.h, err = netlink.NewHandleAt(ns, unix.NETLINK_ROUTE); err != nil {
+		return nil, fmt.Errorf("failed to open netlink handle in sandbox %s: %w", path, err)
+	}
+	if sb.batch, err = nlbatch.Open(ns); err != nil {
+		return nil, fmt.Errorf("failed to open netlink socket in sandbox %s: %w", path, err)
+	}
+	for _, s := range subnets {
+		sl := subnetLinks{Subnet: s}
+		br, err := sb.h.LinkByName(BridgeName(s.VNI))
+		if err != nil || br.Type() != "bridge" {
+			return nil, fmt.Errorf("sandbox %s: bridge %s missing", path, BridgeName(s.VNI))
+		}
+		l, err := sb.h.LinkByName(VXLANName(s.VNI))
+		vx, ok := l.(*netlink.Vxlan)
+		if err != nil || !ok {
+			return nil, fmt.Errorf("sandbox %s: vxlan %s missing", path, VXLANName(s.VNI))
+		}
+		if vx.VxlanId != int(s.VNI) || vx.Port != host.VXLANPort || vx.Attrs().MasterIndex != br.Attrs().Index {
+			return nil, fmt.Errorf("sandbox %s: vxlan %s has VNI %d port %d master %d, want VNI %d port %d master %s",
+				path, vx.Attrs().Name, vx.VxlanId, vx.Port, vx.Attrs().MasterIndex, s.VNI, host.VXLANPort, BridgeName(s.VNI))
+		}
+		sl.bridge, sl.vxlan = br.Attrs().Index, vx.Attrs().Index
+		sb.subnets = append(sb.subnets, sl)
+	}
+	return sb, nil
+}
+
+// HasLink reports whether the sandbox holds a link named name.
+func (sb *Sandbox) HasLink(name string) bool {
+	_, err := sb.h.LinkByName(name)
+	return err == nil
+}
+
+// close releases the sandbox's handles without touching the kernel.
+func (sb *Sandbox) close() {
+	if sb.h != nil {
+		sb.h.Close()
+		sb.h = nil
+	}
+	if sb.batch != nil {
+		sb.batch.Close()
+		sb.batch = nil
+	}
+	if sb.ns.IsOpen() {
+		sb.ns.Close()
+		sb.ns = netns.None()
+	}
+}
+
+// Close releases the sandbox's handles and leaves the kernel state in place
+// (for a daemon that stops while containers keep running).
+func (sb *Sandbox) Close() { sb.close() }

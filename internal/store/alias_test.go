@@ -1,0 +1,5 @@
+package store
+
+import bolt "go.etcd.io/bbolt"
+
+type txAlias = bolt.Tx

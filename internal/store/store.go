@@ -1,0 +1,282 @@
+// Package store persists overlayd's state in a bbolt file in the state
+// directory: networks, endpoints, VNI allocations and small metadata (the
+// cluster identity). dockerd replays nothing after a restart of the plugin or
+// of itself, so everything the driver has told dockerd must be on disk before
+// the answer is sent.
+//
+// Values are JSON documents; the file carries a schema version. A Store is
+// safe for concurrent use (bbolt serialises writers; its lock is a leaf: no
+// overlayd lock is taken while a transaction runs).
+package store
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"time"
+
+	bolt "go.etcd.io/bbolt"
+)
+
+// SchemaVersion is the version of the file's layout.
+const SchemaVersion = 1
+
+// FileName is the state file's name inside the state directory.
+const FileName = "overlayd.db"
+
+var (
+	bucketMeta      = []byte("meta")
+	bucketNetworks  = []byte("networks")
+	bucketEndpoints = []byte("endpoints") // key: network id + "/" + endpoint id
+	bucketAllocs    = []byte("allocations")
+	keySchema       = []byte("schema")
+)
+
+// Network is a persisted network.
+type Network struct {
+	ID       string            `json:"id"`
+	VNIs     []uint32          `json:"vnis"`
+	Pools    []string          `json:"pools"`
+	Gateways []string          `json:"gateways"` // "" where Docker gave none
+	MTU      int               `json:"mtu"`
+	Internal bool              `json:"internal,omitempty"`
+	Options  map[string]string `json:"options,omitempty"`
+}
+
+// Endpoint is a persisted endpoint.
+type Endpoint struct {
+	Network     string `json:"network"`
+	ID          string `json:"id"`
+	Addr        string `json:"addr"`
+	MAC         string `json:"mac"`
+	Joined      bool   `json:"joined"`
+	HostName    string `json:"host_name"`
+	SandboxName string `json:"sandbox_name"`
+	VTEP        string `json:"vtep,omitempty"`
+}
+
+// State is everything Load returns.
+type State struct {
+	Networks    []Network
+	Endpoints   []Endpoint
+	Allocations map[string][]uint32 // network id → VNIs handed out by AllocateNetwork
+}
+
+// Store is the open state file.
+type Store struct {
+	db   *bolt.DB
+	path string
+}
+
+// CorruptError says the state file cannot be read. The daemon refuses to
+// start rather than dropping networks silently.
+type CorruptError struct {
+	Path string
+	Err  error
+}
+
+func (e *CorruptError) Error() string {
+	return fmt.Sprintf("state file %s is unreadable: %v. overlayd refuses to start rather than forget networks that containers use. "+
+		"To recover: stop the containers on overlayd networks, move the file aside (mv %s %s.broken), start overlayd, and re-create the networks; "+
+		"or restore the file from a backup", e.Path, e.Err, e.Path, e.Path)
+}
+
+func (e *CorruptError) Unwrap() error { return e.Err }
+
+// Open opens (creating if needed) the state file in dir. It fails clearly if
+// another process holds the file or if it is corrupt.
+func Open(dir string) (s *Store, err error) {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, fmt.Errorf("failed to create state directory %s: %w", dir, err)
+	}
+	path := filepath.Join(dir, FileName)
+	defer func() {
+		// bbolt panics on some kinds of corruption: turn that into an error.
+		if r := recover(); r != nil {
+			err = &CorruptError{Path: path, Err: fmt.Errorf("%v", r)}
+		}
+	}()
+	db, err := bolt.Open(path, 0o600, &bolt.Options{Timeout: 2 * time.Second})
+	if err != nil {
+		if errors.Is(err, bolt.ErrTimeout) {
+			return nil, fmt.Errorf("state file %s is locked by another process (is another overlayd running with --state-dir %s?)", path, dir)
+		}
+		return nil, &CorruptError{Path: path, Err: err}
+	}
+	s = &Store{db: db, path: path}
+	err = db.Update(func(tx *bolt.Tx) error {
+		for _, b := range [][]byte{bucketMeta, bucketNetworks, bucketEndpoints, bucketAllocs} {
+			if _, err := tx.CreateBucketIfNotExists(b); err != nil {
+				return err
+			}
+		}
+		meta := tx.Bucket(bucketMeta)
+		if v := meta.Get(keySchema); v != nil {
+			var ver int
+			if err := json.Unmarshal(v, &ver); err != nil {
+				return &CorruptError{Path: path, Err: fmt.Errorf("schema version %q: %w", v, err)}
+			}
+			if ver > SchemaVersion {
+				return fmt.Errorf("state file %s has schema version %d, newer than this overlayd understands (%d): run the newer overlayd, or move the file aside", path, ver, SchemaVersion)
+			}
+			return nil
+		}
+		return meta.Put(keySchema, []byte(fmt.Sprint(SchemaVersion)))
+	})
+	if err != nil {
+		db.Close()
+		var ce *CorruptError
+		if errors.As(err, &ce) {
+			return nil, err
+		}
+		return nil, fmt.Errorf("failed to initialise state file %s: %w", path, err)
+	}
+	return s, nil
+}
+
+// Path returns the state file's path.
+func (s *Store) Path() string { return s.path }
+
+// Close closes the file.
+func (s *Store) Close() error { return s.db.Close() }
+
+func epKey(network, id string) []byte { return []byte(network + "/" + id) }
+
+func put(tx *bolt.Tx, bucket, key []byte, v any) error {
+	raw, err := json.Marshal(v)
+	if err != nil {
+		return err
+	}
+	return tx.Bucket(bucket).Put(key, raw)
+}
+
+// PutNetwork stores n, replacing a network with the same id.
+func (s *Store) PutNetwork(n Network) error {
+	return s.update("network "+n.ID, func(tx *bolt.Tx) error { return put(tx, bucketNetworks, []byte(n.ID), n) })
+}
+
+// DeleteNetwork removes a network and its endpoints.
+func (s *Store) DeleteNetwork(id string) error {
+	return s.update("network "+id, func(tx *bolt.Tx) error {
+		if err := tx.Bucket(bucketNetworks).Delete([]byte(id)); err != nil {
+			return err
+		}
+		c := tx.Bucket(bucketEndpoints).Cursor()
+		prefix := []byte(id + "/")
+		var keys [][]byte
+		for k, _ := c.Seek(prefix); k != nil && len(k) >= len(prefix) && string(k[:len(prefix)]) == string(prefix); k, _ = c.Next() {
+			keys = append(keys, append([]byte(nil), k...))
+		}
+		for _, k := range keys {
+			if err := tx.Bucket(bucketEndpoints).Delete(k); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+}
+
+// PutEndpoint stores e, replacing an endpoint with the same ids.
+func (s *Store) PutEndpoint(e Endpoint) error {
+	return s.update("endpoint "+e.ID, func(tx *bolt.Tx) error { return put(tx, bucketEndpoints, epKey(e.Network, e.ID), e) })
+}
+
+// DeleteEndpoint removes an endpoint.
+func (s *Store) DeleteEndpoint(network, id string) error {
+	return s.update("endpoint "+id, func(tx *bolt.Tx) error { return tx.Bucket(bucketEndpoints).Delete(epKey(network, id)) })
+}
+
+// PutAllocation records the VNIs AllocateNetwork handed to a network; nil
+// removes the record.
+func (s *Store) PutAllocation(network string, vnis []uint32) error {
+	return s.update("allocation "+network, func(tx *bolt.Tx) error {
+		if vnis == nil {
+			return tx.Bucket(bucketAllocs).Delete([]byte(network))
+		}
+		return put(tx, bucketAllocs, []byte(network), vnis)
+	})
+}
+
+// PutMeta stores a small value under key (e.g. the cluster identity).
+func (s *Store) PutMeta(key string, value []byte) error {
+	if key == string(keySchema) {
+		return fmt.Errorf("meta key %q is reserved", key)
+	}
+	return s.update("meta "+key, func(tx *bolt.Tx) error { return tx.Bucket(bucketMeta).Put([]byte(key), value) })
+}
+
+// GetMeta returns the value stored under key, or nil.
+func (s *Store) GetMeta(key string) ([]byte, error) {
+	var v []byte
+	err := s.view(func(tx *bolt.Tx) error {
+		v = append([]byte(nil), tx.Bucket(bucketMeta).Get([]byte(key))...)
+		if len(v) == 0 {
+			v = nil
+		}
+		return nil
+	})
+	return v, err
+}
+
+// Load reads the whole state. A record that does not decode is reported as
+// corruption rather than skipped.
+func (s *Store) Load() (*State, error) {
+	st := &State{Allocations: map[string][]uint32{}}
+	err := s.view(func(tx *bolt.Tx) error {
+		if err := tx.Bucket(bucketNetworks).ForEach(func(k, v []byte) error {
+			var n Network
+			if err := json.Unmarshal(v, &n); err != nil {
+				return fmt.Errorf("network %q: %w", k, err)
+			}
+			st.Networks = append(st.Networks, n)
+			return nil
+		}); err != nil {
+			return err
+		}
+		if err := tx.Bucket(bucketEndpoints).ForEach(func(k, v []byte) error {
+			var e Endpoint
+			if err := json.Unmarshal(v, &e); err != nil {
+				return fmt.Errorf("endpoint %q: %w", k, err)
+			}
+			st.Endpoints = append(st.Endpoints, e)
+			return nil
+		}); err != nil {
+			return err
+		}
+		return tx.Bucket(bucketAllocs).ForEach(func(k, v []byte) error {
+			var vnis []uint32
+			if err := json.Unmarshal(v, &vnis); err != nil {
+				return fmt.Errorf("allocation %q: %w", k, err)
+			}
+			st.Allocations[string(k)] = vnis
+			return nil
+		})
+	})
+	if err != nil {
+		return nil, &CorruptError{Path: s.path, Err: err}
+	}
+	return st, nil
+}
+
+func (s *Store) update(what string, fn func(*bolt.Tx) error) (err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			err = &CorruptError{Path: s.path, Err: fmt.Errorf("%v", r)}
+		}
+	}()
+	if err := s.db.Update(fn); err != nil {
+		return fmt.Errorf("failed to save %s to %s: %w", what, s.path, err)
+	}
+	return nil
+}
+
+func (s *Store) view(fn func(*bolt.Tx) error) (err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			err = &CorruptError{Path: s.path, Err: fmt.Errorf("%v", r)}
+		}
+	}()
+	return s.db.View(fn)
+}

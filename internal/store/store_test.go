@@ -1,0 +1,116 @@
+package store
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"reflect"
+	"strings"
+	"testing"
+)
+
+func TestRoundTrip(t *testing.T) {
+	dir := t.TempDir()
+	s, err := Open(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := Network{ID: "n1", VNIs: []uint32{5, 6}, Pools: []string{"192.0.2.0/24", "198.51.100.0/24"}, Gateways: []string{"192.0.2.1/24", ""}, MTU: 1450, Options: map[string]string{"vni": "5,6"}}
+	e1 := Endpoint{Network: "n1", ID: "e1", Addr: "192.0.2.2/24", MAC: "02:42:c0:00:02:02", Joined: true, HostName: "ovdx", SandboxName: "ovsx", VTEP: "203.0.113.1"}
+	e2 := Endpoint{Network: "n1", ID: "e2", Addr: "192.0.2.3/24", MAC: "02:42:c0:00:02:03"}
+	other := Endpoint{Network: "n10", ID: "e1", Addr: "203.0.113.9/24"}
+	for _, err := range []error{s.PutNetwork(n), s.PutEndpoint(e1), s.PutEndpoint(e2), s.PutEndpoint(other), s.PutAllocation("swarm", []uint32{4096}),
+		s.PutMeta("node", []byte("host-a"))} {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	s.Close()
+	s, err = Open(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	st, err := s.Load()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(st.Networks) != 1 || !reflect.DeepEqual(st.Networks[0], n) {
+		t.Fatalf("networks %+v", st.Networks)
+	}
+	if len(st.Endpoints) != 3 || !reflect.DeepEqual(st.Endpoints[0], e1) {
+		t.Fatalf("endpoints %+v", st.Endpoints)
+	}
+	if !reflect.DeepEqual(st.Allocations["swarm"], []uint32{4096}) {
+		t.Fatalf("allocations %v", st.Allocations)
+	}
+	if v, _ := s.GetMeta("node"); string(v) != "host-a" {
+		t.Fatalf("meta %q", v)
+	}
+	// Deleting a network removes its endpoints, not those of n10.
+	if err := s.DeleteNetwork("n1"); err != nil {
+		t.Fatal(err)
+	}
+	st, _ = s.Load()
+	if len(st.Networks) != 0 || len(st.Endpoints) != 1 || st.Endpoints[0].Network != "n10" {
+		t.Fatalf("after delete: %+v", st)
+	}
+	if err := s.PutAllocation("swarm", nil); err != nil {
+		t.Fatal(err)
+	}
+	if st, _ = s.Load(); len(st.Allocations) != 0 {
+		t.Fatalf("allocation not removed: %v", st.Allocations)
+	}
+}
+
+func TestCorruptFileRefusesToStart(t *testing.T) {
+	dir := t.TempDir()
+	if err := os.WriteFile(filepath.Join(dir, FileName), []byte(strings.Repeat("garbage!", 1024)), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	_, err := Open(dir)
+	var ce *CorruptError
+	if !errors.As(err, &ce) || !strings.Contains(err.Error(), "mv ") || !strings.Contains(err.Error(), "refuses to start") {
+		t.Fatalf("corrupt file: %v", err)
+	}
+}
+
+func TestCorruptRecordRefusesToLoad(t *testing.T) {
+	dir := t.TempDir()
+	s, err := Open(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	if err := s.update("x", func(tx *txAlias) error { return tx.Bucket(bucketNetworks).Put([]byte("bad"), []byte("{")) }); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Load(); err == nil || !strings.Contains(err.Error(), `network "bad"`) {
+		t.Fatalf("corrupt record: %v", err)
+	}
+}
+
+func TestLockedByAnotherProcess(t *testing.T) {
+	dir := t.TempDir()
+	s, err := Open(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	if _, err := Open(dir); err == nil || !strings.Contains(err.Error(), "locked by another process") {
+		t.Fatalf("second open: %v", err)
+	}
+}
+
+func TestNewerSchemaRefused(t *testing.T) {
+	dir := t.TempDir()
+	s, err := Open(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.update("x", func(tx *txAlias) error { return tx.Bucket(bucketMeta).Put(keySchema, []byte("99")) })
+	s.Close()
+	if _, err := Open(dir); err == nil || !strings.Contains(err.Error(), "schema version 99") {
+		t.Fatalf("newer schema: %v", err)
+	}
+}
