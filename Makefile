@@ -2,10 +2,10 @@
 # network namespaces and remove them).
 GO        ?= go
 BIN       := bin/overlayd
-FUZZTIME  ?= 20s
+FUZZTIME  ?= 15s
 PKGS      := ./...
 
-.PHONY: all build test unit fuzz lint bench run clean
+.PHONY: all build test unit fuzz lint bench run clean plugin
 
 all: build
 
@@ -18,22 +18,32 @@ test: lint unit fuzz
 
 unit:
 	$(GO) test -race -count=1 -tags lockcheck $(PKGS)
+	$(GO) test -race -count=1 -tags 'lockcheck faultinject' -run '^TestFaultsAreCaught$$' ./test/stress
 
 fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzDB$$' -fuzztime $(FUZZTIME) -fuzzminimizetime 1s ./peerdb
+	$(GO) test -run '^$$' -fuzz '^FuzzDecode$$' -fuzztime $(FUZZTIME) -fuzzminimizetime 1s ./internal/cluster
 
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
 	if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	$(GO) vet $(PKGS)
 	$(GO) vet -tags lockcheck $(PKGS)
+	$(GO) vet -tags 'lockcheck faultinject' ./test/stress ./driver
 
 bench:
-	$(GO) test -run '^$$' -bench . -benchmem -benchtime 5x ./driver ./internal/nlbatch ./peerdb
+	$(GO) test -run '^$$' -bench . -benchmem -benchtime 5x ./driver ./internal/nlbatch
+	$(GO) test -run '^$$' -bench . -benchmem ./peerdb
+	$(GO) test -run '^$$' -bench . -benchtime 20000x ./test/stress
 
 # Serve the plugin on the default socket with the embedded defaults.
 run: build
 	./$(BIN)
+
+# The managed (v2) plugin: plugin/build/config.json + rootfs/ (static binary).
+# Install it with `docker plugin create overlayd:latest plugin/build`.
+plugin: build
+	sh plugin/mkplugin.sh plugin/build $(BIN)
 
 clean:
 	rm -rf bin

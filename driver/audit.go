@@ -42,6 +42,9 @@ func (d *Driver) Audit() ([]string, error) {
 			problems = append(problems, fmt.Sprintf("network %s: %s", id, s))
 		}
 	}
+	for _, p := range d.auditEnc() {
+		problems = append(problems, "encryption: "+p)
+	}
 	entries, err := os.ReadDir(d.cfg.NetnsDir)
 	if err != nil && !os.IsNotExist(err) {
 		return nil, fmt.Errorf("failed to read %s: %w", d.cfg.NetnsDir, err)

@@ -37,6 +37,7 @@ import (
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
+	"github.com/overlayd/overlayd/encryption"
 	"github.com/overlayd/overlayd/internal/lockorder"
 	"github.com/overlayd/overlayd/internal/sandbox"
 	"github.com/overlayd/overlayd/internal/store"
@@ -49,7 +50,6 @@ const (
 	DefaultNetnsDir  = "/run/overlayd/netns"
 	DefaultVNIStart  = 4096
 	MaxVNI           = 1<<24 - 1
-	defaultMTU       = 1450 // when the underlay cannot be found: 1500 - 50
 	vxlanOverhead4   = 50
 	vxlanOverhead6   = 70
 )
@@ -82,6 +82,12 @@ type Config struct {
 	// OnDiscover is told of every node DiscoverNew announces (swarm): the
 	// control plane joins them. Called without driver locks held.
 	OnDiscover func(addr netip.Addr, self bool)
+	// Secret is the cluster secret that encryption keys derive from; without
+	// it encrypted networks are refused.
+	Secret []byte
+	// CheckEncryption reports whether the kernel can encrypt (default
+	// encryption.CheckKernelSupport, or its IPv6 variant).
+	CheckEncryption func() error
 	// Store, if set, persists networks, endpoints and allocations; New
 	// restores them and adopts the kernel state an earlier run left.
 	Store *store.Store
@@ -98,7 +104,8 @@ type Driver struct {
 	host     *sandbox.Host // immutable after New; its netlink handle is safe for concurrent use
 	ownsNS   bool
 	hostNS   netns.NsHandle
-	encMu    lockorder.Mutex                     // encryption state lock: below every network.mu, above mu (reserved)
+	encMu    lockorder.Mutex                     // encryption state lock: below every network.mu, above allocMu; guards enc
+	enc      encState                            // guarded by encMu
 	mu       lockorder.Mutex                     // driver.mu: bottom of the hierarchy; guards the fields below
 	nets     map[string]*network                 // by network id; guarded by mu
 	byVNI    map[uint32]*network                 // every VNI of every network; guarded by mu
@@ -199,6 +206,12 @@ func (d *Driver) Close() error {
 		}
 		n.mu.Unlock()
 	}
+	d.encMu.Lock()
+	if d.enc.prog != nil {
+		d.enc.prog.Close()
+		d.enc.prog = nil
+	}
+	d.encMu.Unlock()
 	d.host.Handle.Close()
 	d.closeNS()
 	return nil
@@ -258,6 +271,9 @@ func IsNotFound(err error) bool {
 	return errors.As(err, &nf)
 }
 
+// AdvertiseAddr returns the local VTEP (invalid while unknown).
+func (d *Driver) AdvertiseAddr() netip.Addr { return d.advertiseAddr() }
+
 // advertiseAddr returns the local VTEP: the configured one, else the one
 // DiscoverNew announced, else the first address of the default route's
 // device (invalid if none).
@@ -297,30 +313,33 @@ func (d *Driver) defaultRouteAddr() netip.Addr {
 
 // underlayMTU returns the MTU for a new network's links: the MTU of the
 // device holding the advertise address (or of the default route's device)
-// minus the VXLAN overhead of the underlay's address family.
-func (d *Driver) underlayMTU() int {
+// minus the VXLAN overhead of the underlay's address family, and minus the
+// ESP overhead too for an encrypted network.
+func (d *Driver) underlayMTU(encrypted bool) int {
 	adv := d.advertiseAddr()
-	if !adv.IsValid() {
-		return defaultMTU
-	}
-	overhead := vxlanOverhead4
-	family := unix.AF_INET
-	if adv.Is6() {
-		overhead, family = vxlanOverhead6, unix.AF_INET6
-	}
-	addrs, err := d.host.Handle.AddrList(nil, family)
-	if err != nil {
-		return defaultMTU
-	}
-	for _, a := range addrs {
-		if ip, ok := netip.AddrFromSlice(a.IP); ok && ip.Unmap() == adv {
-			l, err := d.host.Handle.LinkByIndex(a.LinkIndex)
-			if err == nil && l.Attrs().MTU > overhead {
-				return l.Attrs().MTU - overhead
+	dev, v6 := 1500, adv.Is6()
+	if adv.IsValid() {
+		family := unix.AF_INET
+		if v6 {
+			family = unix.AF_INET6
+		}
+		if addrs, err := d.host.Handle.AddrList(nil, family); err == nil {
+			for _, a := range addrs {
+				if ip, ok := netip.AddrFromSlice(a.IP); ok && ip.Unmap() == adv {
+					if l, err := d.host.Handle.LinkByIndex(a.LinkIndex); err == nil && l.Attrs().MTU > 0 {
+						dev = l.Attrs().MTU
+					}
+				}
 			}
 		}
 	}
-	return 1500 - overhead
+	if encrypted {
+		return encryption.InnerMTU(dev, v6)
+	}
+	if v6 {
+		return dev - vxlanOverhead6
+	}
+	return dev - vxlanOverhead4
 }
 
 // GetCapabilities answers dockerd's capability query.

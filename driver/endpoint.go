@@ -185,13 +185,14 @@ func (d *Driver) Join(req *api.JoinRequest) (_ *api.JoinResponse, err error) {
 		}
 	}()
 	if n.sb == nil {
+		if n.encrypted {
+			if err := d.checkEncryption(); err != nil {
+				return nil, fmt.Errorf("Join of endpoint %q to encrypted network %q: %w", ep.id, n.id, err)
+			}
+		}
 		sb, err := sandbox.Create(d.host, n.id, n.sandboxSubnets())
 		if err != nil {
 			return nil, fmt.Errorf("Join of endpoint %q: %w", ep.id, err)
-		}
-		if _, err := sb.Reconcile(n.peers.Desired()); err != nil {
-			sb.Destroy()
-			return nil, fmt.Errorf("Join of endpoint %q: programming the known peers of network %q: %w", ep.id, n.id, err)
 		}
 		n.sb = sb
 		undo = append(undo, func() {
@@ -199,7 +200,17 @@ func (d *Driver) Join(req *api.JoinRequest) (_ *api.JoinResponse, err error) {
 				d.log.Error("rollback: failed to destroy sandbox", "network", n.id, "error", err)
 			}
 			n.sb = nil
+			if err := d.syncEnc(n, false); err != nil {
+				d.log.Error("rollback: encryption state", "network", n.id, "error", err)
+			}
 		})
+		// Encryption for the known peers before they are programmed.
+		if err := d.syncEnc(n, true); err != nil {
+			return nil, fmt.Errorf("Join of endpoint %q: %w", ep.id, err)
+		}
+		if _, err := sb.Reconcile(n.peers.Desired()); err != nil {
+			return nil, fmt.Errorf("Join of endpoint %q: programming the known peers of network %q: %w", ep.id, n.id, err)
+		}
 	}
 	if err := n.sb.AddEndpoint(ep.sandboxEndpoint(n.mtu)); err != nil {
 		// A host end left by an earlier crash blocks the name: remove it and retry once.
@@ -294,6 +305,9 @@ func (d *Driver) leave(n *network, ep *endpoint) error {
 			errs = append(errs, err)
 		}
 		n.sb = nil
+		if err := d.syncEnc(n, false); err != nil {
+			errs = append(errs, err)
+		}
 	} else {
 		if err := n.sb.RemoveEndpoint(ep.sbName); err != nil {
 			errs = append(errs, err)

@@ -416,3 +416,42 @@ func sortedMap(m map[string]string) []string {
 	sort.Strings(s)
 	return s
 }
+
+// With an IPv6 underlay the VXLAN links take the IPv6 family (so IPv6 FDB
+// destinations are accepted), the MTU default drops by 70, and containers
+// on two hosts reach each other.
+func TestIPv6Underlay(t *testing.T) {
+	hosts, vteps := nstest.Hosts(t, 2, true)
+	var ctrs []*nstest.NS
+	var drivers []*Driver
+	var peers []peerdb.Peer
+	for i := range hosts {
+		d := newTestDriver(t, hosts[i], vteps[i])
+		drivers = append(drivers, d)
+		mustCreate(t, d, createReq("net6", "600", "203.0.113.0/24"))
+		addr := netip.MustParsePrefix(fmt.Sprintf("203.0.113.%d/24", 20+i))
+		eid := fmt.Sprintf("e%d", i)
+		mac := mustEndpoint(t, d, "net6", eid, addr.String())
+		resp := mustJoin(t, d, "net6", eid)
+		ctrs = append(ctrs, nstest.Container(t, eid, hosts[i], resp.InterfaceName.SrcName, addr, nil))
+		m, _ := peerdb.ParseMAC(mac)
+		peers = append(peers, peerdb.Peer{EndpointID: eid, IP: addr.Addr(), MAC: m, VTEP: vteps[i]})
+		st := d.Status()
+		if st.Networks[0].MTU != 1430 {
+			t.Fatalf("MTU over an IPv6 underlay: %d, want 1500-70", st.Networks[0].MTU)
+		}
+	}
+	for i, d := range drivers {
+		if err := d.ApplyPeerEvent(PeerEvent{VNI: 600, Next: &peers[1-i]}); err != nil {
+			t.Fatal(err)
+		}
+		mustAudit(t, d)
+	}
+	if err := nstest.PingEventually(ctrs[0], peers[1].IP, 5*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	_, fdb := dumpPeers(t, drivers[0], "net6")
+	if fdb[peers[1].MAC.String()] != vteps[1].String() {
+		t.Fatalf("fdb %v, want %s → %s", fdb, peers[1].MAC, vteps[1])
+	}
+}

@@ -17,11 +17,12 @@ type network struct {
 	mu lockorder.Mutex // network.mu: top of the hierarchy
 
 	// Immutable after creation.
-	id       string
-	subnets  []subnetSpec
-	mtu      int
-	internal bool
-	options  map[string]string
+	id        string
+	subnets   []subnetSpec
+	mtu       int
+	internal  bool
+	encrypted bool
+	options   map[string]string
 
 	endpoints map[string]*endpoint // guarded by mu
 	peers     *peerdb.DB           // guarded by mu: the network owns its peer DB
@@ -75,9 +76,14 @@ func (d *Driver) CreateNetwork(req *api.CreateNetworkRequest) error {
 		d.log.Warn("CreateNetwork rejected", "network", reqNetworkID(req), "error", err)
 		return err
 	}
+	if spec.encrypted {
+		if err := d.checkEncryption(); err != nil {
+			return fmt.Errorf("option %s: %w", OptEncrypted, err)
+		}
+	}
 	mtu := spec.mtu
 	if mtu == 0 {
-		mtu = d.underlayMTU()
+		mtu = d.underlayMTU(spec.encrypted)
 	}
 	n := &network{
 		mu:        lockorder.Mutex{Level: lockorder.LevelNetwork},
@@ -85,6 +91,7 @@ func (d *Driver) CreateNetwork(req *api.CreateNetworkRequest) error {
 		subnets:   spec.subnets,
 		mtu:       mtu,
 		internal:  spec.internal,
+		encrypted: spec.encrypted,
 		options:   spec.options,
 		endpoints: map[string]*endpoint{},
 	}
@@ -148,6 +155,15 @@ func (d *Driver) CreateNetwork(req *api.CreateNetworkRequest) error {
 			}
 		}
 	}
+	// An encrypted network's fail-closed rules go in before anything can
+	// send on it.
+	if err := d.syncEnc(n, false); err != nil {
+		if ferr := d.forgetNetwork(n); ferr != nil {
+			d.log.Error("undoing a failed CreateNetwork", "network", n.id, "error", ferr)
+		}
+		d.unregister(n)
+		return fmt.Errorf("CreateNetwork %q: %w", n.id, err)
+	}
 	d.log.Info("network created", "network", n.id, "vnis", formatVNIs(n.vnis()), "mtu", n.mtu, "internal", n.internal)
 	return nil
 }
@@ -186,6 +202,15 @@ func (d *Driver) DeleteNetwork(req *api.DeleteNetworkRequest) error {
 	if err := d.forgetNetwork(n); err != nil {
 		return fmt.Errorf("DeleteNetwork %q: %w", n.id, err)
 	}
+	d.unregister(n)
+	d.log.Info("network deleted", "network", n.id)
+	return nil
+}
+
+// unregister removes n from the driver, returning its remote peers to the
+// pending set, and drops its share of the encryption state; expects n.mu
+// held and n's sandbox gone.
+func (d *Driver) unregister(n *network) {
 	for _, ep := range n.endpoints {
 		if ep.joined {
 			d.publish(n, ep, false)
@@ -205,12 +230,15 @@ func (d *Driver) DeleteNetwork(req *api.DeleteNetworkRequest) error {
 		}
 		d.addPendingLocked(vni, p)
 	}
+	// Traced under driver.mu too: the pending peers it returns and a new
+	// network of the same id or VNIs are ordered after it.
+	d.trace(TraceEvent{Kind: TraceDeleteNetwork, Network: n.id})
 	d.mu.Unlock()
 	n.deleted = true
 	n.endpoints = nil
-	d.trace(TraceEvent{Kind: TraceDeleteNetwork, Network: n.id})
-	d.log.Info("network deleted", "network", n.id)
-	return nil
+	if err := d.syncEnc(n, false); err != nil {
+		d.log.Warn("removing the encryption state of a deleted network", "network", n.id, "error", err)
+	}
 }
 
 // AllocateNetwork (swarm leader) echoes the options and adds a VNI per IPv4

@@ -42,11 +42,12 @@ func checkID(field, id string) error {
 
 // netSpec is a validated CreateNetwork request.
 type netSpec struct {
-	id       string
-	subnets  []subnetSpec
-	mtu      int // 0: from the underlay
-	internal bool
-	options  map[string]string // the generic options as given
+	id        string
+	subnets   []subnetSpec
+	mtu       int // 0: from the underlay
+	internal  bool
+	encrypted bool
+	options   map[string]string // the generic options as given
 }
 
 type subnetSpec struct {
@@ -222,10 +223,16 @@ func parseCreateNetwork(req *api.CreateNetworkRequest) (*netSpec, error) {
 	if err != nil {
 		return nil, err
 	}
-	if _, ok := generic[OptEncrypted]; ok {
-		return nil, fmt.Errorf("option %s: encrypted networks are not supported yet by overlayd; create the network without -o %s", OptEncrypted, OptEncrypted)
-	}
 	spec := &netSpec{id: req.NetworkID, internal: internal, options: generic}
+	if v, ok := generic[OptEncrypted]; ok {
+		switch strings.ToLower(strings.TrimSpace(v)) {
+		case "", "true", "1", "yes":
+			spec.encrypted = true
+		case "false", "0", "no":
+		default:
+			return nil, fmt.Errorf("option %s=%q: give -o %s (or %s=true/false)", OptEncrypted, v, OptEncrypted, OptEncrypted)
+		}
+	}
 	if v, ok := generic[OptMTU]; ok {
 		mtu, err := strconv.Atoi(strings.TrimSpace(v))
 		if err != nil {

@@ -41,7 +41,8 @@ func TestCreateNetworkBadInput(t *testing.T) {
 		{"mtu not a number", generic(OptVNI, "101", OptMTU, "big"), []string{OptMTU, "big", "not a number", "576..9000"}},
 		{"mtu too small", generic(OptVNI, "101", OptMTU, "1"), []string{OptMTU, "1", "576..9000"}},
 		{"mtu too big", generic(OptVNI, "101", OptMTU, "9001"), []string{OptMTU, "9001", "576..9000"}},
-		{"encrypted", generic(OptVNI, "101", OptEncrypted, ""), []string{"encrypted", "not supported yet"}},
+		{"encrypted without a cluster key", generic(OptVNI, "101", OptEncrypted, ""), []string{"encrypted", "cluster key"}},
+		{"encrypted=maybe", generic(OptVNI, "101", OptEncrypted, "maybe"), []string{"encrypted", "maybe", "true/false"}},
 		{"no ipv4 data", createReq("n1", "101"), []string{"IPv4Data", "empty"}},
 		{"pool not ipv4", func() *api.CreateNetworkRequest {
 			r := createReq("n1", "101", "198.51.100.0/24")

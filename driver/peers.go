@@ -82,6 +82,17 @@ func (d *Driver) applyForVNI(vni uint32, evs []PeerEvent) error {
 	if faultActive(FaultDropPeerDeletes) {
 		delta.NeighDel, delta.FDBDel = nil, nil
 	}
+	if n.sb != nil && n.encrypted && !delta.Empty() {
+		// SAs and policies for new VTEPs before traffic is sent to them.
+		if err := d.syncEnc(n, true); err != nil {
+			errs = append(errs, err)
+		}
+		defer func() {
+			if err := d.syncEnc(n, false); err != nil {
+				d.log.Warn("encryption state after peer events", "network", n.id, "error", err)
+			}
+		}()
+	}
 	if n.sb != nil {
 		if err := n.sb.ApplyDelta(delta); err != nil {
 			// The peer DB is the truth: fall back to the level-triggered path.

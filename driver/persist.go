@@ -15,7 +15,7 @@ import (
 
 // record returns what is persisted of n; expects n.mu held (or n unpublished).
 func (n *network) record() store.Network {
-	r := store.Network{ID: n.id, VNIs: n.vnis(), MTU: n.mtu, Internal: n.internal, Options: n.options}
+	r := store.Network{ID: n.id, VNIs: n.vnis(), MTU: n.mtu, Internal: n.internal, Encrypted: n.encrypted, Options: n.options}
 	for _, s := range n.subnets {
 		r.Pools = append(r.Pools, s.pool.String())
 		gw := ""
@@ -83,6 +83,9 @@ func (d *Driver) restore() error {
 	if err != nil {
 		return err
 	}
+	if err := d.restoreEnc(); err != nil {
+		return &store.CorruptError{Path: d.cfg.Store.Path(), Err: err}
+	}
 	for id, vnis := range st.Allocations {
 		d.allocNet[id] = vnis
 		for _, v := range vnis {
@@ -107,6 +110,15 @@ func (d *Driver) restore() error {
 			d.byVNI[s.vni] = n
 		}
 		d.nets[n.id] = n
+		if n.encrypted {
+			// Not programmed now: the kernel keeps what the earlier run
+			// installed until keys and peers are back (SetKeys,
+			// ReconcileAll).
+			if d.enc.vnis == nil {
+				d.enc.vnis, d.enc.remotes = map[string][]uint32{}, map[string]map[netip.Addr]bool{}
+			}
+			d.enc.vnis[n.id] = n.vnis()
+		}
 		var joined []*endpoint
 		for _, er := range eps[n.id] {
 			ep, err := endpointFromRecord(n, er)
@@ -206,6 +218,7 @@ func networkFromRecord(r store.Network) (*network, error) {
 		id:        r.ID,
 		mtu:       r.MTU,
 		internal:  r.Internal,
+		encrypted: r.Encrypted,
 		options:   r.Options,
 		endpoints: map[string]*endpoint{},
 	}
@@ -269,6 +282,9 @@ func (d *Driver) ReconcileAll() ([]string, error) {
 	d.mu.Unlock()
 	var fixed []string
 	var errs []error
+	if err := d.dropAdoptedEnc(); err != nil {
+		errs = append(errs, fmt.Errorf("encryption: %w", err))
+	}
 	for _, id := range ids {
 		n, unlock, err := d.lockNetwork(id)
 		if err != nil {

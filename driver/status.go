@@ -3,15 +3,18 @@ package driver
 import (
 	"fmt"
 	"sort"
+
+	"github.com/overlayd/overlayd/peerdb"
 )
 
 // Status is the driver's view of its networks, for `overlayd status`.
 type Status struct {
-	AdvertiseAddr string          `json:"advertise_addr"`
-	VXLANPort     int             `json:"vxlan_port"`
-	Scope         string          `json:"scope"`
-	Networks      []NetworkStatus `json:"networks"`
-	PendingPeers  map[uint32]int  `json:"pending_peers,omitempty"` // remote peers kept for VNIs no local network has
+	AdvertiseAddr string            `json:"advertise_addr"`
+	VXLANPort     int               `json:"vxlan_port"`
+	Scope         string            `json:"scope"`
+	Networks      []NetworkStatus   `json:"networks"`
+	PendingPeers  map[uint32]int    `json:"pending_peers,omitempty"` // remote peers kept for VNIs no local network has
+	Encryption    *EncryptionStatus `json:"encryption,omitempty"`
 }
 
 // NetworkStatus describes one network.
@@ -21,6 +24,7 @@ type NetworkStatus struct {
 	Subnets     []string         `json:"subnets"`
 	MTU         int              `json:"mtu"`
 	Internal    bool             `json:"internal,omitempty"`
+	Encrypted   bool             `json:"encrypted,omitempty"`
 	Sandbox     string           `json:"sandbox,omitempty"` // path of the sandbox namespace, when built
 	Endpoints   []EndpointStatus `json:"endpoints"`
 	RemotePeers []PeerStatus     `json:"remote_peers"`
@@ -70,6 +74,7 @@ func (d *Driver) Status() Status {
 	if adv := d.advertiseAddr(); adv.IsValid() {
 		st.AdvertiseAddr = adv.String()
 	}
+	st.Encryption = d.encryptionStatus()
 	sort.Strings(ids)
 	for _, id := range ids {
 		n, unlock, err := d.lockNetwork(id)
@@ -84,7 +89,7 @@ func (d *Driver) Status() Status {
 
 // status expects n.mu held.
 func (n *network) status() NetworkStatus {
-	ns := NetworkStatus{ID: n.id, VNIs: n.vnis(), MTU: n.mtu, Internal: n.internal, Endpoints: []EndpointStatus{}, RemotePeers: []PeerStatus{}}
+	ns := NetworkStatus{ID: n.id, VNIs: n.vnis(), MTU: n.mtu, Internal: n.internal, Encrypted: n.encrypted, Endpoints: []EndpointStatus{}, RemotePeers: []PeerStatus{}}
 	for _, s := range n.subnets {
 		ns.Subnets = append(ns.Subnets, s.pool.String())
 	}
@@ -118,4 +123,29 @@ func (n *network) status() NetworkStatus {
 // String renders a network for humans.
 func (ns NetworkStatus) String() string {
 	return fmt.Sprintf("%s vni=%v subnets=%v mtu=%d endpoints=%d remote=%d", ns.ID, ns.VNIs, ns.Subnets, ns.MTU, len(ns.Endpoints), len(ns.RemotePeers))
+}
+
+// ForEachLocalPeer calls fn with the record of every joined local endpoint,
+// holding that endpoint's network lock during the call, so that a
+// republication is ordered with the Join/Leave publications of the same
+// network (fn must not block nor call into the Driver, like a
+// PeerPublisher).
+func (d *Driver) ForEachLocalPeer(fn func(vni uint32, p peerdb.Peer)) {
+	d.mu.Lock()
+	nets := make([]*network, 0, len(d.nets))
+	for _, n := range d.nets {
+		nets = append(nets, n)
+	}
+	d.mu.Unlock()
+	for _, n := range nets {
+		n.mu.Lock()
+		if !n.deleted {
+			for _, ep := range n.endpoints {
+				if ep.joined {
+					fn(n.subnets[ep.subnet].vni, ep.peer(ep.vtep))
+				}
+			}
+		}
+		n.mu.Unlock()
+	}
 }

@@ -45,7 +45,8 @@ func (k TraceKind) String() string {
 
 // TraceEvent records one state change that succeeded, emitted while the lock
 // that linearises it is held (the network's lock; driver.mu for
-// TracePending), so the order of trace events is the order in which the
+// TracePending; both for TraceDeleteNetwork, which returns peers to the
+// pending set), so the order of trace events is the order in which the
 // driver applied the changes. It exists for the stress harness's oracle.
 type TraceEvent struct {
 	Kind    TraceKind

@@ -1,6 +1,7 @@
 package peerdb
 
 import (
+	"math/rand/v2"
 	"net/netip"
 	"testing"
 )
@@ -61,5 +62,71 @@ func BenchmarkApply(b *testing.B) {
 		}
 		peers[i%len(peers)] = next
 		i++
+	}
+}
+
+// loadedDB returns a DB holding peers, created with one ApplyAll.
+func loadedDB(b *testing.B, peers []Peer) *DB {
+	b.Helper()
+	evs := make([]Event, len(peers))
+	for i := range peers {
+		evs[i] = Event{Next: &peers[i]}
+	}
+	db := New(benchSubnets)
+	if _, errs := db.ApplyAll(evs); errs != nil {
+		b.Fatal(errs)
+	}
+	return db
+}
+
+// BenchmarkApplyAll20000Shuffled is BenchmarkApplyAll20000 with the events in
+// random order, as gossip delivers them: the delta must still come out sorted.
+func BenchmarkApplyAll20000Shuffled(b *testing.B) {
+	peers := benchPeers(20000)
+	rng := rand.New(rand.NewPCG(1, 2))
+	rng.Shuffle(len(peers), func(i, j int) { peers[i], peers[j] = peers[j], peers[i] })
+	evs := make([]Event, len(peers))
+	for i := range peers {
+		evs[i] = Event{Next: &peers[i]}
+	}
+	b.ReportAllocs()
+	for b.Loop() {
+		db := New(benchSubnets)
+		d, errs := db.ApplyAll(evs)
+		if errs != nil || len(d.NeighSet) != 20000 || len(d.FDBSet) != 20000 {
+			b.Fatalf("errs %v, %d neigh, %d fdb", errs, len(d.NeighSet), len(d.FDBSet))
+		}
+	}
+}
+
+// BenchmarkApplyAllDelete20000 removes every entry of a 20,000-entry DB with
+// one ApplyAll (filling the DB is not timed).
+func BenchmarkApplyAllDelete20000(b *testing.B) {
+	peers := benchPeers(20000)
+	dels := make([]Event, len(peers))
+	for i := range peers {
+		dels[i] = Event{Prev: &peers[i]}
+	}
+	b.ReportAllocs()
+	for b.Loop() {
+		b.StopTimer()
+		db := loadedDB(b, peers)
+		b.StartTimer()
+		d, errs := db.ApplyAll(dels)
+		if errs != nil || len(d.NeighDel) != 20000 || len(d.FDBDel) != 20000 || len(d.NeighSet)+len(d.FDBSet) != 0 {
+			b.Fatalf("errs %v, %d neigh, %d fdb", errs, len(d.NeighDel), len(d.FDBDel))
+		}
+	}
+}
+
+// BenchmarkDesired20000 snapshots the desired state of a 20,000-entry DB.
+func BenchmarkDesired20000(b *testing.B) {
+	db := loadedDB(b, benchPeers(20000))
+	b.ReportAllocs()
+	for b.Loop() {
+		s := db.Desired()
+		if len(s.Neigh) != 20000 || len(s.FDB) != 20000 {
+			b.Fatalf("%d neigh, %d fdb", len(s.Neigh), len(s.FDB))
+		}
 	}
 }

@@ -77,6 +77,9 @@ func wantState(t *testing.T, db *DB, neigh map[NeighKey]MAC, fdb map[FDBKey]neti
 	if fdb == nil {
 		fdb = map[FDBKey]netip.Addr{}
 	}
+	if err := checkInvariants(db); err != nil {
+		t.Fatalf("invariants: %v", err)
+	}
 	got := db.Desired()
 	if !reflect.DeepEqual(got, State{Neigh: neigh, FDB: fdb}) {
 		t.Fatalf("Desired:\n got  %v\n want %v %v", got, neigh, fdb)
@@ -111,8 +114,8 @@ func TestAddUpdateDelete(t *testing.T) {
 	// Delete again (and delete of something never seen): no-op.
 	wantDelta(t, mustApply(t, db, del(q)), Delta{})
 	wantDelta(t, mustApply(t, db, del(pp("ghost", ipB, mac2, vtep1))), Delta{})
-	if l, r := db.Len(); l != 0 || r != 0 || len(db.byIP) != 0 || len(db.fdbCand) != 0 {
-		t.Fatalf("DB not empty after deleting everything: %d %d %v %v", l, r, db.byIP, db.fdbCand)
+	if l, r := db.Len(); l != 0 || r != 0 || db.byIP.len() != 0 || fdbKeys(db) != 0 || len(db.vteps.idx) != 0 {
+		t.Fatalf("DB not empty after deleting everything: %d %d %v %v %v", l, r, db.byIP.len(), fdbKeys(db), db.vteps.idx)
 	}
 }
 

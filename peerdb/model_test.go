@@ -427,6 +427,9 @@ func (h *harness) check(desc func() string, d Delta) {
 		}
 		h.state.FDB[k] = f.VTEP
 	}
+	if err := checkInvariants(h.db); err != nil {
+		fail("invariants: %v", err)
+	}
 	got := h.db.Desired()
 	if !reflect.DeepEqual(got, h.state) {
 		fail("deltas do not add up:\n desired %v\n from deltas %v", got, h.state)

@@ -144,3 +144,22 @@ func (db *DB) validateEvent(ev Event) error {
 	}
 	return errors.Join(errs...)
 }
+
+// check is the fast path of validate: it reports whether validate(*p,
+// checkVTEP) would accept p, without building errors, and the index of the
+// subnet holding p.IP. It must accept exactly what validate accepts.
+func (db *DB) check(p *Peer, checkVTEP bool) (subnet int, ok bool) {
+	if n := len(p.EndpointID); n == 0 || n > MaxEndpointIDLen {
+		return 0, false
+	}
+	if !p.IP.Is4() { // also rejects the zero Addr and IPv4-mapped addresses
+		return 0, false
+	}
+	if !p.MAC.IsUnicast() {
+		return 0, false
+	}
+	if checkVTEP && (!p.VTEP.IsValid() || p.VTEP.IsUnspecified() || p.VTEP.IsMulticast()) {
+		return 0, false
+	}
+	return db.subnet4(ip4(p.IP))
+}

@@ -58,7 +58,7 @@ func TestServeAndSIGTERM(t *testing.T) {
 	t.Cleanup(func() { netnsutil.RemoveNamed(nsPath) })
 	sock := filepath.Join(dir, "overlayd.sock")
 	cmd := exec.Command("nsenter", "--net="+nsPath, bin, "--socket", sock, "--state-dir", filepath.Join(dir, "state"),
-		"--netns-dir", nstest.NetnsDir(t))
+		"--netns-dir", nstest.NetnsDir(t), "--control-socket", filepath.Join(dir, "control.sock"))
 	cmd.Env = append(os.Environ(), "OVERLAYD_LOG_LEVEL=debug")
 	var stdout, stderr bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &stdout, &stderr
@@ -74,6 +74,15 @@ func TestServeAndSIGTERM(t *testing.T) {
 		return err
 	}); err != nil {
 		t.Fatalf("socket never served: %v\nstdout: %s\nstderr: %s", err, stdout.String(), stderr.String())
+	}
+	// overlayd status talks to the control socket.
+	out, err := exec.Command(bin, "status", "--control-socket", filepath.Join(dir, "control.sock")).CombinedOutput()
+	if err != nil || !strings.Contains(string(out), "no networks") {
+		t.Fatalf("overlayd status: %v\n%s", err, out)
+	}
+	out, err = exec.Command(bin, "status", "--json", "--control-socket", filepath.Join(dir, "control.sock")).CombinedOutput()
+	if err != nil || !strings.Contains(string(out), `"driver"`) {
+		t.Fatalf("overlayd status --json: %v\n%s", err, out)
 	}
 	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
 		t.Fatal(err)

@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -27,12 +28,23 @@ type Settings struct {
 	VXLANPort     int
 	NetnsDir      string
 	LogLevel      slog.Level
+	// Control plane.
+	GossipAddr    netip.Addr // invalid: the advertise address
+	GossipPort    int
+	Join          []string // host[:port] seeds
+	SecretFile    string   // "": <state-dir>/cluster.key, generated on first start
+	ControlSocket string
+	NodeName      string
 }
 
 // Defaults.
 const (
 	DefaultSocket   = "/run/docker/plugins/overlayd.sock"
 	DefaultStateDir = "/var/lib/overlayd"
+	// DefaultGossipPort is overlayd's memberlist port (TCP and UDP); not
+	// 7946, which swarm's gossip uses.
+	DefaultGossipPort    = 7947
+	DefaultControlSocket = "/run/overlayd/control.sock"
 )
 
 // setting describes one flag and its environment variable.
@@ -48,11 +60,20 @@ var settings = []setting{
 	{"vxlan-port", "OVERLAYD_VXLAN_PORT", strconv.Itoa(driver.DefaultVXLANPort), "VXLAN UDP port (not 4789, which Docker's own overlay uses)"},
 	{"netns-dir", "OVERLAYD_NETNS_DIR", driver.DefaultNetnsDir, "directory where network sandbox namespaces are mounted"},
 	{"log-level", "OVERLAYD_LOG_LEVEL", "info", "log level: debug, info, warn or error"},
+	{"gossip-addr", "OVERLAYD_GOSSIP_ADDR", "", "address the gossip (memberlist) binds to; default: the advertise address"},
+	{"gossip-port", "OVERLAYD_GOSSIP_PORT", strconv.Itoa(DefaultGossipPort), "gossip port, TCP and UDP (not 7946, which swarm uses)"},
+	{"join", "OVERLAYD_JOIN", "", "comma-separated host[:port] of other overlayd hosts to join (retried in the background)"},
+	{"secret-file", "OVERLAYD_SECRET_FILE", "", "file holding the cluster key; default: <state-dir>/cluster.key, generated on first start"},
+	{"control-socket", "OVERLAYD_CONTROL_SOCKET", DefaultControlSocket, "local control socket for `overlayd status` (mode 0600)"},
+	{"node-name", "OVERLAYD_NODE_NAME", "", "this host's name in the cluster; default: the hostname"},
 }
 
 // Usage writes the settings table (flag, environment variable, default).
 func Usage(w io.Writer, prog string) {
-	fmt.Fprintf(w, "Usage: %s [serve] [flags]\n       %s help\n\n", prog, prog)
+	fmt.Fprintf(w, "Usage: %s [serve] [flags]        serve the plugin API (the default)\n", prog)
+	fmt.Fprintf(w, "       %s status [--json]       show the running daemon's view (via --control-socket)\n", prog)
+	fmt.Fprintf(w, "       %s keys rotate           start a cluster-wide rotation of the encryption keys\n", prog)
+	fmt.Fprintf(w, "       %s help\n\n", prog)
 	fmt.Fprintf(w, "overlayd is a Docker network plugin joining containers on many hosts over VXLAN.\nWith no command it serves the plugin API.\n\nFlags (each also read from its environment variable; the flag wins):\n")
 	for _, s := range settings {
 		def := s.def
@@ -132,10 +153,81 @@ func Parse(args []string, getenv func(string) string) (*Settings, error) {
 	if err := st.LogLevel.UnmarshalText([]byte(strings.ToLower(lvl))); err != nil {
 		errs = append(errs, fmt.Errorf("%s %q: must be debug, info, warn or error", src, lvl))
 	}
+	if v, src := get("gossip-addr"); v != "" {
+		a, err := netip.ParseAddr(v)
+		if err != nil || a.IsMulticast() {
+			errs = append(errs, fmt.Errorf("%s %q: must be an IP address of this host", src, v))
+		}
+		st.GossipAddr = a.Unmap()
+	}
+	if v, src := get("gossip-port"); v != "" {
+		p, err := strconv.Atoi(v)
+		if err != nil || p < 1 || p > 65535 {
+			errs = append(errs, fmt.Errorf("%s %q: must be a port number in 1..65535", src, v))
+		}
+		st.GossipPort = p
+	}
+	if v, src := get("join"); v != "" {
+		for _, seed := range strings.Split(v, ",") {
+			seed = strings.TrimSpace(seed)
+			if seed == "" {
+				continue
+			}
+			if err := checkSeed(seed); err != nil {
+				errs = append(errs, fmt.Errorf("%s %q: %v", src, seed, err))
+				continue
+			}
+			st.Join = append(st.Join, seed)
+		}
+	}
+	st.SecretFile, src = get("secret-file")
+	if st.SecretFile != "" && !filepath.IsAbs(st.SecretFile) {
+		errs = append(errs, fmt.Errorf("%s %q: must be an absolute path", src, st.SecretFile))
+	}
+	st.ControlSocket, src = get("control-socket")
+	if !filepath.IsAbs(st.ControlSocket) {
+		errs = append(errs, fmt.Errorf("%s %q: must be an absolute path", src, st.ControlSocket))
+	}
+	st.NodeName, src = get("node-name")
+	if st.NodeName == "" {
+		h, err := os.Hostname()
+		if err != nil || h == "" {
+			errs = append(errs, fmt.Errorf("--node-name: not given and the hostname is unknown (%v)", err))
+		}
+		st.NodeName = h
+	} else if len(st.NodeName) > 128 || strings.ContainsAny(st.NodeName, " \t\n/") {
+		errs = append(errs, fmt.Errorf("%s %q: must be at most 128 characters without spaces or slashes", src, st.NodeName))
+	}
 	if err := errors.Join(errs...); err != nil {
 		return nil, err
 	}
 	return st, nil
+}
+
+// checkSeed validates "host[:port]".
+func checkSeed(seed string) error {
+	host, port := seed, ""
+	if h, p, err := net.SplitHostPort(seed); err == nil {
+		host, port = h, p
+	}
+	if host == "" {
+		return errors.New("empty host: use host or host:port")
+	}
+	if port != "" {
+		if p, err := strconv.Atoi(port); err != nil || p < 1 || p > 65535 {
+			return fmt.Errorf("port %q is not in 1..65535", port)
+		}
+	}
+	return nil
+}
+
+// SecretPath returns the cluster key file: --secret-file, or the default in
+// the state directory.
+func (s *Settings) SecretPath() string {
+	if s.SecretFile != "" {
+		return s.SecretFile
+	}
+	return filepath.Join(s.StateDir, "cluster.key")
 }
 
 // Env returns the process environment lookup (for Parse).

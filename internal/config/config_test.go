@@ -85,3 +85,25 @@ func TestHelpListsEverySetting(t *testing.T) {
 		}
 	}
 }
+
+func TestClusterSettings(t *testing.T) {
+	st, err := Parse([]string{"--join", "192.0.2.1, 192.0.2.2:7000,[2001:db8::1]:7947", "--gossip-addr", "192.0.2.9", "--node-name", "h1"},
+		env(map[string]string{"OVERLAYD_GOSSIP_PORT": "7000", "OVERLAYD_SECRET_FILE": "/etc/overlayd/key"}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(st.Join) != 3 || st.Join[1] != "192.0.2.2:7000" || st.GossipPort != 7000 || st.GossipAddr.String() != "192.0.2.9" ||
+		st.NodeName != "h1" || st.SecretPath() != "/etc/overlayd/key" || st.ControlSocket != DefaultControlSocket {
+		t.Fatalf("cluster settings: %+v", st)
+	}
+	st, _ = Parse([]string{"--state-dir", "/s"}, env(nil))
+	if st.SecretPath() != "/s/cluster.key" || st.GossipPort != 7947 || st.NodeName == "" {
+		t.Fatalf("cluster defaults: %+v", st)
+	}
+	for _, bad := range [][]string{{"--join", "192.0.2.1:99999"}, {"--join", ":7000"}, {"--gossip-port", "x"}, {"--gossip-addr", "h"},
+		{"--secret-file", "key"}, {"--control-socket", "c.sock"}, {"--node-name", "a b"}} {
+		if _, err := Parse(bad, env(nil)); err == nil || !strings.Contains(err.Error(), bad[0]) {
+			t.Errorf("Parse(%v) = %v, want an error naming %s", bad, err, bad[0])
+		}
+	}
+}

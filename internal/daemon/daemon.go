@@ -16,6 +16,8 @@ import (
 
 	"github.com/overlayd/overlayd/driver"
 	"github.com/overlayd/overlayd/internal/config"
+	"github.com/overlayd/overlayd/internal/control"
+	"github.com/overlayd/overlayd/internal/netnsutil"
 	"github.com/overlayd/overlayd/internal/store"
 )
 
@@ -25,14 +27,19 @@ func Run(ctx context.Context, st *config.Settings, log *slog.Logger) error {
 	if err := os.MkdirAll(st.StateDir, 0o700); err != nil {
 		return fmt.Errorf("failed to create state directory %s: %w", st.StateDir, err)
 	}
-	if err := os.MkdirAll(st.NetnsDir, 0o755); err != nil {
-		return fmt.Errorf("failed to create netns directory %s: %w", st.NetnsDir, err)
+	if err := netnsutil.MakeSharedMount(st.NetnsDir); err != nil {
+		return err
 	}
 	db, err := store.Open(st.StateDir)
 	if err != nil {
 		return err
 	}
 	defer db.Close()
+	key, err := loadKey(st, log)
+	if err != nil {
+		return err
+	}
+	cp := &controlPlane{st: st, db: db, log: log, key: key, stop: make(chan struct{})}
 	d, err := driver.New(driver.Config{
 		Scope:         st.Scope,
 		AdvertiseAddr: st.AdvertiseAddr,
@@ -40,23 +47,31 @@ func Run(ctx context.Context, st *config.Settings, log *slog.Logger) error {
 		NetnsDir:      st.NetnsDir,
 		Logger:        log,
 		Store:         db,
+		Publisher:     cp,
+		OnDiscover:    cp.discovered,
 	})
 	if err != nil {
 		return err
 	}
 	defer d.Close()
-	// Without a control plane no remote peer will be re-delivered: the peer
-	// DBs are complete now, so make the kernel match them.
-	if fixed, err := d.ReconcileAll(); err != nil {
-		log.Warn("reconciling restored networks", "error", err)
-	} else if len(fixed) > 0 {
-		log.Info("reconciled restored networks", "corrected", len(fixed))
-	}
+	cp.d = d
 
+	// The plugin socket first: dockerd disables a managed plugin whose socket
+	// is late, and joining the cluster may take long.
 	l, err := listen(st.Socket)
 	if err != nil {
 		return err
 	}
+	ctl, err := control.Serve(st.ControlSocket, control.Handlers{
+		Status: func() any { return &StatusReport{Cluster: cp.status(), Driver: d.Status()} },
+	})
+	if err != nil {
+		l.Close()
+		return err
+	}
+	defer ctl.Close()
+	cp.done.Add(1)
+	go cp.run()
 	g := &gate{d: d, log: log}
 	h := network.NewHandler(g)
 	served := make(chan error, 1)
@@ -72,6 +87,7 @@ func Run(ctx context.Context, st *config.Settings, log *slog.Logger) error {
 	log.Info("shutting down: no new calls, waiting for calls in flight")
 	l.Close()
 	g.close()
+	cp.close()
 	os.Remove(st.Socket)
 	log.Info("overlayd stopped; kernel state left in place")
 	return nil

@@ -34,6 +34,7 @@ func startDaemonIn(t *testing.T, scope, dir, netnsDir string, host *nstest.NS) (
 		"--socket", filepath.Join(dir, "plugins", "overlayd.sock"),
 		"--state-dir", filepath.Join(dir, "state"),
 		"--netns-dir", netnsDir,
+		"--control-socket", filepath.Join(dir, "control.sock"),
 		"--scope", scope,
 	}, func(string) string { return "" })
 	if err != nil {

@@ -129,3 +129,93 @@ func DoIn(ns netns.NsHandle, fn func() error) error {
 		return fn()
 	})
 }
+
+// MakeSharedMount makes dir a mount point with shared propagation, binding it
+// onto itself first if it is not one (as iproute2 does for /run/netns). Mount
+// namespaces created later (other engines, services with private mounts)
+// then receive the unmount of a sandbox instead of keeping a copy that pins
+// the namespace and its VXLAN VNIs.
+func MakeSharedMount(dir string) error {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return fmt.Errorf("failed to create %s: %w", dir, err)
+	}
+	err := unix.Mount("", dir, "none", unix.MS_SHARED|unix.MS_REC, "")
+	if err == nil {
+		if isMountPoint(dir) {
+			return nil
+		}
+		// The parent's mount became shared; dir itself still needs its own.
+	} else if !errors.Is(err, unix.EINVAL) {
+		return fmt.Errorf("failed to make %s a shared mount: %w", dir, err)
+	}
+	if err := unix.Mount(dir, dir, "none", unix.MS_BIND|unix.MS_REC, ""); err != nil {
+		return fmt.Errorf("failed to bind %s onto itself: %w", dir, err)
+	}
+	if err := unix.Mount("", dir, "none", unix.MS_SHARED|unix.MS_REC, ""); err != nil {
+		return fmt.Errorf("failed to make %s a shared mount: %w", dir, err)
+	}
+	return nil
+}
+
+// isMountPoint reports whether dir is the root of a mount (its device
+// differs from its parent's, or /proc/self/mountinfo lists it).
+func isMountPoint(dir string) bool {
+	raw, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		return false
+	}
+	clean := filepath.Clean(dir)
+	for _, line := range bytesLines(raw) {
+		f := splitFields(line)
+		if len(f) > 4 && unescapeMount(f[4]) == clean {
+			return true
+		}
+	}
+	return false
+}
+
+func bytesLines(b []byte) []string {
+	var out []string
+	start := 0
+	for i, c := range b {
+		if c == '\n' {
+			out = append(out, string(b[start:i]))
+			start = i + 1
+		}
+	}
+	return out
+}
+
+func splitFields(s string) []string {
+	var out []string
+	field := ""
+	for _, c := range s {
+		if c == ' ' {
+			if field != "" {
+				out = append(out, field)
+			}
+			field = ""
+			continue
+		}
+		field += string(c)
+	}
+	if field != "" {
+		out = append(out, field)
+	}
+	return out
+}
+
+// unescapeMount undoes mountinfo's octal escapes (\040 for a space...).
+func unescapeMount(s string) string {
+	out := make([]byte, 0, len(s))
+	for i := 0; i < len(s); i++ {
+		if s[i] == '\\' && i+3 < len(s) {
+			v := (s[i+1]-'0')<<6 | (s[i+2]-'0')<<3 | (s[i+3] - '0')
+			out = append(out, v)
+			i += 3
+			continue
+		}
+		out = append(out, s[i])
+	}
+	return string(out)
+}

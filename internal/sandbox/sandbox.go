@@ -120,8 +120,7 @@ func Create(host *Host, id string, subnets []Subnet) (_ *Sandbox, err error) {
 	return sb, nil
 }
 
-// setupNamespace brings up loopback and enables forwarding, which routing
-// between the subnets of a multi-subnet network needs.
+// setupNamespace brings up loopback.
 func (sb *Sandbox) setupNamespace() error {
 	lo, err := sb.h.LinkByName("lo")
 	if err == nil {
@@ -130,12 +129,37 @@ func (sb *Sandbox) setupNamespace() error {
 	if err != nil {
 		return fmt.Errorf("failed to bring up lo in sandbox %s: %w", sb.path, err)
 	}
-	return netnsutil.DoIn(sb.ns, func() error {
-		if err := os.WriteFile("/proc/sys/net/ipv4/ip_forward", []byte("1"), 0o644); err != nil {
-			return fmt.Errorf("failed to enable forwarding in sandbox %s: %w", sb.path, err)
-		}
-		return nil
+	return nil
+}
+
+// Netlink attribute numbers of IPv4 device configuration (linux/if_link.h,
+// linux/ip.h), which x/sys/unix does not name.
+const (
+	iflaInetConf         = 1
+	ipv4DevconfForwading = 1
+)
+
+// enableForwarding turns on IPv4 forwarding on one link of the sandbox over
+// netlink (RTM_SETLINK with IFLA_AF_SPEC/AF_INET/IFLA_INET_CONF), which
+// routing between the subnets of a multi-subnet network needs. Not through
+// /proc/sys: Docker mounts it read-only in managed plugins.
+func (sb *Sandbox) enableForwarding(index int, name string) error {
+	err := netnsutil.DoIn(sb.ns, func() error {
+		req := nl.NewNetlinkRequest(unix.RTM_SETLINK, unix.NLM_F_ACK)
+		msg := nl.NewIfInfomsg(unix.AF_UNSPEC)
+		msg.Index = int32(index)
+		req.AddData(msg)
+		spec := nl.NewRtAttr(unix.IFLA_AF_SPEC, nil)
+		conf := spec.AddRtAttr(unix.AF_INET, nil).AddRtAttr(iflaInetConf, nil)
+		conf.AddRtAttr(ipv4DevconfForwading, nl.Uint32Attr(1))
+		req.AddData(spec)
+		_, err := req.Execute(unix.NETLINK_ROUTE, 0)
+		return err
 	})
+	if err != nil {
+		return fmt.Errorf("failed to enable forwarding on %s in sandbox %s: %w", name, sb.path, err)
+	}
+	return nil
 }
 
 func (sb *Sandbox) createSubnet(s Subnet) (subnetLinks, error) {
@@ -146,6 +170,9 @@ func (sb *Sandbox) createSubnet(s Subnet) (subnetLinks, error) {
 		return sl, fmt.Errorf("failed to create bridge %s in sandbox %s: %w", brName, sb.path, err)
 	}
 	sl.bridge = br.Index
+	if err := sb.enableForwarding(br.Index, brName); err != nil {
+		return sl, err
+	}
 	if s.Gateway.IsValid() {
 		addr := &netlink.Addr{IPNet: prefixToIPNet(s.Gateway)}
 		if err := sb.h.AddrAdd(br, addr); err != nil {

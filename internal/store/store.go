@@ -36,13 +36,14 @@ var (
 
 // Network is a persisted network.
 type Network struct {
-	ID       string            `json:"id"`
-	VNIs     []uint32          `json:"vnis"`
-	Pools    []string          `json:"pools"`
-	Gateways []string          `json:"gateways"` // "" where Docker gave none
-	MTU      int               `json:"mtu"`
-	Internal bool              `json:"internal,omitempty"`
-	Options  map[string]string `json:"options,omitempty"`
+	ID        string            `json:"id"`
+	VNIs      []uint32          `json:"vnis"`
+	Pools     []string          `json:"pools"`
+	Gateways  []string          `json:"gateways"` // "" where Docker gave none
+	MTU       int               `json:"mtu"`
+	Internal  bool              `json:"internal,omitempty"`
+	Encrypted bool              `json:"encrypted,omitempty"`
+	Options   map[string]string `json:"options,omitempty"`
 }
 
 // Endpoint is a persisted endpoint.

@@ -276,6 +276,9 @@ func NetnsDir(t testing.TB) string {
 			}
 			netnsutil.RemoveNamed(p)
 		}
+		// The daemon makes its netns directory a shared mount of itself.
+		for unix.Unmount(dir, unix.MNT_DETACH) == nil {
+		}
 	})
 	return dir
 }

@@ -1,0 +1,453 @@
+package encryption
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"slices"
+
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+)
+
+// ErrKernelUnsupported is wrapped by errors caused by a kernel that cannot
+// install ESP/AEAD states (no esp4/esp6 module, no GCM, no crypto RNG).
+var ErrKernelUnsupported = errors.New("kernel cannot install ESP/AEAD states (" + AEADName + ")")
+
+// unsupported reports whether err from an SA add means the kernel lacks ESP
+// or the AEAD rather than a problem with this one SA.
+func unsupported(err error) bool {
+	for _, e := range []error{unix.ENOSYS, unix.EPROTONOSUPPORT, unix.EOPNOTSUPP, unix.ENOENT, unix.EAFNOSUPPORT} {
+		if errors.Is(err, e) {
+			return true
+		}
+	}
+	return false
+}
+
+func addrOf(ip net.IP) netip.Addr {
+	a, _ := netip.AddrFromSlice(ip)
+	return a.Unmap()
+}
+
+func prefixOf(n *net.IPNet) netip.Prefix {
+	if n == nil {
+		return netip.Prefix{}
+	}
+	ones, _ := n.Mask.Size()
+	return netip.PrefixFrom(addrOf(n.IP), ones)
+}
+
+// actualXfrm is what the kernel holds of ours.
+type actualXfrm struct {
+	states   map[stateKey]netlink.XfrmState
+	policies map[polKey]netlink.XfrmPolicy
+	strays   []netlink.XfrmPolicy // ours, but not of a shape we install (removed)
+}
+
+func ours(pol *netlink.XfrmPolicy) bool {
+	for _, t := range pol.Tmpls {
+		if t.Reqid == ReqID {
+			return true
+		}
+	}
+	return false
+}
+
+func (p *Programmer) xfrmDump() (*actualXfrm, error) {
+	a := &actualXfrm{states: map[stateKey]netlink.XfrmState{}, policies: map[polKey]netlink.XfrmPolicy{}}
+	var states []netlink.XfrmState
+	var err error
+	for try := 0; try < 5; try++ {
+		p.stats.XfrmDumps++
+		states, err = p.nl.XfrmStateList(netlink.FAMILY_ALL)
+		if !errors.Is(err, netlink.ErrDumpInterrupted) {
+			break
+		}
+	}
+	if err != nil {
+		return nil, fmt.Errorf("failed to dump xfrm states: %w", err)
+	}
+	for _, s := range states {
+		if s.Reqid != ReqID || s.Proto != netlink.XFRM_PROTO_ESP {
+			continue
+		}
+		a.states[stateKey{addrOf(s.Dst), uint32(s.Spi)}] = s
+	}
+	var pols []netlink.XfrmPolicy
+	for try := 0; try < 5; try++ {
+		p.stats.XfrmDumps++
+		pols, err = p.nl.XfrmPolicyList(netlink.FAMILY_ALL)
+		if !errors.Is(err, netlink.ErrDumpInterrupted) {
+			break
+		}
+	}
+	if err != nil {
+		return nil, fmt.Errorf("failed to dump xfrm policies: %w", err)
+	}
+	for _, pol := range pols {
+		if !ours(&pol) {
+			continue
+		}
+		if pol.Dir != netlink.XFRM_DIR_OUT || pol.Mark == nil || pol.Proto != netlink.Proto(unix.IPPROTO_UDP) {
+			a.strays = append(a.strays, pol)
+			continue
+		}
+		k := polKey{src: prefixOf(pol.Src), dst: prefixOf(pol.Dst), dport: pol.DstPort, mark: pol.Mark.Value, mask: pol.Mark.Mask}
+		a.policies[k] = pol
+	}
+	return a, nil
+}
+
+// stateDiff describes how an existing state differs from the wanted one
+// ("" when it matches).
+func stateDiff(got *netlink.XfrmState, w *wantState, port int) string {
+	switch {
+	case got.Aead == nil:
+		if got.Crypt == nil && got.Auth == nil {
+			return "larval (acquire) state"
+		}
+		return "not an AEAD state"
+	case addrOf(got.Src) != w.src:
+		return fmt.Sprintf("source %v, want %v", addrOf(got.Src), w.src)
+	case got.Mode != netlink.XFRM_MODE_TRANSPORT:
+		return "not transport mode"
+	case got.Aead.Name != AEADName || got.Aead.ICVLen != ICVBits:
+		return fmt.Sprintf("algorithm %s/%d, want %s/%d", got.Aead.Name, got.Aead.ICVLen, AEADName, ICVBits)
+	case !bytes.Equal(got.Aead.Key, w.aeadKey):
+		return "key differs"
+	case got.Mark != nil && (got.Mark.Value != 0 || got.Mark.Mask != 0):
+		return fmt.Sprintf("mark %#x/%#x, want none", got.Mark.Value, got.Mark.Mask)
+	}
+	if sel := got.Selector; sel != nil {
+		if prefixOf(sel.Src) != hostPrefix(w.src) || prefixOf(sel.Dst) != hostPrefix(w.key.dst) || sel.Proto != netlink.Proto(unix.IPPROTO_UDP) || sel.DstPort != port {
+			return fmt.Sprintf("selector %v -> %v proto %d dport %d", prefixOf(sel.Src), prefixOf(sel.Dst), sel.Proto, sel.DstPort)
+		}
+	}
+	return ""
+}
+
+// policyDiff describes how an existing outbound policy differs from the
+// wanted template ("" when it matches).
+func policyDiff(got *netlink.XfrmPolicy, k polKey, w *wantPolicy) string {
+	if len(got.Tmpls) != 1 {
+		return fmt.Sprintf("%d templates, want 1", len(got.Tmpls))
+	}
+	t := got.Tmpls[0]
+	switch {
+	case uint32(t.Spi) != w.spi:
+		return fmt.Sprintf("template spi 0x%08x, want 0x%08x", uint32(t.Spi), w.spi)
+	case t.Proto != netlink.XFRM_PROTO_ESP || t.Mode != netlink.XFRM_MODE_TRANSPORT || t.Reqid != ReqID:
+		return "template is not ESP transport with our reqid"
+	case addrOf(t.Src) != k.src.Addr() || addrOf(t.Dst) != k.dst.Addr():
+		return fmt.Sprintf("template %v -> %v", addrOf(t.Src), addrOf(t.Dst))
+	case got.Action != netlink.XFRM_POLICY_ALLOW:
+		return "action is not allow"
+	case got.Priority != PolicyPriority:
+		return fmt.Sprintf("priority %d, want %d", got.Priority, PolicyPriority)
+	case got.Ifindex != 0 || got.Ifid != 0 || got.SrcPort != 0:
+		return "selector has interface or source port"
+	}
+	return ""
+}
+
+// xfrmPlan is the ordered set of xfrm changes that turns actual into
+// desired. It is computed without touching the kernel, which makes the
+// number of kernel operations of any transition testable on any kernel.
+type xfrmPlan struct {
+	inbound  []stateChange  // inbound SAs to add or replace
+	remotes  []remoteChange // per remote: outbound SA then policy
+	polDel   []netlink.XfrmPolicy
+	stateDel []netlink.XfrmState // not desired; deleted last
+}
+
+type stateChange struct {
+	want    *wantState
+	replace bool   // delete the existing state of that key first
+	why     string // why it is replaced
+}
+
+type remoteChange struct {
+	key    polKey
+	want   *wantPolicy
+	sa     *stateChange // outbound SA to add/replace first, or nil
+	policy int          // 0 none, 1 add, 2 update
+	// oldSPI is the SPI the existing policy points at (when policy == 2).
+	oldSPI uint32
+}
+
+const (
+	polNone = iota
+	polAdd
+	polUpdate
+)
+
+// Ops counts the kernel requests a plan makes (without dumps).
+func (pl *xfrmPlan) Ops() (states, policies int) {
+	for _, c := range pl.inbound {
+		states++
+		if c.replace {
+			states++
+		}
+	}
+	for _, r := range pl.remotes {
+		if r.sa != nil {
+			states++
+			if r.sa.replace {
+				states++
+			}
+		}
+		if r.policy != polNone {
+			policies++
+		}
+	}
+	return states + len(pl.stateDel), policies + len(pl.polDel)
+}
+
+func planXfrm(d *desiredXfrm, a *actualXfrm, port int) *xfrmPlan {
+	pl := &xfrmPlan{}
+	wanted := map[stateKey]bool{}
+	// Inbound first, in a deterministic order.
+	keys := make([]stateKey, 0, len(d.states))
+	for k := range d.states {
+		keys = append(keys, k)
+	}
+	slices.SortFunc(keys, func(x, y stateKey) int {
+		if c := x.dst.Compare(y.dst); c != 0 {
+			return c
+		}
+		return int(int64(x.spi) - int64(y.spi))
+	})
+	outbound := map[netip.Addr]*stateChange{}
+	for _, k := range keys {
+		w := d.states[k]
+		wanted[k] = true
+		var ch *stateChange
+		if got, ok := a.states[k]; !ok {
+			ch = &stateChange{want: w}
+		} else if why := stateDiff(&got, w, port); why != "" {
+			ch = &stateChange{want: w, replace: true, why: why}
+		}
+		if ch == nil {
+			continue
+		}
+		if w.outbound {
+			outbound[w.remote] = ch
+		} else {
+			pl.inbound = append(pl.inbound, *ch)
+		}
+	}
+	pkeys := make([]polKey, 0, len(d.policies))
+	for k := range d.policies {
+		pkeys = append(pkeys, k)
+	}
+	slices.SortFunc(pkeys, func(x, y polKey) int { return x.dst.Addr().Compare(y.dst.Addr()) })
+	for _, k := range pkeys {
+		w := d.policies[k]
+		rc := remoteChange{key: k, want: w, sa: outbound[w.remote]}
+		if got, ok := a.policies[k]; !ok {
+			rc.policy = polAdd
+		} else if why := policyDiff(&got, k, w); why != "" {
+			rc.policy = polUpdate
+			if len(got.Tmpls) > 0 {
+				rc.oldSPI = uint32(got.Tmpls[0].Spi)
+			}
+		}
+		if rc.sa != nil || rc.policy != polNone {
+			pl.remotes = append(pl.remotes, rc)
+		}
+	}
+	for k, pol := range a.policies {
+		if _, ok := d.policies[k]; !ok {
+			pl.polDel = append(pl.polDel, pol)
+		}
+	}
+	pl.polDel = append(pl.polDel, a.strays...)
+	for k, s := range a.states {
+		if !wanted[k] {
+			pl.stateDel = append(pl.stateDel, s)
+		}
+	}
+	slices.SortFunc(pl.stateDel, func(x, y netlink.XfrmState) int { return x.Spi - y.Spi })
+	return pl
+}
+
+// xfrm operations, each counted and each error naming its object.
+
+func (p *Programmer) addState(w *wantState, port int) error {
+	p.stats.StateAdds++
+	err := p.nl.XfrmStateAdd(w.netlink(port))
+	if err != nil {
+		dir := "inbound"
+		if w.outbound {
+			dir = "outbound"
+		}
+		err = fmt.Errorf("failed to add %s SA spi 0x%08x src %v dst %v (epoch %d): %w", dir, w.key.spi, w.src, w.key.dst, w.epoch, err)
+	}
+	return err
+}
+
+func (p *Programmer) delState(s *netlink.XfrmState) error {
+	p.stats.StateDels++
+	err := p.nl.XfrmStateDel(&netlink.XfrmState{Src: s.Src, Dst: s.Dst, Proto: s.Proto, Spi: s.Spi, Mark: s.Mark})
+	if err != nil && !errors.Is(err, unix.ESRCH) && !errors.Is(err, unix.ENOENT) {
+		return fmt.Errorf("failed to delete SA spi 0x%08x src %v dst %v: %w", uint32(s.Spi), addrOf(s.Src), addrOf(s.Dst), err)
+	}
+	return nil
+}
+
+func (p *Programmer) setPolicy(k polKey, spi uint32, op int) error {
+	pol := k.netlink(spi)
+	var err error
+	if op == polAdd {
+		p.stats.PolicyAdds++
+		err = p.nl.XfrmPolicyAdd(pol)
+		if errors.Is(err, unix.EEXIST) {
+			p.stats.PolicyUpdates++
+			err = p.nl.XfrmPolicyUpdate(pol)
+		}
+	} else {
+		p.stats.PolicyUpdates++
+		err = p.nl.XfrmPolicyUpdate(pol)
+	}
+	if err != nil {
+		return fmt.Errorf("failed to set %v -> spi 0x%08x: %w", k, spi, err)
+	}
+	return nil
+}
+
+func (p *Programmer) delPolicy(pol *netlink.XfrmPolicy) error {
+	p.stats.PolicyDels++
+	err := p.nl.XfrmPolicyDel(&netlink.XfrmPolicy{Src: pol.Src, Dst: pol.Dst, Proto: pol.Proto, DstPort: pol.DstPort, SrcPort: pol.SrcPort, Dir: pol.Dir, Mark: pol.Mark, Ifindex: pol.Ifindex, Ifid: pol.Ifid})
+	if err != nil && !errors.Is(err, unix.ENOENT) {
+		return fmt.Errorf("failed to delete policy dir %v src %v dst %v dport %d: %w", pol.Dir, pol.Src, pol.Dst, pol.DstPort, err)
+	}
+	return nil
+}
+
+// execute applies pl. See Apply for the order and why it never opens a
+// clear-text window.
+func (p *Programmer) execute(pl *xfrmPlan, a *actualXfrm, port int) error {
+	var errs []error
+	var unsupportedErr error
+	apply := func(c *stateChange) error {
+		if unsupportedErr != nil {
+			return unsupportedErr
+		}
+		if c.replace {
+			old := a.states[c.want.key]
+			if err := p.delState(&old); err != nil {
+				return err
+			}
+		}
+		err := p.addState(c.want, port)
+		if err != nil && unsupported(err) {
+			unsupportedErr = fmt.Errorf("%w: %w", ErrKernelUnsupported, err)
+			return unsupportedErr
+		}
+		return err
+	}
+	// 1. Inbound SAs of every accepted epoch.
+	for i := range pl.inbound {
+		if err := apply(&pl.inbound[i]); err != nil && err != unsupportedErr {
+			errs = append(errs, err)
+		}
+	}
+	// 2. Per remote: the outbound SA, then the policy that points at it.
+	keep := map[stateKey]bool{}
+	for _, rc := range pl.remotes {
+		if rc.sa != nil {
+			if err := apply(rc.sa); err != nil {
+				if err != unsupportedErr {
+					errs = append(errs, err)
+				}
+				// Keep the remote as it was when its policy points at an SA
+				// that still exists: traffic continues with the old epoch.
+				// Otherwise the policy is still installed: with no SA it
+				// drops (and nftables drops what xfrm does not transform).
+				if rc.policy == polUpdate {
+					if _, ok := a.states[stateKey{rc.key.dst.Addr(), rc.oldSPI}]; ok {
+						keep[stateKey{rc.key.dst.Addr(), rc.oldSPI}] = true
+						continue
+					}
+				}
+			}
+		}
+		if rc.policy != polNone {
+			if err := p.setPolicy(rc.key, rc.want.spi, rc.policy); err != nil {
+				errs = append(errs, err)
+			}
+		}
+	}
+	// 3. Policies no longer desired.
+	for i := range pl.polDel {
+		if err := p.delPolicy(&pl.polDel[i]); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	// 4. SAs no longer desired: retired epochs, old outbound SAs, removed
+	// remotes.
+	for i := range pl.stateDel {
+		s := &pl.stateDel[i]
+		if keep[stateKey{addrOf(s.Dst), uint32(s.Spi)}] {
+			continue
+		}
+		if err := p.delState(s); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if unsupportedErr != nil {
+		errs = append([]error{unsupportedErr}, errs...)
+	}
+	return errors.Join(errs...)
+}
+
+// xfrmAudit lists the differences between the kernel's xfrm state and d.
+func xfrmAudit(d *desiredXfrm, a *actualXfrm, port int) []string {
+	var out []string
+	for k, w := range d.states {
+		dir := "inbound"
+		if w.outbound {
+			dir = "outbound"
+		}
+		got, ok := a.states[k]
+		if !ok {
+			out = append(out, fmt.Sprintf("xfrm: %s SA %v src %v (epoch %d) missing", dir, k, w.src, w.epoch))
+		} else if why := stateDiff(&got, w, port); why != "" {
+			out = append(out, fmt.Sprintf("xfrm: %s SA %v src %v (epoch %d): %s", dir, k, w.src, w.epoch, why))
+		}
+	}
+	for k, s := range a.states {
+		if _, ok := d.states[k]; !ok {
+			out = append(out, fmt.Sprintf("xfrm: SA %v src %v is ours but not desired", k, addrOf(s.Src)))
+		}
+	}
+	for k, w := range d.policies {
+		got, ok := a.policies[k]
+		if !ok {
+			out = append(out, fmt.Sprintf("xfrm: %v missing", k))
+		} else if why := policyDiff(&got, k, w); why != "" {
+			out = append(out, fmt.Sprintf("xfrm: %v: %s", k, why))
+		}
+	}
+	for k := range a.policies {
+		if _, ok := d.policies[k]; !ok {
+			out = append(out, fmt.Sprintf("xfrm: %v is ours but not desired", k))
+		}
+	}
+	for _, s := range a.strays {
+		out = append(out, fmt.Sprintf("xfrm: policy dir %v src %v dst %v has our reqid but is not one we install", s.Dir, s.Src, s.Dst))
+	}
+	out = append(out, errStrings(d.collisions)...)
+	return out
+}
+
+func errStrings(errs []error) []string {
+	var out []string
+	for _, e := range errs {
+		out = append(out, "xfrm: "+e.Error())
+	}
+	return out
+}

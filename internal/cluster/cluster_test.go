@@ -1,0 +1,474 @@
+package cluster
+
+import (
+	"fmt"
+	"net"
+	"net/netip"
+	"testing"
+	"time"
+
+	"github.com/hashicorp/memberlist"
+	"github.com/overlayd/overlayd/peerdb"
+)
+
+func hosts(prefix string, from, n int) []string {
+	var out []string
+	for i := range n {
+		out = append(out, fmt.Sprintf("%s%d", prefix, from+i))
+	}
+	return out
+}
+
+func checkAllViolations(t *testing.T, nodes []*node) {
+	t.Helper()
+	for _, n := range nodes {
+		n.sink.checkViolations(t, n.name)
+	}
+}
+
+// TestConvergeAddUpdateDelete: records added, updated and deleted on 4
+// nodes converge on every node, with correct prevs.
+func TestConvergeAddUpdateDelete(t *testing.T) {
+	t.Parallel()
+	nodes := startCluster(t, "conv", hosts("127.0.0.", 11, 4), 17901, nodeOpts{})
+	waitMembers(t, 10*time.Second, nodes)
+	for i, n := range nodes {
+		for j := range 3 {
+			n.publish(100, n.peer(fmt.Sprintf("%s-ep%d", n.name, j), fmt.Sprintf("10.100.%d.%d", i, j+2)))
+		}
+		n.publish(200, n.peer(n.name+"-x", fmt.Sprintf("10.200.%d.2", i)))
+	}
+	d := waitConverged(t, 10*time.Second, nodes)
+	t.Logf("adds converged in %v", d)
+
+	// Update: new IP and MAC (a move within the node).
+	for i, n := range nodes {
+		n.publish(100, n.peer(n.name+"-ep0", fmt.Sprintf("10.100.%d.99", i)))
+	}
+	d = waitConverged(t, 10*time.Second, nodes)
+	t.Logf("updates converged in %v", d)
+
+	// Delete.
+	for _, n := range nodes {
+		n.unpublish(100, n.name+"-ep1")
+		n.unpublish(200, n.name+"-x")
+	}
+	d = waitConverged(t, 10*time.Second, nodes)
+	t.Logf("deletes converged in %v", d)
+	checkAllViolations(t, nodes)
+
+	st := nodes[0].c.Status()
+	if len(st.Members) != 4 {
+		t.Errorf("status members: %+v", st.Members)
+	}
+	for _, m := range st.Members {
+		if m.State != StateAlive || m.Protocol != ProtocolVersion || !m.VTEP.IsValid() {
+			t.Errorf("member %+v", m)
+		}
+	}
+	want := map[uint32]VNIStatus{100: {VNI: 100, Local: 2, Remote: 6, Delivered: 6}}
+	for _, v := range st.VNIs {
+		if w, ok := want[v.VNI]; ok && v != w {
+			t.Errorf("VNI status %+v, want %+v", v, w)
+		}
+	}
+	if st.Node.KeyFingerprint != Fingerprint(testKey) || st.Node.KeyFingerprint == "" {
+		t.Errorf("fingerprint %q", st.Node.KeyFingerprint)
+	}
+	// Each (VNI) delivered in order and never concurrently: with 4 shards,
+	// at most 4 concurrent Sink calls.
+	if m := nodes[0].sink.maxConc.Load(); m > DefaultDeliveryShards {
+		t.Errorf("%d concurrent sink calls", m)
+	}
+}
+
+// TestReorderDuplicateConverges: packets duplicated and delayed at random
+// (so reordered) still converge to the final state, and the receivers did
+// see stale duplicates (the fault injection worked).
+func TestReorderDuplicateConverges(t *testing.T) {
+	t.Parallel()
+	nodes := startCluster(t, "dup", hosts("127.0.0.", 21, 3), 17902, nodeOpts{dupProb: 0.5, maxDelay: 40 * time.Millisecond})
+	waitMembers(t, 10*time.Second, nodes)
+	for round := range 15 {
+		for i, n := range nodes {
+			for j := range 6 {
+				id := fmt.Sprintf("%s-%d", n.name, j)
+				if round%5 == 4 && j%2 == 0 {
+					if _, ok := n.local[sinkKey{7, n.vtep, id}]; ok {
+						n.unpublish(7, id)
+					}
+					continue
+				}
+				n.publish(7, n.peer(id, fmt.Sprintf("10.7.%d.%d", i, 2+(round*6+j)%250)))
+			}
+		}
+		time.Sleep(3 * time.Millisecond) // spread the rounds over several packets (not synchronisation)
+	}
+	waitConverged(t, 15*time.Second, nodes)
+	checkAllViolations(t, nodes)
+	var stale uint64
+	for _, n := range nodes {
+		stale += n.c.Status().Stats.StaleRecords
+	}
+	if stale == 0 {
+		t.Errorf("no stale (duplicated/reordered) record was seen: fault injection ineffective")
+	}
+	t.Logf("stale records ignored: %d", stale)
+}
+
+// TestFailureDetectionAndRejoin: a node shut down without leaving has its
+// records removed everywhere within the failure-detection time, and they
+// come back when it rejoins (a new memberlist instance, same name).
+func TestFailureDetectionAndRejoin(t *testing.T) {
+	t.Parallel()
+	hs := hosts("127.0.0.", 31, 4)
+	nodes := startCluster(t, "fd", hs, 17903, nodeOpts{})
+	waitMembers(t, 10*time.Second, nodes)
+	for i, n := range nodes {
+		n.publish(33, n.peer(n.name+"-a", fmt.Sprintf("10.33.%d.2", i)))
+		n.publish(33, n.peer(n.name+"-b", fmt.Sprintf("10.33.%d.3", i)))
+	}
+	waitConverged(t, 10*time.Second, nodes)
+
+	victim := nodes[3]
+	rest := nodes[:3]
+	start := time.Now()
+	_ = victim.c.Shutdown()
+	// 4 nodes, defaults: first probe <= ~0.6 s, probe 0.3 s, suspicion
+	// 0.9 s (one confirmation) .. 3.6 s; allow slack for -race.
+	waitConverged(t, 10*time.Second, rest)
+	took := time.Since(start)
+	t.Logf("records of the failed node removed everywhere after %v", took)
+	for _, n := range rest {
+		if st := memberState(n.c, victim.name); st != StateDead {
+			t.Errorf("%s sees %s as %s", n.name, victim.name, st)
+		}
+	}
+
+	// Rejoin: a new instance with the same name and address, which
+	// publishes its endpoints again (one changed set).
+	victim.local = map[sinkKey]peerdb.Peer{}
+	victim.sink = newTestSink()
+	victim.start(nodeOpts{seeds: []string{nodes[0].addr()}})
+	victim.publish(33, victim.peer(victim.name+"-a", "10.33.3.2"))
+	victim.publish(33, victim.peer(victim.name+"-c", "10.33.3.4"))
+	waitMembers(t, 10*time.Second, nodes)
+	waitConverged(t, 10*time.Second, nodes)
+	checkAllViolations(t, nodes)
+}
+
+func memberState(c *Cluster, name string) MemberState {
+	for _, m := range c.Status().Members {
+		if m.Name == name {
+			return m.State
+		}
+	}
+	return ""
+}
+
+// TestQuickRestartNoFlap: a node that restarts before it is declared dead
+// (new incarnation while alive) re-publishes its records; the others keep
+// them in force across the restart (no delete, no event for unchanged
+// records) and take its new state.
+func TestQuickRestartNoFlap(t *testing.T) {
+	t.Parallel()
+	nodes := startCluster(t, "qr", hosts("127.0.0.", 41, 3), 17904, nodeOpts{})
+	waitMembers(t, 10*time.Second, nodes)
+	r := nodes[2]
+	r.publish(41, r.peer("keep", "10.41.0.2"))
+	r.publish(41, r.peer("drop", "10.41.0.3"))
+	waitConverged(t, 10*time.Second, nodes)
+	for _, n := range nodes[:2] {
+		n.sink.mu.Lock()
+		n.sink.keepEvents, n.sink.events = true, nil
+		n.sink.mu.Unlock()
+	}
+	// Restart: the new process publishes what it still has, then joins.
+	_ = r.c.Shutdown()
+	r.c = nil
+	r.local = map[sinkKey]peerdb.Peer{}
+	r.start(nodeOpts{seeds: []string{nodes[0].addr()}, tweak: func(c *Config) {}})
+	r.publish(41, r.peer("keep", "10.41.0.2"))
+	r.publish(41, r.peer("new", "10.41.0.4"))
+	waitConverged(t, 10*time.Second, nodes)
+	for _, n := range nodes[:2] {
+		if st := n.c.Status(); st.Stats.IncarnationChanges != 1 {
+			t.Skipf("%s: the restart was detected as a failure first (%+v): flap expected", n.name, st.Stats)
+		}
+		n.sink.mu.Lock()
+		for _, ev := range n.sink.events {
+			if ev.Prev != nil && ev.Prev.EndpointID == "keep" || ev.Next != nil && ev.Next.EndpointID == "keep" {
+				t.Errorf("%s: unchanged record flapped: %+v", n.name, ev)
+			}
+		}
+		n.sink.mu.Unlock()
+	}
+	checkAllViolations(t, nodes)
+}
+
+// TestPartitionHeals: two groups cut apart drop each other's records,
+// change their own meanwhile, and converge to one state when healed.
+func TestPartitionHeals(t *testing.T) {
+	t.Parallel()
+	part := &partition{}
+	hs := hosts("127.0.0.", 51, 5)
+	nodes := startCluster(t, "pt", hs, 17905, nodeOpts{part: part})
+	waitMembers(t, 10*time.Second, nodes)
+	for i, n := range nodes {
+		n.publish(51, n.peer(n.name+"-a", fmt.Sprintf("10.51.%d.2", i)))
+	}
+	waitConverged(t, 10*time.Second, nodes)
+
+	a, b := nodes[:2], nodes[2:]
+	part.set(hs[:2], hs[2:])
+	waitMembers(t, 15*time.Second, a)
+	waitMembers(t, 15*time.Second, b)
+	waitConverged(t, 10*time.Second, a)
+	waitConverged(t, 10*time.Second, b)
+	t.Log("partitioned: each side dropped the other's records")
+	// Changes on both sides while cut off.
+	a[0].publish(51, a[0].peer(a[0].name+"-a", "10.51.0.77"))
+	a[1].publish(52, a[1].peer(a[1].name+"-new", "10.52.1.2"))
+	b[0].unpublish(51, b[0].name+"-a")
+	b[2].publish(51, b[2].peer(b[2].name+"-new", "10.51.4.9"))
+	waitConverged(t, 10*time.Second, a)
+	waitConverged(t, 10*time.Second, b)
+
+	part.heal()
+	start := time.Now()
+	// Memberlist alone heals only while it still gossips to the dead
+	// (slowly, ~13 s here); the reconnect loop does it in about a second.
+	waitMembers(t, 8*time.Second, nodes)
+	waitConverged(t, 10*time.Second, nodes)
+	t.Logf("healed to one state in %v", time.Since(start))
+	checkAllViolations(t, nodes)
+}
+
+// TestWrongKeyRefused: a node with another key can neither join nor
+// inject records; a member with the right key cannot inject records for
+// a VTEP that is not its own or someone else's.
+func TestWrongKeyRefused(t *testing.T) {
+	t.Parallel()
+	nodes := startCluster(t, "wk", hosts("127.0.0.", 61, 3), 17906, nodeOpts{})
+	waitMembers(t, 10*time.Second, nodes)
+	for i, n := range nodes {
+		n.publish(61, n.peer(n.name+"-a", fmt.Sprintf("10.61.%d.2", i)))
+	}
+	waitConverged(t, 10*time.Second, nodes)
+	authFailed := func() uint64 { return nodes[0].c.Status().Dropped[DropGossipAuth] }
+	before := authFailed()
+
+	otherKey := []byte("another key of thirty-two bytes!")
+	x := startNode(t, "intruder", "127.0.0.64", 17906, nodeOpts{key: otherKey, seeds: []string{nodes[0].addr()}})
+	x.publish(61, x.peer("evil", "10.61.9.9"))
+	waitFor(t, 10*time.Second, "the intruder's join to be refused", func() (bool, string) {
+		return authFailed() > before, fmt.Sprint("auth failures ", authFailed())
+	})
+	// Inject directly: a delta claiming to come from a member, over UDP and
+	// TCP, encrypted with the wrong key.
+	forged := mustEncode(t, &message{Type: msgDelta, Origin: nodes[1].name, Incarnation: nodes[1].c.inc,
+		Records: []record{liveRec(61, "evil2", "10.61.9.10", nodes[1].host, uint64(time.Now().UnixNano()))}})
+	target := &memberlist.Node{Name: nodes[0].name, Addr: net.ParseIP(nodes[0].host), Port: uint16(nodes[0].port)}
+	mid := authFailed()
+	_ = x.c.ml.SendBestEffort(target, forged)
+	_ = x.c.ml.SendReliable(target, forged)
+	waitFor(t, 10*time.Second, "the injected messages to be refused", func() (bool, string) {
+		return authFailed() >= mid+2, fmt.Sprint("auth failures ", authFailed())
+	})
+	if n := x.c.ml.NumMembers(); n != 1 {
+		t.Errorf("intruder sees %d members", n)
+	}
+	for _, n := range nodes {
+		if memberState(n.c, "intruder") != "" {
+			t.Errorf("%s knows the intruder", n.name)
+		}
+		for k := range n.sink.snapshot() {
+			if k.ID == "evil" || k.ID == "evil2" {
+				t.Errorf("%s accepted %v", n.name, k)
+			}
+		}
+	}
+	if len(x.sink.snapshot()) != 0 {
+		t.Errorf("intruder received records: %v", x.sink.snapshot())
+	}
+
+	// Right key, wrong VTEP: node 2 forges a record of node 3 with another
+	// VTEP, and one of its own with node 3's VTEP.
+	for _, rec := range []record{
+		liveRec(61, "forged", "10.61.8.8", "10.99.99.99", uint64(time.Now().UnixNano())),
+		liveRec(61, "forged2", "10.61.8.9", nodes[2].host, uint64(time.Now().UnixNano())),
+	} {
+		origin := nodes[2]
+		if rec.EndpointID == "forged2" {
+			origin = nodes[1]
+		}
+		b := mustEncode(t, &message{Type: msgDelta, Origin: origin.name, Incarnation: origin.c.inc, Records: []record{rec}})
+		before := nodes[0].c.Status().Dropped[DropVTEPMatch]
+		if err := nodes[1].c.ml.SendBestEffort(target, b); err != nil {
+			t.Fatal(err)
+		}
+		waitFor(t, 5*time.Second, "the forged record to be dropped", func() (bool, string) {
+			return nodes[0].c.Status().Dropped[DropVTEPMatch] > before, ""
+		})
+	}
+	waitConverged(t, 5*time.Second, nodes)
+	checkAllViolations(t, nodes)
+}
+
+// TestBadInputCounted: bad messages from the network are dropped and
+// counted under the right reason, whether they arrive through memberlist
+// or directly; none changes the Sink.
+func TestBadInputCounted(t *testing.T) {
+	t.Parallel()
+	nodes := startCluster(t, "bad", hosts("127.0.0.", 71, 2), 17907, nodeOpts{})
+	waitMembers(t, 10*time.Second, nodes)
+	a, b := nodes[0], nodes[1]
+	b.publish(71, b.peer("ok", "10.71.0.2"))
+	waitConverged(t, 10*time.Second, nodes)
+
+	cases := badCases(t)
+	now := uint64(time.Now().UnixNano())
+	apply := []badCase{
+		{"vtep mismatch", mustEncode(t, &message{Type: msgDelta, Origin: b.name, Incarnation: b.c.inc,
+			Records: []record{liveRec(71, "x", "10.71.0.3", "10.9.9.9", now)}}), DropVTEPMatch},
+		{"unknown origin", mustEncode(t, &message{Type: msgDelta, Origin: "nobody", Incarnation: 1,
+			Records: []record{liveRec(71, "x", "10.71.0.3", "10.9.9.9", now)}}), DropUnknownOrig},
+		{"old incarnation", mustEncode(t, &message{Type: msgDelta, Origin: b.name, Incarnation: b.c.inc - 1,
+			Records: []record{liveRec(71, "x", "10.71.0.3", b.host, now)}}), DropIncarnation},
+		{"self origin", mustEncode(t, &message{Type: msgDelta, Origin: a.name, Incarnation: a.c.inc,
+			Records: []record{liveRec(71, "x", "10.71.0.3", a.host, now)}}), DropSelfOrigin},
+	}
+	cases = append(cases, apply...)
+	target := &memberlist.Node{Name: a.name, Addr: net.ParseIP(a.host), Port: uint16(a.port)}
+	for _, tc := range cases {
+		if len(tc.b) == 0 {
+			continue // memberlist does not deliver empty user messages
+		}
+		before := a.c.Status().Dropped
+		// Through the real network from b (encrypted with the right key),
+		// except the oversized one, which goes straight in (memberlist's
+		// own stream limit is 20 MiB; UDP cannot carry it).
+		if len(tc.b) > 1<<20 {
+			a.c.handleMessage(tc.b)
+		} else if err := b.c.ml.SendReliable(target, tc.b); err != nil {
+			t.Fatalf("%s: send: %v", tc.name, err)
+		}
+		waitFor(t, 5*time.Second, tc.name+" to be counted", func() (bool, string) {
+			after := a.c.Status().Dropped
+			for r, n := range after {
+				if r != tc.reason && n != before[r] && r != DropGossipAuth {
+					return false, fmt.Sprintf("counted under %s, want %s", r, tc.reason)
+				}
+			}
+			return after[tc.reason] == before[tc.reason]+1, fmt.Sprintf("%s: %d -> %d", tc.reason, before[tc.reason], after[tc.reason])
+		})
+	}
+	if d := diffState(a.sink.snapshot(), expectedFor(a, nodes)); d != "" {
+		t.Errorf("sink changed: %s", d)
+	}
+	checkAllViolations(t, nodes)
+	// Invalid local records are refused and counted.
+	bad := a.peer("local-bad", "224.0.0.1")
+	a.c.PublishLocalPeer(71, nil, &bad)
+	other := peerdb.Peer{EndpointID: "other-vtep", IP: netip.MustParseAddr("10.71.0.9"), MAC: peerdb.MACFromIP(netip.MustParseAddr("10.71.0.9")), VTEP: netip.MustParseAddr("10.1.1.1")}
+	a.c.PublishLocalPeer(71, nil, &other)
+	a.c.PublishLocalPeer(0, nil, &bad)
+	if n := a.c.Status().Dropped[DropLocalInvalid]; n != 3 {
+		t.Errorf("local_invalid = %d, want 3", n)
+	}
+}
+
+// TestLeaveRemovesAtOnce: a node that leaves is removed at once (no
+// failure detection) and shown as left.
+func TestLeaveRemovesAtOnce(t *testing.T) {
+	t.Parallel()
+	nodes := startCluster(t, "lv", hosts("127.0.0.", 81, 3), 17908, nodeOpts{})
+	waitMembers(t, 10*time.Second, nodes)
+	for i, n := range nodes {
+		n.publish(81, n.peer(n.name+"-a", fmt.Sprintf("10.81.%d.2", i)))
+	}
+	waitConverged(t, 10*time.Second, nodes)
+	if err := nodes[2].c.Leave(2 * time.Second); err != nil {
+		t.Fatal(err)
+	}
+	took := waitConverged(t, 5*time.Second, nodes[:2])
+	t.Logf("left node's records removed in %v", took)
+	for _, n := range nodes[:2] {
+		waitFor(t, 5*time.Second, "left state", func() (bool, string) {
+			s := memberState(n.c, nodes[2].name)
+			return s == StateLeft, string(s)
+		})
+	}
+	_ = nodes[2].c.Shutdown()
+	checkAllViolations(t, nodes)
+}
+
+// TestSeedsInBackground: New does not wait for seeds; a node whose seed
+// is not up yet joins once it is.
+func TestSeedsInBackground(t *testing.T) {
+	t.Parallel()
+	start := time.Now()
+	late := startNode(t, "sd2", "127.0.0.92", 17909, nodeOpts{seeds: []string{"127.0.0.91:17909"}})
+	if d := time.Since(start); d > 2*time.Second {
+		t.Errorf("New took %v with an unreachable seed", d)
+	}
+	late.publish(91, late.peer("l", "10.91.0.2"))
+	first := startNode(t, "sd1", "127.0.0.91", 17909, nodeOpts{})
+	first.publish(91, first.peer("f", "10.91.0.3"))
+	nodes := []*node{first, late}
+	waitMembers(t, 15*time.Second, nodes)
+	waitConverged(t, 10*time.Second, nodes)
+	// AddSeeds (swarm's DiscoverNew) joins a third node in.
+	third := startNode(t, "sd3", "127.0.0.93", 17909, nodeOpts{})
+	third.publish(91, third.peer("t", "10.91.0.4"))
+	first.c.AddSeeds(third.addr(), first.addr())
+	nodes = append(nodes, third)
+	waitMembers(t, 10*time.Second, nodes)
+	waitConverged(t, 10*time.Second, nodes)
+	checkAllViolations(t, nodes)
+}
+
+// TestSinkErrorKeepsGoing: a failing Sink is counted and delivery goes on.
+func TestSinkErrorKeepsGoing(t *testing.T) {
+	t.Parallel()
+	nodes := startCluster(t, "se", hosts("127.0.0.", 101, 2), 17910, nodeOpts{})
+	waitMembers(t, 10*time.Second, nodes)
+	nodes[0].sink.fail.Store(true)
+	nodes[1].publish(101, nodes[1].peer("a", "10.101.0.2"))
+	waitConverged(t, 10*time.Second, nodes)
+	nodes[1].publish(101, nodes[1].peer("b", "10.101.0.3"))
+	waitConverged(t, 10*time.Second, nodes)
+	if n := nodes[0].c.Status().Stats.SinkErrors; n < 2 {
+		t.Errorf("sink errors %d, want >= 2", n)
+	}
+	checkAllViolations(t, nodes)
+}
+
+// TestConfigValidation covers New's refusals.
+func TestConfigValidation(t *testing.T) {
+	base := func() Config {
+		return Config{NodeName: "n", BindAddr: netip.MustParseAddr("127.0.0.1"), BindPort: 17911, Key: testKey, Sink: newTestSink()}
+	}
+	for name, mod := range map[string]func(*Config){
+		"no name":       func(c *Config) { c.NodeName = "" },
+		"no key":        func(c *Config) { c.Key = nil },
+		"short key":     func(c *Config) { c.Key = []byte("short") },
+		"no sink":       func(c *Config) { c.Sink = nil },
+		"bad vtep":      func(c *Config) { c.VTEP = netip.MustParseAddr("224.0.0.1") },
+		"probe timeout": func(c *Config) { c.ProbeTimeout = time.Second },
+	} {
+		cfg := base()
+		mod(&cfg)
+		if c, err := New(cfg); err == nil {
+			c.Shutdown()
+			t.Errorf("%s: New succeeded", name)
+		}
+	}
+	cfg := DefaultConfig()
+	if err := cfg.normalize(); err == nil {
+		t.Error("DefaultConfig without identity normalized")
+	}
+	if cfg.BindPort != 7947 || cfg.BindPort == 7946 {
+		t.Errorf("default port %d", cfg.BindPort)
+	}
+}

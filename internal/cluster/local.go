@@ -1,0 +1,174 @@
+package cluster
+
+import (
+	"net/netip"
+	"sync"
+	"time"
+
+	"github.com/overlayd/overlayd/peerdb"
+)
+
+// localStore holds the records this node owns (its local endpoints). Its
+// lock is a leaf: nothing else is locked or called while it is held, so
+// PublishLocalPeer can be called under any of the caller's locks.
+type localStore struct {
+	mu    sync.Mutex
+	name  string
+	inc   uint64
+	vtep  netip.Addr
+	now   func() time.Time
+	clock uint64 // last version issued
+	recs  map[recKey]*lrec
+	live  int
+	hash  uint64
+	dirty map[recKey]struct{} // changed since the publisher last ran
+}
+
+type lrec struct {
+	rec record
+	at  time.Time // deletion time of a tombstone
+}
+
+func newLocalStore(name string, inc uint64, vtep netip.Addr, now func() time.Time) *localStore {
+	return &localStore{
+		name: name, inc: inc, vtep: vtep, now: now,
+		recs:  make(map[recKey]*lrec),
+		dirty: make(map[recKey]struct{}),
+	}
+}
+
+// tick issues the next version: max(last+1, wall clock in ns). Versions
+// order every change of one incarnation even if the clock steps back; a
+// restart gets a new incarnation, so versions never need to outlive one.
+// Expects l.mu held.
+func (l *localStore) tick() uint64 {
+	v := uint64(l.now().UnixNano())
+	if v <= l.clock {
+		v = l.clock + 1
+	}
+	l.clock = v
+	return v
+}
+
+// publish records a local change. It returns the reason next was refused
+// (it is then withdrawn: its key is published as deleted, so no stale
+// value stays in force elsewhere) and whether anything changed.
+func (l *localStore) publish(vni uint32, prev, next *peerdb.Peer) (DropReason, bool) {
+	if vni == 0 || vni > MaxVNI {
+		return DropInvalidVNI, false
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	var reason DropReason
+	changed := false
+	if next != nil {
+		r := record{VNI: vni, EndpointID: next.EndpointID, IP: next.IP, MAC: next.MAC, VTEP: next.VTEP, Version: 1}
+		reason = validRecord(&r)
+		if reason == "" && next.VTEP != l.vtep {
+			reason = DropVTEPMatch
+		}
+		if reason != "" {
+			if validEndpointID(next.EndpointID) {
+				changed = l.deleteLocked(recKey{vni, next.EndpointID}) || changed
+			}
+			next = nil
+		}
+	}
+	if prev != nil && (next == nil || prev.EndpointID != next.EndpointID) && validEndpointID(prev.EndpointID) {
+		changed = l.deleteLocked(recKey{vni, prev.EndpointID}) || changed
+	}
+	if next != nil {
+		k := recKey{vni, next.EndpointID}
+		cur := l.recs[k]
+		if cur == nil || cur.rec.Deleted || cur.rec.peer() != *next {
+			if cur != nil && !cur.rec.Deleted {
+				l.live--
+				l.hash -= recordHash(&cur.rec)
+			}
+			r := record{VNI: vni, EndpointID: next.EndpointID, IP: next.IP, MAC: next.MAC, VTEP: next.VTEP, Version: l.tick()}
+			l.recs[k] = &lrec{rec: r}
+			l.live++
+			l.hash += recordHash(&r)
+			l.dirty[k] = struct{}{}
+			changed = true
+		}
+	}
+	return reason, changed
+}
+
+// deleteLocked turns k's live record into a tombstone. Expects l.mu held.
+func (l *localStore) deleteLocked(k recKey) bool {
+	cur := l.recs[k]
+	if cur == nil || cur.rec.Deleted {
+		return false
+	}
+	l.live--
+	l.hash -= recordHash(&cur.rec)
+	l.recs[k] = &lrec{rec: record{VNI: k.VNI, EndpointID: k.EndpointID, Deleted: true, Version: l.tick()}, at: l.now()}
+	l.dirty[k] = struct{}{}
+	return true
+}
+
+// takeDirty returns the current value (record or tombstone) of every key
+// changed since the last call: changes in between are coalesced.
+func (l *localStore) takeDirty() []record {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if len(l.dirty) == 0 {
+		return nil
+	}
+	out := make([]record, 0, len(l.dirty))
+	for k := range l.dirty {
+		if r := l.recs[k]; r != nil {
+			out = append(out, r.rec)
+		}
+	}
+	clear(l.dirty)
+	return out
+}
+
+// snapshot returns the complete live set as of the current clock.
+func (l *localStore) snapshot() *message {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	m := &message{Type: msgSnapshot, Origin: l.name, Incarnation: l.inc, AsOf: l.clock,
+		Records: make([]record, 0, l.live)}
+	for _, r := range l.recs {
+		if !r.rec.Deleted {
+			m.Records = append(m.Records, r.rec)
+		}
+	}
+	return m
+}
+
+// digest summarises the live set as of the current clock.
+func (l *localStore) digest() *message {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return &message{Type: msgDigest, Origin: l.name, Incarnation: l.inc, AsOf: l.clock,
+		Count: uint64(l.live), Hash: l.hash}
+}
+
+// reap forgets tombstones older than ttl that were published.
+func (l *localStore) reap(now time.Time, ttl time.Duration) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for k, r := range l.recs {
+		if _, pending := l.dirty[k]; r.rec.Deleted && !pending && now.Sub(r.at) >= ttl {
+			delete(l.recs, k)
+		}
+	}
+}
+
+// counts returns per-VNI live record counts.
+func (l *localStore) counts() map[uint32]int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	c := make(map[uint32]int)
+	for k, r := range l.recs {
+		if !r.rec.Deleted {
+			c[k.VNI]++
+		}
+	}
+	return c
+}

@@ -1,0 +1,269 @@
+package cluster
+
+import (
+	"log/slog"
+	"math/rand/v2"
+	"sync"
+	"time"
+
+	"github.com/hashicorp/memberlist"
+)
+
+// dest is the sender to one alive member: a goroutine with a queue, so a
+// slow or unreachable member (TCP dial timeouts) delays nobody else.
+type dest struct {
+	name string
+	stop chan struct{} // closed (under Cluster.mu) when the member is gone
+	wake chan struct{}
+
+	mu     sync.Mutex
+	node   memberlist.Node // written with both Cluster.mu and mu held; read under either
+	queue  [][]byte        // encoded deltas, in order
+	queued int             // bytes in queue
+	// snapshot: send our complete snapshot (supersedes the queue);
+	// syncReq: ask the member for its snapshot; digest: latest digest.
+	snapshot, syncReq bool
+	digest            []byte
+}
+
+// maxQueued bounds a sender's queue; beyond it the queue is replaced by
+// one snapshot (which is built when sent, so it holds everything).
+const maxQueued = 8 << 20
+
+func newDest(n *memberlist.Node) *dest {
+	d := &dest{name: n.Name, stop: make(chan struct{}), wake: make(chan struct{}, 1)}
+	d.node = *n
+	d.node.Meta = nil
+	return d
+}
+
+func (d *dest) setNode(n *memberlist.Node) {
+	d.mu.Lock()
+	d.node = *n
+	d.node.Meta = nil
+	d.mu.Unlock()
+}
+
+func (d *dest) signal() {
+	select {
+	case d.wake <- struct{}{}:
+	default:
+	}
+}
+
+func (d *dest) enqueue(msgs [][]byte) {
+	d.mu.Lock()
+	if !d.snapshot {
+		for _, m := range msgs {
+			d.queue = append(d.queue, m)
+			d.queued += len(m)
+		}
+		if d.queued > maxQueued {
+			d.queue, d.queued, d.snapshot = nil, 0, true
+		}
+	}
+	d.mu.Unlock()
+	d.signal()
+}
+
+// sendLoop sends, in this order: a sync request, our snapshot (dropping
+// the deltas queued before it, which it contains), the queued deltas, and
+// the latest digest (after the deltas it summarises).
+func (c *Cluster) sendLoop(d *dest) {
+	select { // memberlist may report members before Create returns
+	case <-c.ready:
+	case <-d.stop:
+		return
+	}
+	backoff := 100 * time.Millisecond
+	for {
+		select {
+		case <-d.wake:
+		case <-d.stop:
+			return
+		}
+		for {
+			d.mu.Lock()
+			node := d.node
+			syncReq, snap, queue, digest := d.syncReq, d.snapshot, d.queue, d.digest
+			d.syncReq, d.snapshot, d.queue, d.queued, d.digest = false, false, nil, 0, nil
+			d.mu.Unlock()
+			if !syncReq && !snap && len(queue) == 0 && digest == nil {
+				break
+			}
+			if snap {
+				queue = nil
+			}
+			failed := false
+			if syncReq {
+				b, err := encodeMessage(&message{Type: msgSyncRequest, Origin: c.cfg.NodeName, Incarnation: c.inc})
+				if err == nil {
+					failed = c.send(&node, b) != nil
+				}
+			}
+			if snap && !failed {
+				b, err := encodeMessage(c.local.snapshot())
+				if err != nil {
+					c.logLimited(slog.LevelError, "snapshot", "cannot encode the local snapshot", "error", err)
+				} else if c.send(&node, b) != nil {
+					failed = true
+				}
+			}
+			for _, b := range queue {
+				if failed {
+					break
+				}
+				failed = c.send(&node, b) != nil
+			}
+			if digest != nil && !failed {
+				failed = c.send(&node, digest) != nil
+			}
+			if failed {
+				// Something may be lost: resend everything as a snapshot
+				// after a backoff (memberlist will declare the member dead
+				// if it is, which stops this sender).
+				d.mu.Lock()
+				d.snapshot, d.queue, d.queued = true, nil, 0
+				d.syncReq = d.syncReq || syncReq
+				d.mu.Unlock()
+				t := time.NewTimer(backoff + rand.N(backoff/2))
+				select {
+				case <-t.C:
+				case <-d.stop:
+					t.Stop()
+					return
+				}
+				backoff = min(2*backoff, 5*time.Second)
+				continue
+			}
+			backoff = 100 * time.Millisecond
+		}
+	}
+}
+
+// send sends b to n: one UDP packet if it fits, else over TCP.
+func (c *Cluster) send(n *memberlist.Node, b []byte) error {
+	var err error
+	if len(b) <= c.budget {
+		err = c.ml.SendBestEffort(n, b)
+	} else {
+		err = c.ml.SendReliable(n, b)
+	}
+	if err != nil {
+		c.sendErrors.Add(1)
+		c.logLimited(slog.LevelWarn, "send:"+n.Name, "sending to a member failed", "node", n.Name, "bytes", len(b), "error", err)
+		return err
+	}
+	c.msgsSent.Add(1)
+	c.bytesSent.Add(uint64(len(b)))
+	return nil
+}
+
+// publishLoop sends our changed records to every member as soon as they
+// change: whatever accumulated while the previous batch was being sent
+// goes in the next one (natural batching: a burst of 1,000 endpoints
+// becomes a few messages).
+func (c *Cluster) publishLoop() {
+	for {
+		select {
+		case <-c.pubWake:
+		case <-c.stop:
+			return
+		}
+		recs := c.local.takeDirty()
+		if len(recs) == 0 {
+			continue
+		}
+		msgs := c.encodeDeltas(recs)
+		c.mu.Lock()
+		ds := make([]*dest, 0, len(c.dests))
+		for _, d := range c.dests {
+			ds = append(ds, d)
+		}
+		c.mu.Unlock()
+		for _, d := range ds {
+			d.enqueue(msgs)
+		}
+		select {
+		case c.changed <- struct{}{}:
+		default:
+		}
+	}
+}
+
+// encodeDeltas packs records into UDP-sized deltas when they need at most
+// four packets, else into deltas of up to largeChunk for TCP.
+func (c *Cluster) encodeDeltas(recs []record) [][]byte {
+	total := 0
+	for i := range recs {
+		total += recordSize(&recs[i])
+	}
+	limit := c.budget
+	if total > 4*(c.budget-headerFixed-len(c.cfg.NodeName)-8) {
+		limit = largeChunk
+	}
+	e := newDeltaEncoder(c.cfg.NodeName, c.inc, limit)
+	for i := range recs {
+		e.add(&recs[i])
+	}
+	return e.messages()
+}
+
+// periodicLoop sends digests (DigestInterval after a change, then at
+// doubling intervals up to DigestMaxInterval), reaps tombstones and
+// expired graces, and resynchronises the delivery.
+func (c *Cluster) periodicLoop() {
+	jitter := func(d time.Duration) time.Duration {
+		return d - d/5 + rand.N(2*d/5+1)
+	}
+	step := c.cfg.DigestInterval
+	next := c.now().Add(step)
+	digest := time.NewTimer(jitter(step))
+	reap := time.NewTicker(250 * time.Millisecond)
+	resync := time.NewTicker(c.cfg.ResyncInterval)
+	defer digest.Stop()
+	defer reap.Stop()
+	defer resync.Stop()
+	for {
+		select {
+		case <-c.stop:
+			return
+		case <-c.changed:
+			// A change was sent: digest soon, then back off again.
+			step = c.cfg.DigestInterval
+			if d := next.Sub(c.now()); d > step {
+				next = c.now().Add(step)
+				digest.Reset(jitter(step))
+			}
+		case <-digest.C:
+			c.sendDigests()
+			step = min(2*step, c.cfg.DigestMaxInterval)
+			next = c.now().Add(step)
+			digest.Reset(jitter(step))
+		case <-reap.C:
+			now := c.now()
+			c.local.reap(now, c.cfg.TombstoneTTL)
+			c.mu.Lock()
+			c.store.reap(now, c.cfg.TombstoneTTL, c.cfg.ReconnectTimeout)
+			c.mu.Unlock()
+		case <-resync.C:
+			c.resync()
+		}
+	}
+}
+
+// sendDigests queues our digest to every member.
+func (c *Cluster) sendDigests() {
+	b, err := encodeMessage(c.local.digest())
+	if err != nil {
+		return
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for _, d := range c.dests {
+		d.mu.Lock()
+		d.digest = b
+		d.mu.Unlock()
+		d.signal()
+	}
+}

@@ -1,0 +1,182 @@
+package cluster
+
+import (
+	"cmp"
+	"math"
+	"net/netip"
+	"slices"
+	"time"
+
+	"github.com/overlayd/overlayd/peerdb"
+)
+
+// Status is a point-in-time view of this node's control plane, for
+// `overlayd status`. It never contains the key, only its fingerprint.
+type Status struct {
+	Node    NodeStatus            `json:"node"`
+	Members []MemberStatus        `json:"members"`
+	VNIs    []VNIStatus           `json:"vnis"`
+	Dropped map[DropReason]uint64 `json:"dropped"`
+	Stats   Stats                 `json:"stats"`
+}
+
+// NodeStatus describes this node.
+type NodeStatus struct {
+	Name           string     `json:"name"`
+	BindAddr       netip.Addr `json:"bind_addr"`
+	BindPort       int        `json:"bind_port"`
+	AdvertiseAddr  netip.Addr `json:"advertise_addr"`
+	AdvertisePort  int        `json:"advertise_port"`
+	VTEP           netip.Addr `json:"vtep"`
+	Incarnation    uint64     `json:"incarnation"`
+	Protocol       uint8      `json:"protocol"`
+	Label          string     `json:"label"`
+	KeyFingerprint string     `json:"key_fingerprint"`
+	HealthScore    int        `json:"health_score"` // memberlist's awareness: 0 is healthy
+	Seeds          []string   `json:"seeds,omitempty"`
+}
+
+// MemberStatus describes a member as this node sees it (this node
+// included).
+type MemberStatus struct {
+	Name        string      `json:"name"`
+	Addr        netip.Addr  `json:"addr"`
+	Port        uint16      `json:"port"`
+	VTEP        netip.Addr  `json:"vtep"`
+	State       MemberState `json:"state"`
+	Protocol    uint8       `json:"protocol"` // highest protocol version it speaks
+	Incarnation uint64      `json:"incarnation,omitempty"`
+	Records     int         `json:"records"` // its live records held here
+	Since       time.Time   `json:"since"`
+	LastHeard   time.Time   `json:"last_heard,omitzero"` // last control-plane message from it
+	RTT         string      `json:"rtt,omitempty"`       // last direct probe round trip
+	Error       string      `json:"error,omitempty"`     // unusable metadata
+	Self        bool        `json:"self,omitempty"`
+}
+
+// VNIStatus counts the records of one VNI.
+type VNIStatus struct {
+	VNI       uint32 `json:"vni"`
+	Local     int    `json:"local"`     // records this node publishes
+	Remote    int    `json:"remote"`    // remote records in force
+	Delivered int    `json:"delivered"` // remote records delivered to the Sink
+}
+
+// Stats are counters since start.
+type Stats struct {
+	MessagesSent       uint64 `json:"messages_sent"`
+	BytesSent          uint64 `json:"bytes_sent"`
+	SendErrors         uint64 `json:"send_errors"`
+	MessagesReceived   uint64 `json:"messages_received"`
+	Deltas             uint64 `json:"deltas"`
+	Snapshots          uint64 `json:"snapshots"`
+	StaleSnapshots     uint64 `json:"stale_snapshots"`
+	Digests            uint64 `json:"digests"`
+	DigestMatches      uint64 `json:"digest_matches"`
+	DigestMismatches   uint64 `json:"digest_mismatches"`
+	StaleRecords       uint64 `json:"stale_records"` // older than held: reordered or duplicated
+	SyncRequests       uint64 `json:"sync_requests"`
+	IncarnationChanges uint64 `json:"incarnation_changes"`
+	MemberFailures     uint64 `json:"member_failures"` // members declared dead
+	EventsDelivered    uint64 `json:"events_delivered"`
+	SinkErrors         uint64 `json:"sink_errors"`
+}
+
+// Status returns the current status.
+func (c *Cluster) Status() Status {
+	st := Status{
+		Node: NodeStatus{
+			Name: c.cfg.NodeName, BindAddr: c.cfg.BindAddr, BindPort: c.cfg.BindPort,
+			AdvertiseAddr: c.cfg.AdvertiseAddr, AdvertisePort: c.cfg.AdvertisePort,
+			VTEP: c.cfg.VTEP, Incarnation: c.inc, Protocol: ProtocolVersion, Label: c.cfg.Label,
+			KeyFingerprint: Fingerprint(c.cfg.Key),
+		},
+		Dropped: make(map[DropReason]uint64),
+	}
+	if !c.closed.Load() {
+		st.Node.HealthScore = c.ml.GetHealthScore()
+	}
+	c.joiner.mu.Lock()
+	for a := range c.joiner.seed {
+		st.Node.Seeds = append(st.Node.Seeds, a)
+	}
+	c.joiner.mu.Unlock()
+	slices.Sort(st.Node.Seeds)
+	local := c.local.counts()
+	vnis := make(map[uint32]*VNIStatus)
+	vs := func(vni uint32) *VNIStatus {
+		v := vnis[vni]
+		if v == nil {
+			v = &VNIStatus{VNI: vni}
+			vnis[vni] = v
+		}
+		return v
+	}
+	for vni, n := range local {
+		vs(vni).Local = n
+	}
+	now := c.now()
+
+	c.mu.Lock()
+	alive := 0
+	for _, m := range c.store.members {
+		if m.state == StateAlive {
+			alive++
+		}
+	}
+	// Memberlist declares a suspect dead or hears it refute within the
+	// maximum suspicion time; past that, a stale suspicion means nothing.
+	suspicionMax := time.Duration(float64(c.cfg.SuspicionMaxTimeoutMult*c.cfg.SuspicionMult) *
+		max(1, math.Log10(float64(alive))) * float64(c.cfg.ProbeInterval))
+	for name, m := range c.store.members {
+		ms := MemberStatus{Name: name, Port: m.node.Port, State: m.state, Since: m.since,
+			LastHeard: m.lastHeard, Self: name == c.cfg.NodeName}
+		if ip, ok := netip.AddrFromSlice(m.node.Addr); ok {
+			ms.Addr = ip.Unmap()
+		}
+		if m.metaErr != nil {
+			ms.Error = m.metaErr.Error()
+		} else {
+			ms.VTEP, ms.Protocol, ms.Incarnation = m.meta.VTEP, m.meta.ProtoMax, m.meta.Incarnation
+		}
+		if ms.Self {
+			ms.Protocol, ms.Incarnation, ms.VTEP, ms.LastHeard = ProtocolVersion, c.inc, c.cfg.VTEP, time.Time{}
+		} else if m.state == StateAlive && !m.suspectSince.IsZero() && now.Sub(m.suspectSince) < suspicionMax {
+			ms.State = StateSuspect
+		}
+		if m.rtt > 0 {
+			ms.RTT = m.rtt.String()
+		}
+		if o := c.store.origins[name]; o != nil {
+			ms.Records = o.live
+		}
+		st.Members = append(st.Members, ms)
+	}
+	c.store.eachEffective(func(vni uint32, _ pkey, _ peerdb.Peer) { vs(vni).Remote++ })
+	for vni, del := range c.delivered {
+		vs(vni).Delivered = len(del)
+	}
+	ss := c.store.stats
+	c.mu.Unlock()
+
+	slices.SortFunc(st.Members, func(a, b MemberStatus) int { return cmp.Compare(a.Name, b.Name) })
+	for _, v := range vnis {
+		st.VNIs = append(st.VNIs, *v)
+	}
+	slices.SortFunc(st.VNIs, func(a, b VNIStatus) int { return cmp.Compare(a.VNI, b.VNI) })
+	c.dropMu.Lock()
+	for r, n := range c.dropped {
+		st.Dropped[r] = n
+	}
+	c.dropMu.Unlock()
+	st.Stats = Stats{
+		MessagesSent: c.msgsSent.Load(), BytesSent: c.bytesSent.Load(), SendErrors: c.sendErrors.Load(),
+		MessagesReceived: c.msgsReceived.Load(),
+		Deltas:           ss.Deltas, Snapshots: ss.Snapshots, StaleSnapshots: ss.StaleSnapshots,
+		Digests: ss.Digests, DigestMatches: ss.DigestMatches, DigestMismatches: ss.DigestMismatches,
+		StaleRecords: ss.StaleRecords, SyncRequests: ss.SyncRequests, IncarnationChanges: ss.IncarnationChanges,
+		MemberFailures:  ss.MemberFailures,
+		EventsDelivered: c.eventsOut.Load(), SinkErrors: c.sinkErrors.Load(),
+	}
+	return st
+}

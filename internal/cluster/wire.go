@@ -1,0 +1,289 @@
+package cluster
+
+import (
+	"encoding/binary"
+	"encoding/hex"
+	"errors"
+	"net/netip"
+
+	"github.com/overlayd/overlayd/peerdb"
+)
+
+// Wire format, version 1. Every message is carried as a memberlist user
+// message (UDP packet or TCP stream, encrypted and authenticated by the
+// memberlist keyring) or as the user state of a memberlist push/pull.
+//
+//	message   = version:u8 (=1) type:u8 origin incarnation:u64be body
+//	origin    = len:u8 (1..255) name (UTF-8)
+//	body      = delta | snapshot | digest | syncRequest | leave
+//	delta     = count:uvarint record*count           (type 1)
+//	snapshot  = asOf:uvarint count:uvarint record*count (type 2, live records only)
+//	digest    = asOf:uvarint count:uvarint hash:u64be (type 3)
+//	syncRequest = (empty)                            (type 4)
+//	leave     = (empty)                              (type 5)
+//	record    = vni:u24be flags:u8 id version:uvarint [value]
+//	flags     = bit 0 deleted, bit 1 id is hex-packed; other bits zero
+//	id        = len:u8 (1..255) bytes   (hex-packed: the bytes of a
+//	            lowercase hex string of even length, the string is 2*len)
+//	value     = ip:4 mac:6 vtepFamily:u8 (4|6) vtep:4|16   (absent if deleted)
+//
+// Nothing may follow the last field. The decoder (decode.go) validates the
+// whole message before anything is applied.
+
+const (
+	wireVersion byte = 1
+
+	msgDelta       byte = 1
+	msgSnapshot    byte = 2
+	msgDigest      byte = 3
+	msgSyncRequest byte = 4
+	msgLeave       byte = 5
+
+	flagDeleted byte = 1 << 0
+	flagHexID   byte = 1 << 1
+	knownFlags       = flagDeleted | flagHexID
+
+	// maxMessageBytes bounds a decoded message (memberlist itself reads at
+	// most 20 MiB of user message or push/pull state).
+	maxMessageBytes = 16 << 20
+	// maxRecords bounds the record count of one message.
+	maxRecords = 1 << 20
+	// maxNameLen and maxEndpointIDLen bound the strings of the wire format.
+	maxNameLen       = 255
+	maxEndpointIDLen = 255
+	// MaxVNI is the largest VXLAN network identifier (24 bits).
+	MaxVNI = 1<<24 - 1
+
+	// headerFixed is version, type, name length and incarnation.
+	headerFixed = 1 + 1 + 1 + 8
+	// minRecordLen is the smallest encoded record (a tombstone with a
+	// one-byte id and a one-byte version).
+	minRecordLen = 3 + 1 + 1 + 1 + 1
+)
+
+// record is one peer record of an origin node on the wire and in the
+// stores. VTEP, IP and MAC are meaningful only if !Deleted.
+type record struct {
+	VNI        uint32
+	EndpointID string
+	Version    uint64
+	Deleted    bool
+	IP         netip.Addr
+	MAC        peerdb.MAC
+	VTEP       netip.Addr
+}
+
+func (r *record) key() recKey { return recKey{VNI: r.VNI, EndpointID: r.EndpointID} }
+
+func (r *record) peer() peerdb.Peer {
+	return peerdb.Peer{EndpointID: r.EndpointID, IP: r.IP, MAC: r.MAC, VTEP: r.VTEP}
+}
+
+// recKey identifies a record within its origin.
+type recKey struct {
+	VNI        uint32
+	EndpointID string
+}
+
+// message is a decoded wire message.
+type message struct {
+	Type        byte
+	Origin      string
+	Incarnation uint64
+	AsOf        uint64 // snapshot, digest: the origin's clock when built
+	Count       uint64 // digest: number of live records
+	Hash        uint64 // digest: sum of the live records' hashes
+	Records     []record
+}
+
+var errEncode = errors.New("cluster: message cannot be encoded")
+
+// hexID reports whether id is packed as hex on the wire: a lowercase hex
+// string of even length (Docker's 64-digit ids travel as 32 bytes).
+func hexID(id string) bool {
+	if len(id) == 0 || len(id)%2 != 0 || len(id) > maxEndpointIDLen {
+		return false
+	}
+	for i := 0; i < len(id); i++ {
+		c := id[i]
+		if !(c >= '0' && c <= '9' || c >= 'a' && c <= 'f') {
+			return false
+		}
+	}
+	return true
+}
+
+// recordSize is the encoded size of r.
+func recordSize(r *record) int {
+	n := 3 + 1 + 1 + uvarintLen(r.Version)
+	if hexID(r.EndpointID) {
+		n += len(r.EndpointID) / 2
+	} else {
+		n += len(r.EndpointID)
+	}
+	if !r.Deleted {
+		n += 4 + 6 + 1
+		if r.VTEP.Is4() {
+			n += 4
+		} else {
+			n += 16
+		}
+	}
+	return n
+}
+
+func uvarintLen(v uint64) int {
+	n := 1
+	for v >= 0x80 {
+		v >>= 7
+		n++
+	}
+	return n
+}
+
+// appendHeader appends version, type, origin and incarnation.
+func appendHeader(b []byte, typ byte, origin string, inc uint64) []byte {
+	b = append(b, wireVersion, typ, byte(len(origin)))
+	b = append(b, origin...)
+	return binary.BigEndian.AppendUint64(b, inc)
+}
+
+// appendRecord appends r; r must be valid (see validRecordValue).
+func appendRecord(b []byte, r *record) []byte {
+	b = append(b, byte(r.VNI>>16), byte(r.VNI>>8), byte(r.VNI))
+	var flags byte
+	if r.Deleted {
+		flags |= flagDeleted
+	}
+	packed := hexID(r.EndpointID)
+	if packed {
+		flags |= flagHexID
+	}
+	b = append(b, flags)
+	if packed {
+		b = append(b, byte(len(r.EndpointID)/2))
+		b, _ = hex.AppendDecode(b, []byte(r.EndpointID)) // hexID checked the digits
+	} else {
+		b = append(b, byte(len(r.EndpointID)))
+		b = append(b, r.EndpointID...)
+	}
+	b = binary.AppendUvarint(b, r.Version)
+	if !r.Deleted {
+		ip := r.IP.As4()
+		b = append(b, ip[:]...)
+		b = append(b, r.MAC[:]...)
+		if r.VTEP.Is4() {
+			v := r.VTEP.As4()
+			b = append(b, 4)
+			b = append(b, v[:]...)
+		} else {
+			v := r.VTEP.As16()
+			b = append(b, 6)
+			b = append(b, v[:]...)
+		}
+	}
+	return b
+}
+
+// encodeMessage encodes m. It fails only for a message the decoder would
+// reject (bad strings or records, too large): the encoder never produces
+// what the decoder refuses.
+func encodeMessage(m *message) ([]byte, error) {
+	if err := checkName(m.Origin); err != nil || m.Incarnation == 0 {
+		return nil, errEncode
+	}
+	size := headerFixed + len(m.Origin) + 3*binary.MaxVarintLen64 + 8
+	for i := range m.Records {
+		r := &m.Records[i]
+		if reason := validRecord(r); reason != "" {
+			return nil, errEncode
+		}
+		if m.Type == msgSnapshot && r.Deleted {
+			return nil, errEncode
+		}
+		size += recordSize(r)
+	}
+	if len(m.Records) > maxRecords {
+		return nil, errEncode
+	}
+	b := make([]byte, 0, size)
+	b = appendHeader(b, m.Type, m.Origin, m.Incarnation)
+	switch m.Type {
+	case msgDelta:
+		b = binary.AppendUvarint(b, uint64(len(m.Records)))
+		for i := range m.Records {
+			b = appendRecord(b, &m.Records[i])
+		}
+	case msgSnapshot:
+		b = binary.AppendUvarint(b, m.AsOf)
+		b = binary.AppendUvarint(b, uint64(len(m.Records)))
+		for i := range m.Records {
+			b = appendRecord(b, &m.Records[i])
+		}
+	case msgDigest:
+		if len(m.Records) != 0 {
+			return nil, errEncode
+		}
+		b = binary.AppendUvarint(b, m.AsOf)
+		b = binary.AppendUvarint(b, m.Count)
+		b = binary.BigEndian.AppendUint64(b, m.Hash)
+	case msgSyncRequest, msgLeave:
+		if len(m.Records) != 0 {
+			return nil, errEncode
+		}
+	default:
+		return nil, errEncode
+	}
+	if len(b) > maxMessageBytes {
+		return nil, errEncode
+	}
+	return b, nil
+}
+
+// deltaEncoder packs records into delta messages of at most limit bytes.
+type deltaEncoder struct {
+	origin string
+	inc    uint64
+	limit  int
+	out    [][]byte
+	cur    []byte
+	count  int
+	recs   []byte
+}
+
+func newDeltaEncoder(origin string, inc uint64, limit int) *deltaEncoder {
+	return &deltaEncoder{origin: origin, inc: inc, limit: limit}
+}
+
+func (e *deltaEncoder) headerLen() int {
+	return headerFixed + len(e.origin) + binary.MaxVarintLen32
+}
+
+// add appends r (valid) to the current message, starting a new one when
+// the limit would be exceeded.
+func (e *deltaEncoder) add(r *record) {
+	if e.count > 0 && e.headerLen()+len(e.recs)+recordSize(r) > e.limit {
+		e.flush()
+	}
+	e.recs = appendRecord(e.recs, r)
+	e.count++
+}
+
+func (e *deltaEncoder) flush() {
+	if e.count == 0 {
+		return
+	}
+	b := make([]byte, 0, headerFixed+len(e.origin)+binary.MaxVarintLen32+len(e.recs))
+	b = appendHeader(b, msgDelta, e.origin, e.inc)
+	b = binary.AppendUvarint(b, uint64(e.count))
+	b = append(b, e.recs...)
+	e.out = append(e.out, b)
+	e.recs = e.recs[:0]
+	e.count = 0
+}
+
+// messages flushes and returns the encoded messages.
+func (e *deltaEncoder) messages() [][]byte {
+	e.flush()
+	return e.out
+}

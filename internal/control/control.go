@@ -1,0 +1,149 @@
+// Package control serves overlayd's local control API on a unix socket
+// (mode 0600: root only) and is its client: `overlayd status` and
+// `overlayd keys rotate` talk to a running daemon through it.
+package control
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"time"
+)
+
+// Handlers are the daemon's answers. Each may be nil (501).
+type Handlers struct {
+	Status func() any
+	// Rotate starts a cluster-wide key rotation and returns what the new
+	// target is.
+	Rotate func() (any, error)
+}
+
+// Server is a running control socket.
+type Server struct {
+	srv  *http.Server
+	path string
+}
+
+// Serve listens on path (replacing a stale socket) and serves h until Close.
+func Serve(path string, h Handlers) (*Server, error) {
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		return nil, fmt.Errorf("failed to create control socket directory for %s: %w", path, err)
+	}
+	if c, err := net.DialTimeout("unix", path, time.Second); err == nil {
+		c.Close()
+		return nil, fmt.Errorf("control socket %s is in use by another process", path)
+	}
+	os.Remove(path)
+	// Create the socket with no access for others from the first moment.
+	l, err := listenPrivate(path)
+	if err != nil {
+		return nil, err
+	}
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /v1/status", func(w http.ResponseWriter, r *http.Request) {
+		if h.Status == nil {
+			http.Error(w, "status is not available", http.StatusNotImplemented)
+			return
+		}
+		writeJSON(w, http.StatusOK, h.Status())
+	})
+	mux.HandleFunc("POST /v1/keys/rotate", func(w http.ResponseWriter, r *http.Request) {
+		if h.Rotate == nil {
+			http.Error(w, "key rotation is not available", http.StatusNotImplemented)
+			return
+		}
+		res, err := h.Rotate()
+		if err != nil {
+			writeJSON(w, http.StatusConflict, map[string]string{"error": err.Error()})
+			return
+		}
+		writeJSON(w, http.StatusOK, res)
+	})
+	s := &Server{srv: &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}, path: path}
+	go s.srv.Serve(l)
+	return s, nil
+}
+
+func listenPrivate(path string) (net.Listener, error) {
+	// The umask applies to the socket file bind() creates.
+	old := umask(0o177)
+	l, err := net.Listen("unix", path)
+	umask(old)
+	if err != nil {
+		return nil, fmt.Errorf("failed to listen on control socket %s: %w", path, err)
+	}
+	if err := os.Chmod(path, 0o600); err != nil {
+		l.Close()
+		return nil, fmt.Errorf("failed to set mode of %s: %w", path, err)
+	}
+	return l, nil
+}
+
+// Close stops serving and removes the socket.
+func (s *Server) Close() error {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	err := s.srv.Shutdown(ctx)
+	os.Remove(s.path)
+	return err
+}
+
+func writeJSON(w http.ResponseWriter, code int, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(code)
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	enc.Encode(v)
+}
+
+// Client talks to a daemon's control socket.
+type Client struct {
+	path string
+	http *http.Client
+}
+
+// NewClient returns a client for the socket at path.
+func NewClient(path string) *Client {
+	return &Client{path: path, http: &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{
+		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+			return (&net.Dialer{}).DialContext(ctx, "unix", path)
+		},
+	}}}
+}
+
+// Get fetches path (e.g. "/v1/status") and returns the raw JSON body.
+func (c *Client) Get(p string) ([]byte, error) { return c.do(http.MethodGet, p) }
+
+// Post posts to path and returns the raw JSON body.
+func (c *Client) Post(p string) ([]byte, error) { return c.do(http.MethodPost, p) }
+
+func (c *Client) do(method, p string) ([]byte, error) {
+	req, _ := http.NewRequest(method, "http://overlayd"+p, nil)
+	resp, err := c.http.Do(req)
+	if err != nil {
+		var ne *net.OpError
+		if errors.As(err, &ne) {
+			return nil, fmt.Errorf("cannot reach overlayd's control socket %s (is overlayd running? see --control-socket): %w", c.path, err)
+		}
+		return nil, err
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(io.LimitReader(resp.Body, 64<<20))
+	if err != nil {
+		return nil, err
+	}
+	if resp.StatusCode != http.StatusOK {
+		var e struct{ Error string }
+		if json.Unmarshal(body, &e) == nil && e.Error != "" {
+			return nil, errors.New(e.Error)
+		}
+		return nil, fmt.Errorf("%s %s: %s: %s", method, p, resp.Status, body)
+	}
+	return body, nil
+}

@@ -1,0 +1,264 @@
+package peerdb
+
+import (
+	"fmt"
+	"slices"
+)
+
+// fdbKeys returns the number of FDB records indexed.
+func fdbKeys(db *DB) int {
+	n := 0
+	for i := range db.fdbIdx {
+		n += db.fdbIdx[i].len()
+	}
+	return n
+}
+
+// entries returns the contents of x, after checking its structure: the count
+// and that every key is found from its home slot.
+func entries(x *index) (map[uint64]int32, error) {
+	m := map[uint64]int32{}
+	for i, s := range x.slots {
+		if s.val == 0 {
+			continue
+		}
+		if s.val < 0 {
+			return nil, fmt.Errorf("slot %d: value %d", i, s.val-1)
+		}
+		if _, dup := m[s.key()]; dup {
+			return nil, fmt.Errorf("key %#x twice", s.key())
+		}
+		if j, ok := x.find(s.key()); !ok || j != i {
+			return nil, fmt.Errorf("key %#x in slot %d found at %d %v", s.key(), i, j, ok)
+		}
+		m[s.key()] = s.val - 1
+	}
+	if len(m) != x.n {
+		return nil, fmt.Errorf("%d keys, n = %d", len(m), x.n)
+	}
+	if len(x.slots) != 0 && (len(x.slots)&(len(x.slots)-1) != 0 || len(x.slots) < minSlots || x.n*4 > len(x.slots)*3) {
+		return nil, fmt.Errorf("%d keys in %d slots", x.n, len(x.slots))
+	}
+	return m, nil
+}
+
+// checkInvariants verifies the internal consistency of db's indexes between
+// mutations: every index agrees with the entries, cached values with their
+// recomputation, and nothing unused is left allocated.
+func checkInvariants(db *DB) error {
+	// Claims.
+	byIP, err := entries(&db.byIP)
+	if err != nil {
+		return fmt.Errorf("byIP: %v", err)
+	}
+	if len(byIP)+len(db.freeClaims) != len(db.claims) {
+		return fmt.Errorf("%d claims indexed + %d free != %d slots", len(byIP), len(db.freeClaims), len(db.claims))
+	}
+	used := make([]bool, len(db.claims))
+	for ip64, ci := range byIP {
+		ip := uint32(ip64)
+		if uint64(ip) != ip64 {
+			return fmt.Errorf("byIP key %#x", ip64)
+		}
+		if ci < 0 || int(ci) >= len(db.claims) || used[ci] {
+			return fmt.Errorf("claim index %d of %s bad or shared", ci, addr4(ip))
+		}
+		used[ci] = true
+		c := &db.claims[ci]
+		if c.ip != ip {
+			return fmt.Errorf("claim %d: ip %s indexed under %s", ci, addr4(c.ip), addr4(ip))
+		}
+		if s, ok := db.subnet4(ip); !ok || int(c.sub) != s {
+			return fmt.Errorf("claim %s: subnet %d, want %d %v", addr4(ip), c.sub, s, ok)
+		}
+		if c.empty() {
+			return fmt.Errorf("claim %s is empty", addr4(ip))
+		}
+		if c.mark > db.tx.id {
+			return fmt.Errorf("claim %s: mark %d > txn %d", addr4(ip), c.mark, db.tx.id)
+		}
+		if c.x != nil {
+			if len(c.x.remotes) == 0 && len(c.x.locals) == 0 {
+				return fmt.Errorf("claim %s: empty extra", addr4(ip))
+			}
+			if c.id == "" && len(c.x.remotes) > 0 {
+				return fmt.Errorf("claim %s: remotes without a head", addr4(ip))
+			}
+			h := c.head()
+			for i := range c.x.remotes {
+				r := &c.x.remotes[i]
+				if !db.lessRemote(&h, r) {
+					return fmt.Errorf("claim %s: head %+v is not below %+v", addr4(ip), h, *r)
+				}
+				for j := range i {
+					if c.x.remotes[j] == *r {
+						return fmt.Errorf("claim %s: remote %+v twice", addr4(ip), *r)
+					}
+				}
+			}
+			for i, l := range c.x.locals {
+				if l.IP != addr4(ip) || db.local[l.EndpointID] != l {
+					return fmt.Errorf("claim %s: local %v not in the local table", addr4(ip), l)
+				}
+				if i > 0 && l.EndpointID <= c.x.locals[0].EndpointID {
+					return fmt.Errorf("claim %s: locals[0] is not the smallest", addr4(ip))
+				}
+			}
+		}
+	}
+	for _, ci := range db.freeClaims {
+		if used[ci] {
+			return fmt.Errorf("claim %d both used and free", ci)
+		}
+		used[ci] = true
+		if db.claims[ci] != (claim{}) {
+			return fmt.Errorf("free claim %d not cleared", ci)
+		}
+	}
+
+	// Entry counts and the local table.
+	nRemote, nLocal, nNeigh := 0, 0, 0
+	vrefs := make([]int32, len(db.vteps.addr))
+	for _, ci := range byIP {
+		c := &db.claims[ci]
+		if c.id != "" {
+			nRemote++
+			vrefs[c.vtep]++
+		}
+		if c.x != nil {
+			nRemote += len(c.x.remotes)
+			nLocal += len(c.x.locals)
+			for _, r := range c.x.remotes {
+				vrefs[r.vtep]++
+			}
+		}
+		if c.contrib().ok {
+			nNeigh++
+		}
+	}
+	if nRemote != db.nRemote || nLocal != len(db.local) || nNeigh != db.nNeigh {
+		return fmt.Errorf("counts: remote %d/%d local %d/%d neigh %d/%d", nRemote, db.nRemote, nLocal, len(db.local), nNeigh, db.nNeigh)
+	}
+
+	// FDB records.
+	if fdbKeys(db)+len(db.freeFDB) != len(db.fdbs) {
+		return fmt.Errorf("%d FDB records indexed + %d free != %d slots", fdbKeys(db), len(db.freeFDB), len(db.fdbs))
+	}
+	type key struct {
+		sub int
+		mac uint64
+	}
+	props := map[key][]int32{}
+	for _, ci := range byIP {
+		c := &db.claims[ci]
+		if k := c.contrib(); k.ok {
+			kk := key{int(c.sub), macKey(k.mac)}
+			props[kk] = append(props[kk], ci)
+		}
+	}
+	locals := map[key]int32{}
+	for _, l := range db.local {
+		s, _ := db.subnet4(ip4(l.IP))
+		locals[key{s, macKey(l.MAC)}]++
+	}
+	fused := make([]bool, len(db.fdbs))
+	nFDB, nMulti := 0, 0
+	for sub := range db.fdbIdx {
+		m, err := entries(&db.fdbIdx[sub])
+		if err != nil {
+			return fmt.Errorf("FDB index %d: %v", sub, err)
+		}
+		for mk, fi := range m {
+			k := key{sub, mk}
+			if fi < 0 || int(fi) >= len(db.fdbs) || fused[fi] {
+				return fmt.Errorf("FDB record index %d of %v bad or shared", fi, k)
+			}
+			fused[fi] = true
+			r := db.fdbs[fi]
+			if r.mark > db.tx.id {
+				return fmt.Errorf("FDB %v: mark %d > txn %d", k, r.mark, db.tx.id)
+			}
+			var got []int32
+			if r.one >= 0 {
+				got = append(got, r.one)
+			}
+			if r.multi {
+				nMulti++
+				more := db.fdbMore[fi]
+				if len(more) == 0 || r.one < 0 {
+					return fmt.Errorf("FDB %v: multi without more proposers", k)
+				}
+				got = append(got, more...)
+			} else if _, ok := db.fdbMore[fi]; ok {
+				return fmt.Errorf("FDB %v: stray more proposers", k)
+			}
+			slices.Sort(got)
+			want := slices.Sorted(slices.Values(props[k]))
+			if !slices.Equal(got, want) {
+				return fmt.Errorf("FDB %v: proposers %v, want %v", k, got, want)
+			}
+			delete(props, k)
+			if r.local != locals[k] {
+				return fmt.Errorf("FDB %v: local count %d, want %d", k, r.local, locals[k])
+			}
+			delete(locals, k)
+			if len(got) == 0 && r.local == 0 {
+				return fmt.Errorf("FDB %v: unused record", k)
+			}
+			saved := r
+			db.recomputeFDB(fi)
+			if db.fdbs[fi] != saved {
+				return fmt.Errorf("FDB %v: cached %+v, recomputed %+v", k, saved, db.fdbs[fi])
+			}
+			if r.ok {
+				nFDB++
+			}
+		}
+	}
+	if len(props) != 0 || len(locals) != 0 {
+		return fmt.Errorf("FDB keys without a record: proposals %v, locals %v", props, locals)
+	}
+	if nMulti != len(db.fdbMore) {
+		return fmt.Errorf("%d multi records, %d in fdbMore", nMulti, len(db.fdbMore))
+	}
+	if nFDB != db.nFDB {
+		return fmt.Errorf("nFDB %d, want %d", db.nFDB, nFDB)
+	}
+	for _, fi := range db.freeFDB {
+		if fused[fi] {
+			return fmt.Errorf("FDB record %d both used and free", fi)
+		}
+		fused[fi] = true
+		if db.fdbs[fi] != (fdbRec{}) {
+			return fmt.Errorf("free FDB record %d not cleared", fi)
+		}
+	}
+
+	// Interned VTEPs.
+	t := &db.vteps
+	if len(t.zero) != 0 {
+		return fmt.Errorf("VTEPs pending release: %v", t.zero)
+	}
+	if len(t.refs) != len(t.addr) || len(t.idx)+len(t.free) != len(t.addr) {
+		return fmt.Errorf("VTEP table sizes: %d refs, %d addrs, %d indexed, %d free", len(t.refs), len(t.addr), len(t.idx), len(t.free))
+	}
+	for a, i := range t.idx {
+		if t.addr[i] != a || !a.IsValid() {
+			return fmt.Errorf("VTEP %s indexed at %d holding %s", a, i, t.addr[i])
+		}
+		if t.refs[i] != vrefs[i] || vrefs[i] == 0 {
+			return fmt.Errorf("VTEP %s: %d refs, counted %d", a, t.refs[i], vrefs[i])
+		}
+	}
+	for _, i := range t.free {
+		if t.addr[i].IsValid() || t.refs[i] != 0 {
+			return fmt.Errorf("free VTEP slot %d holds %s (%d refs)", i, t.addr[i], t.refs[i])
+		}
+	}
+	for i, c := range t.cache {
+		if c.addr.IsValid() && (vtepSlot(c.addr) != i || int(c.idx) >= len(t.addr) || t.addr[c.idx] != c.addr) {
+			return fmt.Errorf("VTEP cache slot %d: %s -> %d is stale", i, c.addr, c.idx)
+		}
+	}
+	return nil
+}

@@ -1,0 +1,639 @@
+package stress
+
+import (
+	"bytes"
+	"crypto/sha256"
+	"encoding/hex"
+	"fmt"
+	"net/netip"
+	"slices"
+	"sort"
+	"strings"
+
+	"github.com/overlayd/overlayd/driver"
+	"github.com/overlayd/overlayd/peerdb"
+)
+
+// The model is the oracle's sequential reference: it is fed the driver's
+// trace (driver.Config.Trace), which records every state change that
+// succeeded in the order the driver linearised them, and it derives from its
+// own state the kernel state the driver must have programmed. It deliberately
+// re-implements the rules of peerdb/doc.go and of the driver in the simplest
+// way (whole-state recomputation, no indexes, no deltas) and never calls
+// peerdb's derivation, so that a bug there shows up as a difference.
+//
+// Rules (see README.md for the full list):
+//   - CreateNetwork registers the network and drains the pending remote peers
+//     of each of its VNIs; a pending peer whose IP lies in no subnet of the
+//     network is dropped.
+//   - DeleteNetwork forgets the network and its endpoints and returns every
+//     remote peer to the pending set of the VNI of the subnet holding its IP.
+//   - PeerEvents: per event, remove Prev from the network's remote set, then
+//     add Next (set semantics). Pending: the same on the VNI's pending set.
+//   - Join adds a local entry {endpoint, IP, MAC}; Leave removes it. A
+//     network has a sandbox iff at least one of its endpoints is joined.
+//   - For each IP with claimants: a local claimant wins (no neighbour);
+//     otherwise the smallest remote by (EndpointID, MAC bytes, VTEP) is active
+//     and yields neighbour IP -> MAC on the VXLAN of the IP's subnet.
+//   - Each active remote proposes FDB (subnet, MAC) -> VTEP; the proposal of
+//     the smallest IP wins; no FDB entry for a (subnet, MAC) that a joined
+//     endpoint of that subnet has.
+type model struct {
+	nets    map[string]*mNetwork
+	pending map[uint32]map[peerdb.Peer]struct{}
+
+	// owed counts DeleteNetwork trace events still to come for a network
+	// whose deletion the model had to infer from a later event (see
+	// inferDelete); every owed delete must arrive before the quiet point.
+	owed map[string]int
+
+	// advertised holds the addresses DiscoverNew announced as Self, plus the
+	// configured advertise address: the VTEP a Join records must be one.
+	advertised map[netip.Addr]bool
+	fixedAdv   netip.Addr // configured advertise address, if any
+
+	seq      int      // sequence number of the event being applied (for notes)
+	inferred []string // how each inferred deletion was detected and settled (first few)
+
+	stats modelStats
+}
+
+type modelStats struct {
+	creates, deletes, epCreates, epDeletes int
+	joins, leaves, sandboxesBuilt          int
+	peerBatches, peerEvents, peerOnSandbox int
+	pendingBatches, pendingEvents          int
+	earlyApplied, earlyDropped             int
+	inferredDeletes                        int
+}
+
+func (s modelStats) String() string {
+	return fmt.Sprintf("networks created %d deleted %d; endpoints created %d deleted %d; joins %d (sandboxes built %d) leaves %d; "+
+		"peer events %d in %d batches (%d on a network with a sandbox); pending events %d in %d batches; early peers applied %d dropped %d; inferred deletes %d",
+		s.creates, s.deletes, s.epCreates, s.epDeletes, s.joins, s.sandboxesBuilt, s.leaves,
+		s.peerEvents, s.peerBatches, s.peerOnSandbox, s.pendingEvents, s.pendingBatches, s.earlyApplied, s.earlyDropped, s.inferredDeletes)
+}
+
+type mSubnet struct {
+	vni  uint32
+	pool netip.Prefix
+	gw   netip.Prefix // invalid when the network was created without a gateway
+}
+
+type mEndpoint struct {
+	id     string
+	addr   netip.Prefix
+	mac    peerdb.MAC
+	subnet int
+	joined bool
+}
+
+type mNetwork struct {
+	id       string
+	subnets  []mSubnet
+	mtu      int
+	internal bool
+	eps      map[string]*mEndpoint
+	remote   map[peerdb.Peer]struct{}
+}
+
+func newModel(fixedAdv netip.Addr) *model {
+	m := &model{
+		nets:       map[string]*mNetwork{},
+		pending:    map[uint32]map[peerdb.Peer]struct{}{},
+		owed:       map[string]int{},
+		advertised: map[netip.Addr]bool{},
+		fixedAdv:   fixedAdv,
+	}
+	if fixedAdv.IsValid() {
+		m.advertised[fixedAdv] = true
+	}
+	return m
+}
+
+func (n *mNetwork) subnetOf(ip netip.Addr) (int, bool) {
+	for i, s := range n.subnets {
+		if s.pool.Contains(ip) {
+			return i, true
+		}
+	}
+	return 0, false
+}
+
+func (n *mNetwork) joined() int {
+	c := 0
+	for _, ep := range n.eps {
+		if ep.joined {
+			c++
+		}
+	}
+	return c
+}
+
+// owner returns the network that has vni.
+func (m *model) owner(vni uint32) *mNetwork {
+	for _, n := range m.nets {
+		for _, s := range n.subnets {
+			if s.vni == vni {
+				return n
+			}
+		}
+	}
+	return nil
+}
+
+// validRemote is what the peer DB accepts as a remote entry of n.
+func (n *mNetwork) validRemote(p peerdb.Peer) bool {
+	if p.EndpointID == "" || len(p.EndpointID) > peerdb.MaxEndpointIDLen {
+		return false
+	}
+	if !p.IP.Is4() {
+		return false
+	}
+	if _, ok := n.subnetOf(p.IP); !ok {
+		return false
+	}
+	if p.MAC == (peerdb.MAC{}) || p.MAC[0]&1 != 0 {
+		return false
+	}
+	return p.VTEP.IsValid() && !p.VTEP.IsUnspecified() && !p.VTEP.IsMulticast()
+}
+
+// validPending is what the driver checks before keeping a pending record.
+func validPending(p peerdb.Peer) bool {
+	return p.EndpointID != "" && p.IP.Is4() && p.MAC != (peerdb.MAC{}) && p.MAC[0]&1 == 0 &&
+		p.VTEP.IsValid() && !p.VTEP.IsUnspecified() && !p.VTEP.IsMulticast()
+}
+
+func (m *model) addPending(vni uint32, p peerdb.Peer) {
+	set := m.pending[vni]
+	if set == nil {
+		set = map[peerdb.Peer]struct{}{}
+		m.pending[vni] = set
+	}
+	set[p] = struct{}{}
+}
+
+// deleteNet forgets n, returning its remote peers to the pending sets.
+func (m *model) deleteNet(n *mNetwork) {
+	for p := range n.remote {
+		vni := n.subnets[0].vni
+		if i, ok := n.subnetOf(p.IP); ok {
+			vni = n.subnets[i].vni
+		}
+		m.addPending(vni, p)
+	}
+	delete(m.nets, n.id)
+}
+
+// inferDelete handles a trace event that is only possible if n was deleted
+// already although its DeleteNetwork trace event has not arrived: the driver
+// unregisters a network (and returns its peers to pending) under driver.mu but
+// emits the trace afterwards, under the network's lock only, so another
+// goroutine's CreateNetwork of the same id or VNI, or a Pending event for one
+// of its VNIs, can be traced in between. The model applies the deletion now
+// and owes the trace event; quiet points fail if it never comes.
+func (m *model) inferDelete(n *mNetwork, ev driver.TraceEvent) {
+	m.deleteNet(n)
+	m.owed[n.id]++
+	m.stats.inferredDeletes++
+	m.note(fmt.Sprintf("trace #%d %q is only possible once network %s is deleted, whose DeleteNetwork is not traced yet", m.seq, fmtTrace(ev), n.id))
+}
+
+func (m *model) note(s string) {
+	if len(m.inferred) < 20 {
+		m.inferred = append(m.inferred, s)
+	}
+}
+
+// apply feeds one trace event to the model. An error means the trace is not
+// a possible sequential history (for example a Join of an endpoint that does
+// not exist): the driver linearised something wrongly.
+func (m *model) apply(ev driver.TraceEvent) error {
+	switch ev.Kind {
+	case driver.TraceCreateNetwork:
+		if len(ev.VNIs) == 0 || len(ev.VNIs) != len(ev.Pools) || len(ev.Gateways) != len(ev.Pools) {
+			return fmt.Errorf("CreateNetwork %s: %d VNIs, %d pools, %d gateways", ev.Network, len(ev.VNIs), len(ev.Pools), len(ev.Gateways))
+		}
+		if old := m.nets[ev.Network]; old != nil {
+			m.inferDelete(old, ev)
+		}
+		for _, v := range ev.VNIs {
+			if old := m.owner(v); old != nil {
+				m.inferDelete(old, ev)
+			}
+		}
+		n := &mNetwork{id: ev.Network, mtu: ev.MTU, internal: ev.Internal, eps: map[string]*mEndpoint{}, remote: map[peerdb.Peer]struct{}{}}
+		for i := range ev.VNIs {
+			n.subnets = append(n.subnets, mSubnet{vni: ev.VNIs[i], pool: ev.Pools[i], gw: ev.Gateways[i]})
+		}
+		m.nets[n.id] = n
+		m.stats.creates++
+		for _, v := range ev.VNIs {
+			for p := range m.pending[v] {
+				if n.validRemote(p) {
+					n.remote[p] = struct{}{}
+					m.stats.earlyApplied++
+				} else {
+					m.stats.earlyDropped++
+				}
+			}
+			delete(m.pending, v)
+		}
+	case driver.TraceDeleteNetwork:
+		if m.owed[ev.Network] > 0 {
+			if m.owed[ev.Network]--; m.owed[ev.Network] == 0 {
+				delete(m.owed, ev.Network)
+			}
+			m.note(fmt.Sprintf("trace #%d DeleteNetwork %s: the inferred deletion arrives", m.seq, ev.Network))
+			m.stats.deletes++
+			return nil
+		}
+		n := m.nets[ev.Network]
+		if n == nil {
+			return fmt.Errorf("DeleteNetwork %s: no such network", ev.Network)
+		}
+		m.deleteNet(n)
+		m.stats.deletes++
+	case driver.TraceCreateEndpoint:
+		n := m.nets[ev.Network]
+		if n == nil {
+			return fmt.Errorf("CreateEndpoint %s/%s: no such network", ev.Network, ev.Endpoint)
+		}
+		if n.eps[ev.Endpoint] != nil {
+			return fmt.Errorf("CreateEndpoint %s/%s: endpoint exists", ev.Network, ev.Endpoint)
+		}
+		sub, ok := n.subnetOf(ev.Addr.Addr())
+		if !ok || !ev.Addr.Addr().Is4() {
+			return fmt.Errorf("CreateEndpoint %s/%s: address %s in no subnet", ev.Network, ev.Endpoint, ev.Addr)
+		}
+		if ev.MAC == (peerdb.MAC{}) || ev.MAC[0]&1 != 0 {
+			return fmt.Errorf("CreateEndpoint %s/%s: MAC %s is not unicast", ev.Network, ev.Endpoint, ev.MAC)
+		}
+		n.eps[ev.Endpoint] = &mEndpoint{id: ev.Endpoint, addr: ev.Addr, mac: ev.MAC, subnet: sub}
+		m.stats.epCreates++
+	case driver.TraceDeleteEndpoint:
+		n := m.nets[ev.Network]
+		if n == nil || n.eps[ev.Endpoint] == nil {
+			return fmt.Errorf("DeleteEndpoint %s/%s: no such endpoint", ev.Network, ev.Endpoint)
+		}
+		if n.eps[ev.Endpoint].joined {
+			return fmt.Errorf("DeleteEndpoint %s/%s: endpoint still joined (no Leave traced)", ev.Network, ev.Endpoint)
+		}
+		delete(n.eps, ev.Endpoint)
+		m.stats.epDeletes++
+	case driver.TraceJoin:
+		n := m.nets[ev.Network]
+		if n == nil || n.eps[ev.Endpoint] == nil {
+			return fmt.Errorf("Join %s/%s: no such endpoint", ev.Network, ev.Endpoint)
+		}
+		ep := n.eps[ev.Endpoint]
+		if ep.joined {
+			return fmt.Errorf("Join %s/%s: already joined", ev.Network, ev.Endpoint)
+		}
+		if ev.Addr != ep.addr || ev.MAC != ep.mac {
+			return fmt.Errorf("Join %s/%s: traced %s %s, endpoint was created with %s %s", ev.Network, ev.Endpoint, ev.Addr, ev.MAC, ep.addr, ep.mac)
+		}
+		if ev.VTEP.IsValid() && !m.advertised[ev.VTEP] || !ev.VTEP.IsValid() && m.fixedAdv.IsValid() {
+			return fmt.Errorf("Join %s/%s: published VTEP %v was never the advertise address (known: %v)", ev.Network, ev.Endpoint, ev.VTEP, sortedAddrs(m.advertised))
+		}
+		if n.joined() == 0 {
+			m.stats.sandboxesBuilt++
+		}
+		ep.joined = true
+		m.stats.joins++
+	case driver.TraceLeave:
+		n := m.nets[ev.Network]
+		if n == nil || n.eps[ev.Endpoint] == nil || !n.eps[ev.Endpoint].joined {
+			return fmt.Errorf("Leave %s/%s: no such joined endpoint", ev.Network, ev.Endpoint)
+		}
+		n.eps[ev.Endpoint].joined = false
+		m.stats.leaves++
+	case driver.TracePeerEvents:
+		n := m.nets[ev.Network]
+		if n == nil {
+			return fmt.Errorf("PeerEvents for %s (VNI %d): no such network", ev.Network, ev.VNI)
+		}
+		if m.owner(ev.VNI) != n {
+			return fmt.Errorf("PeerEvents for %s: VNI %d is not one of its VNIs", ev.Network, ev.VNI)
+		}
+		for i, e := range ev.Events {
+			if e.Prev == nil && e.Next == nil {
+				return fmt.Errorf("PeerEvents for %s: event %d has neither prev nor next", ev.Network, i)
+			}
+			if e.Prev != nil && !n.validRemote(*e.Prev) || e.Next != nil && !n.validRemote(*e.Next) {
+				return fmt.Errorf("PeerEvents for %s: event %d (%s) is invalid for the network but was applied", ev.Network, i, fmtEvent(e))
+			}
+			if e.Prev != nil {
+				delete(n.remote, *e.Prev)
+			}
+			if e.Next != nil {
+				n.remote[*e.Next] = struct{}{}
+			}
+		}
+		m.stats.peerBatches++
+		m.stats.peerEvents += len(ev.Events)
+		if n.joined() > 0 {
+			m.stats.peerOnSandbox += len(ev.Events)
+		}
+	case driver.TracePending:
+		if n := m.owner(ev.VNI); n != nil {
+			m.inferDelete(n, ev)
+		}
+		for i, e := range ev.Events {
+			if e.Prev == nil && e.Next == nil {
+				return fmt.Errorf("Pending VNI %d: event %d has neither prev nor next", ev.VNI, i)
+			}
+			if e.Next != nil && !validPending(*e.Next) {
+				return fmt.Errorf("Pending VNI %d: event %d (%s) is invalid but was kept", ev.VNI, i, fmtEvent(e))
+			}
+			if e.Prev != nil {
+				if set := m.pending[ev.VNI]; set != nil {
+					delete(set, *e.Prev)
+					if len(set) == 0 {
+						delete(m.pending, ev.VNI)
+					}
+				}
+			}
+			if e.Next != nil {
+				m.addPending(ev.VNI, *e.Next)
+			}
+		}
+		m.stats.pendingBatches++
+		m.stats.pendingEvents += len(ev.Events)
+	default:
+		return fmt.Errorf("unknown trace event kind %d", ev.Kind)
+	}
+	return nil
+}
+
+// describe lists the model's state of network id, for failure reports.
+func (m *model) describe(id string) []string {
+	n := m.nets[id]
+	if n == nil {
+		return []string{"(no such network)"}
+	}
+	var out []string
+	for i, s := range n.subnets {
+		out = append(out, fmt.Sprintf("subnet %d: vni %d pool %s gateway %v", i, s.vni, s.pool, s.gw))
+	}
+	var eps, remotes []string
+	for _, ep := range n.eps {
+		eps = append(eps, fmt.Sprintf("endpoint %s %s %s joined=%v", ep.id, ep.addr, ep.mac, ep.joined))
+	}
+	for p := range n.remote {
+		remotes = append(remotes, "remote "+fmtPeer(&p))
+	}
+	sort.Strings(eps)
+	sort.Strings(remotes)
+	return append(append(out, eps...), remotes...)
+}
+
+// settled returns an error if a delete the model inferred was never traced.
+// Call it at quiet points, when every operation has returned.
+func (m *model) settled() error {
+	if len(m.owed) == 0 {
+		return nil
+	}
+	var ids []string
+	for id, c := range m.owed {
+		ids = append(ids, fmt.Sprintf("%s (%d)", id, c))
+	}
+	sort.Strings(ids)
+	return fmt.Errorf("the trace implied deletions of networks %s that were never traced: events for them were traced as if they no longer existed", strings.Join(ids, ", "))
+}
+
+func sortedAddrs(s map[netip.Addr]bool) []netip.Addr {
+	var out []netip.Addr
+	for a := range s {
+		out = append(out, a)
+	}
+	slices.SortFunc(out, netip.Addr.Compare)
+	return out
+}
+
+// vethNames recomputes the driver's veth names of an endpoint (driver's
+// linkNames): sha256 of "netID/epID", hex, first 12 digits, prefixed "ovd"
+// (host end) and "ovs" (sandbox end).
+func vethNames(netID, epID string) (host, sb string) {
+	sum := sha256.Sum256([]byte(netID + "/" + epID))
+	h := hex.EncodeToString(sum[:])
+	return "ovd" + h[:12], "ovs" + h[:12]
+}
+
+// Names of the links of a subnet inside a sandbox (internal/sandbox).
+func bridgeName(vni uint32) string { return fmt.Sprintf("ovbr-%d", vni) }
+func vxlanName(vni uint32) string  { return fmt.Sprintf("ovvx-%d", vni) }
+
+// desiredPeers computes the neighbour and FDB lines of n from scratch.
+func (n *mNetwork) desiredPeers() []string {
+	type claim struct {
+		local   bool
+		remotes []peerdb.Peer
+	}
+	claims := map[netip.Addr]*claim{}
+	get := func(ip netip.Addr) *claim {
+		c := claims[ip]
+		if c == nil {
+			c = &claim{}
+			claims[ip] = c
+		}
+		return c
+	}
+	// localMAC[subnet][mac]: a joined endpoint of that subnet has the MAC.
+	localMAC := map[int]map[peerdb.MAC]bool{}
+	for _, ep := range n.eps {
+		if !ep.joined {
+			continue
+		}
+		get(ep.addr.Addr()).local = true
+		if localMAC[ep.subnet] == nil {
+			localMAC[ep.subnet] = map[peerdb.MAC]bool{}
+		}
+		localMAC[ep.subnet][ep.mac] = true
+	}
+	for p := range n.remote {
+		c := get(p.IP)
+		c.remotes = append(c.remotes, p)
+	}
+	type fdbKey struct {
+		subnet int
+		mac    peerdb.MAC
+	}
+	type proposal struct{ ip, vtep netip.Addr }
+	fdb := map[fdbKey]proposal{}
+	var lines []string
+	for ip, c := range claims {
+		if c.local || len(c.remotes) == 0 {
+			continue
+		}
+		best := c.remotes[0]
+		for _, q := range c.remotes[1:] {
+			if remoteLess(q, best) {
+				best = q
+			}
+		}
+		sub, ok := n.subnetOf(ip)
+		if !ok {
+			lines = append(lines, fmt.Sprintf("MODEL BUG: remote %s outside the subnets of %s", best, n.id))
+			continue
+		}
+		vx := vxlanName(n.subnets[sub].vni)
+		lines = append(lines, fmt.Sprintf("%s neigh %s %s lladdr %s permanent", n.id, vx, ip, best.MAC))
+		k := fdbKey{sub, best.MAC}
+		if cur, ok := fdb[k]; !ok || ip.Less(cur.ip) {
+			fdb[k] = proposal{ip, best.VTEP}
+		}
+	}
+	for k, p := range fdb {
+		if localMAC[k.subnet][k.mac] {
+			continue
+		}
+		lines = append(lines, fmt.Sprintf("%s fdb %s %s dst %s self permanent", n.id, vxlanName(n.subnets[k.subnet].vni), k.mac, p.vtep))
+	}
+	return lines
+}
+
+// remoteLess is the conflict rule among remote claimants of one IP:
+// EndpointID (byte-wise), then MAC (byte-wise), then VTEP.
+func remoteLess(a, b peerdb.Peer) bool {
+	if a.EndpointID != b.EndpointID {
+		return a.EndpointID < b.EndpointID
+	}
+	if c := bytes.Compare(a.MAC[:], b.MAC[:]); c != 0 {
+		return c < 0
+	}
+	return a.VTEP.Less(b.VTEP)
+}
+
+// desired returns the kernel state the model implies, in the line format of
+// dumpKernel: the host namespace's links, the sandbox directory, and every
+// sandbox's links, addresses, forwarding, neighbours and FDB entries.
+func (m *model) desired(underlay []string) []string {
+	lines := append([]string(nil), underlay...)
+	for _, n := range m.nets {
+		if n.joined() == 0 {
+			continue
+		}
+		lines = append(lines,
+			"sandbox "+n.id,
+			n.id+" link lo device up",
+			n.id+" addr lo 127.0.0.1/8")
+		for _, s := range n.subnets {
+			br, vx := bridgeName(s.vni), vxlanName(s.vni)
+			lines = append(lines,
+				fmt.Sprintf("%s sysctl net.ipv4.conf.%s.forwarding=1", n.id, br),
+				fmt.Sprintf("%s link %s bridge up mtu=%d", n.id, br, n.mtu),
+				fmt.Sprintf("%s link %s vxlan up mtu=%d master=%s vni=%d port=%d learning=false proxy=true l2miss=false l3miss=false",
+					n.id, vx, n.mtu, br, s.vni, driver.DefaultVXLANPort))
+			if s.gw.IsValid() {
+				lines = append(lines, fmt.Sprintf("%s addr %s %s", n.id, br, s.gw))
+			}
+		}
+		for _, ep := range n.eps {
+			if !ep.joined {
+				continue
+			}
+			host, sb := vethNames(n.id, ep.id)
+			lines = append(lines,
+				fmt.Sprintf("host link %s veth down mtu=%d mac=%s", host, n.mtu, ep.mac),
+				fmt.Sprintf("%s link %s veth up mtu=%d master=%s", n.id, sb, n.mtu, bridgeName(n.subnets[ep.subnet].vni)))
+		}
+		lines = append(lines, n.desiredPeers()...)
+	}
+	sort.Strings(lines)
+	return lines
+}
+
+// diffLines returns "missing: x" for lines of want not in have and
+// "unexpected: x" for lines of have not in want (both sorted).
+func diffLines(want, have []string) []string {
+	wc, hc := map[string]int{}, map[string]int{}
+	for _, l := range want {
+		wc[l]++
+	}
+	for _, l := range have {
+		hc[l]++
+	}
+	var out []string
+	for l, c := range wc {
+		if hc[l] < c {
+			out = append(out, "missing:    "+l)
+		}
+	}
+	for l, c := range hc {
+		if wc[l] < c {
+			out = append(out, "unexpected: "+l)
+		}
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i][12:] < out[j][12:] || out[i][12:] == out[j][12:] && out[i] < out[j] })
+	return out
+}
+
+func fmtPeer(p *peerdb.Peer) string {
+	if p == nil {
+		return "-"
+	}
+	return fmt.Sprintf("{%s %s %s %s}", p.EndpointID, p.IP, p.MAC, p.VTEP)
+}
+
+func fmtEvent(e peerdb.Event) string { return fmtPeer(e.Prev) + "->" + fmtPeer(e.Next) }
+
+// fmtTrace renders a trace event as one line of the op log.
+func fmtTrace(ev driver.TraceEvent) string {
+	switch ev.Kind {
+	case driver.TraceCreateNetwork:
+		gws := make([]string, len(ev.Gateways))
+		for i, g := range ev.Gateways {
+			gws[i] = "-"
+			if g.IsValid() {
+				gws[i] = g.String()
+			}
+		}
+		return fmt.Sprintf("CreateNetwork %s vnis=%v pools=%v gw=%v mtu=%d internal=%v", ev.Network, ev.VNIs, ev.Pools, gws, ev.MTU, ev.Internal)
+	case driver.TraceDeleteNetwork:
+		return "DeleteNetwork " + ev.Network
+	case driver.TraceCreateEndpoint:
+		return fmt.Sprintf("CreateEndpoint %s/%s %s %s", ev.Network, ev.Endpoint, ev.Addr, ev.MAC)
+	case driver.TraceDeleteEndpoint:
+		return fmt.Sprintf("DeleteEndpoint %s/%s", ev.Network, ev.Endpoint)
+	case driver.TraceJoin:
+		return fmt.Sprintf("Join %s/%s %s %s vtep=%v", ev.Network, ev.Endpoint, ev.Addr, ev.MAC, ev.VTEP)
+	case driver.TraceLeave:
+		return fmt.Sprintf("Leave %s/%s", ev.Network, ev.Endpoint)
+	case driver.TracePeerEvents, driver.TracePending:
+		var b strings.Builder
+		fmt.Fprintf(&b, "%s", ev.Kind)
+		if ev.Network != "" {
+			fmt.Fprintf(&b, " %s", ev.Network)
+		}
+		fmt.Fprintf(&b, " vni=%d", ev.VNI)
+		for _, e := range ev.Events {
+			b.WriteString(" " + fmtEvent(e))
+		}
+		return b.String()
+	}
+	return fmt.Sprintf("%+v", ev)
+}
+
+// copyTrace deep-copies a trace event (the driver may reuse what it points to).
+func copyTrace(ev driver.TraceEvent) driver.TraceEvent {
+	ev.VNIs = slices.Clone(ev.VNIs)
+	ev.Pools = slices.Clone(ev.Pools)
+	ev.Gateways = slices.Clone(ev.Gateways)
+	if ev.Events != nil {
+		evs := make([]peerdb.Event, len(ev.Events))
+		for i, e := range ev.Events {
+			if e.Prev != nil {
+				p := *e.Prev
+				evs[i].Prev = &p
+			}
+			if e.Next != nil {
+				p := *e.Next
+				evs[i].Next = &p
+			}
+		}
+		ev.Events = evs
+	}
+	return ev
+}

@@ -1,0 +1,265 @@
+package stress
+
+import (
+	"bufio"
+	"compress/gzip"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	api "github.com/docker/go-plugins-helpers/network"
+
+	"github.com/overlayd/overlayd/driver"
+)
+
+// Sequential replay: a run's trace file holds every state change the driver
+// made, in the order it linearised them. Replaying it one call at a time on a
+// fresh driver must produce the same states; checking the oracle after every
+// call finds the first call after which kernel and model differ, and
+// replaying only the events of the networks involved shrinks the log.
+
+// TestReplay replays OVERLAYD_REPLAY=<trace file> (printed by a failing run).
+func TestReplay(t *testing.T) {
+	path := os.Getenv("OVERLAYD_REPLAY")
+	if path == "" {
+		t.Skip("set OVERLAYD_REPLAY=<trace file of a failing run>")
+	}
+	evs, err := readTrace(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	res := replayAndShrink(t, evs, 2*time.Minute)
+	if res.at < 0 {
+		t.Logf("%d events replayed sequentially without divergence: the failure needs concurrency (or a fault that is not active)", len(evs))
+		return
+	}
+	t.Fatal(res.report)
+}
+
+func readTrace(path string) ([]driver.TraceEvent, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	var r io.Reader = f
+	if strings.HasSuffix(path, ".gz") {
+		gz, err := gzip.NewReader(f)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", path, err)
+		}
+		r = gz
+	}
+	var evs []driver.TraceEvent
+	sc := bufio.NewScanner(r)
+	sc.Buffer(make([]byte, 1<<20), 16<<20)
+	for sc.Scan() {
+		var ev driver.TraceEvent
+		if err := json.Unmarshal(sc.Bytes(), &ev); err != nil {
+			return nil, fmt.Errorf("%s: %w", path, err)
+		}
+		evs = append(evs, ev)
+	}
+	if err := sc.Err(); err != nil && !errors.Is(err, io.ErrUnexpectedEOF) {
+		return nil, fmt.Errorf("%s: %w", path, err) // a cut-off stream ends the trace
+	}
+	return evs, nil
+}
+
+type replayResult struct {
+	at     int      // index of the first event after which a check failed; -1 if none
+	diffs  []string // the differences there
+	log    []driver.TraceEvent
+	report string
+}
+
+// replayAndShrink replays evs, checking after every event; on a divergence
+// it tries to reproduce it with only the events of the networks involved,
+// then drops chunks of events while it still reproduces (within budget).
+func replayAndShrink(t *testing.T, evs []driver.TraceEvent, budget time.Duration) replayResult {
+	var first replayResult
+	t.Run("full", func(t *testing.T) { first = replay(t, evs, true) })
+	if first.at < 0 {
+		return first
+	}
+	deadline := time.Now().Add(budget)
+	best := evs[:first.at+1]
+	bestDiffs := first.diffs
+	if sliced := sliceForNetworks(best, first.diffs); len(sliced) < len(best) {
+		var r replayResult
+		t.Run("sliced", func(t *testing.T) { r = replay(t, sliced, false) })
+		if r.at >= 0 {
+			best, bestDiffs = sliced, r.diffs
+		}
+	}
+	// Greedy chunk removal, coarse to fine; a candidate counts if the final
+	// check still differs (calls that fail because their preconditions were
+	// removed make the candidate invalid).
+	for chunk := len(best) / 2; chunk >= 1 && time.Now().Before(deadline); chunk /= 2 {
+		for start := 0; start+chunk <= len(best) && time.Now().Before(deadline); {
+			cand := append(slices.Clone(best[:start]), best[start+chunk:]...)
+			var r replayResult
+			t.Run(fmt.Sprintf("shrink-%d", len(cand)), func(t *testing.T) { r = replay(t, cand, false) })
+			if r.at >= 0 {
+				best, bestDiffs = cand, r.diffs
+			} else {
+				start += chunk
+			}
+		}
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "sequential replay diverges after event #%d of %d; a log of %d events that reproduces it (sequentially, on a fresh driver):\n",
+		first.at, len(evs), len(best))
+	for i, ev := range best {
+		fmt.Fprintf(&b, "  %d. %s\n", i+1, fmtTrace(ev))
+	}
+	fmt.Fprintf(&b, "differences after the last one:\n")
+	for _, d := range bestDiffs {
+		fmt.Fprintf(&b, "  %s\n", d)
+	}
+	return replayResult{at: first.at, diffs: bestDiffs, log: best, report: b.String()}
+}
+
+// replay issues evs one by one on a fresh driver. With everyStep it checks
+// after each event (and returns the first that diverges); otherwise only at
+// the end. A call that fails where the original succeeded makes the log
+// invalid (at = -1), unless everyStep, where that is itself a divergence.
+func replay(t *testing.T, evs []driver.TraceEvent, everyStep bool) replayResult {
+	e := newEnv(t, true, true)
+	m := newModel(e.fixedAdv)
+	check := func(i int) []string {
+		var diffs []string
+		got, _ := e.rec.take()
+		for _, ev := range got {
+			if err := m.apply(ev); err != nil {
+				diffs = append(diffs, "trace: "+err.Error())
+			}
+		}
+		diffs = append(diffs, compareAll(e, m, nil)...)
+		for _, l := range e.logs.take() {
+			diffs = append(diffs, "driver logged: "+l)
+		}
+		return diffs
+	}
+	for i, ev := range evs {
+		if err := issue(e.d, ev); err != nil {
+			if !everyStep {
+				return replayResult{at: -1}
+			}
+			return replayResult{at: i, diffs: []string{fmt.Sprintf("replaying %s failed: %v", fmtTrace(ev), err)}}
+		}
+		if everyStep || i == len(evs)-1 {
+			if diffs := check(i); len(diffs) > 0 {
+				return replayResult{at: i, diffs: diffs}
+			}
+		}
+	}
+	return replayResult{at: -1}
+}
+
+// issue makes the call that produced ev.
+func issue(d *driver.Driver, ev driver.TraceEvent) error {
+	switch ev.Kind {
+	case driver.TraceCreateNetwork:
+		vnis := make([]string, len(ev.VNIs))
+		for i, v := range ev.VNIs {
+			vnis[i] = strconv.FormatUint(uint64(v), 10)
+		}
+		req := &api.CreateNetworkRequest{NetworkID: ev.Network, Options: map[string]interface{}{
+			driver.OptGeneric:  map[string]interface{}{driver.OptVNI: strings.Join(vnis, ","), driver.OptMTU: strconv.Itoa(ev.MTU)},
+			driver.OptInternal: ev.Internal,
+		}}
+		for i, p := range ev.Pools {
+			data := &api.IPAMData{AddressSpace: "GlobalDefault", Pool: p.String()}
+			if i < len(ev.Gateways) && ev.Gateways[i].IsValid() {
+				data.Gateway = ev.Gateways[i].String()
+			}
+			req.IPv4Data = append(req.IPv4Data, data)
+		}
+		return d.CreateNetwork(req)
+	case driver.TraceDeleteNetwork:
+		return d.DeleteNetwork(&api.DeleteNetworkRequest{NetworkID: ev.Network})
+	case driver.TraceCreateEndpoint:
+		_, err := d.CreateEndpoint(&api.CreateEndpointRequest{NetworkID: ev.Network, EndpointID: ev.Endpoint,
+			Interface: &api.EndpointInterface{Address: ev.Addr.String(), MacAddress: ev.MAC.String()}})
+		return err
+	case driver.TraceDeleteEndpoint:
+		return d.DeleteEndpoint(&api.DeleteEndpointRequest{NetworkID: ev.Network, EndpointID: ev.Endpoint})
+	case driver.TraceJoin:
+		_, err := d.Join(&api.JoinRequest{NetworkID: ev.Network, EndpointID: ev.Endpoint})
+		return err
+	case driver.TraceLeave:
+		return d.Leave(&api.LeaveRequest{NetworkID: ev.Network, EndpointID: ev.Endpoint})
+	case driver.TracePeerEvents, driver.TracePending:
+		if len(ev.Events) == 0 {
+			return nil
+		}
+		pevs := make([]driver.PeerEvent, len(ev.Events))
+		for i, e := range ev.Events {
+			pevs[i] = driver.PeerEvent{VNI: ev.VNI, Prev: e.Prev, Next: e.Next}
+		}
+		return d.ApplyPeerEvents(pevs)
+	}
+	return fmt.Errorf("unknown trace event %v", ev.Kind)
+}
+
+// sliceForNetworks keeps the events of the networks the differences name
+// and of every network sharing a VNI with them (their deletions hand peers
+// over through the pending sets), and the pending events of those VNIs.
+func sliceForNetworks(evs []driver.TraceEvent, diffs []string) []driver.TraceEvent {
+	nets := map[string]bool{}
+	all := map[string]bool{}
+	for _, ev := range evs {
+		if ev.Network != "" {
+			all[ev.Network] = true
+		}
+	}
+	for _, d := range diffs {
+		for _, w := range idWord.FindAllString(d, -1) {
+			if all[w] {
+				nets[w] = true
+			}
+		}
+	}
+	if len(nets) == 0 {
+		return evs
+	}
+	vnis := map[uint32]bool{}
+	for changed := true; changed; {
+		changed = false
+		for _, ev := range evs {
+			if ev.Kind != driver.TraceCreateNetwork {
+				continue
+			}
+			hit := nets[ev.Network]
+			for _, v := range ev.VNIs {
+				hit = hit || vnis[v]
+			}
+			if !hit {
+				continue
+			}
+			if !nets[ev.Network] {
+				nets[ev.Network], changed = true, true
+			}
+			for _, v := range ev.VNIs {
+				if !vnis[v] {
+					vnis[v], changed = true, true
+				}
+			}
+		}
+	}
+	var out []driver.TraceEvent
+	for _, ev := range evs {
+		if nets[ev.Network] || ev.Kind == driver.TracePending && vnis[ev.VNI] {
+			out = append(out, ev)
+		}
+	}
+	return out
+}

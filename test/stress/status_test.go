@@ -1,0 +1,121 @@
+package stress
+
+import (
+	"fmt"
+	"net/netip"
+	"path/filepath"
+	"slices"
+	"sort"
+
+	"github.com/overlayd/overlayd/driver"
+	"github.com/overlayd/overlayd/peerdb"
+)
+
+// The driver's own view (driver.Status, what `overlayd status` shows)
+// against the model, rendered as lines like the kernel comparison: the
+// networks with their settings, endpoints, remote peers (and which one is
+// active for its IP), conflicts, and the number of pending peers per VNI —
+// the only way to see the pending sets before a network takes them.
+
+func statusLines(st driver.Status, netnsDir string) []string {
+	var lines []string
+	for _, n := range st.Networks {
+		lines = append(lines, fmt.Sprintf("network %s vnis=%v subnets=%v mtu=%d internal=%v sandbox=%q", n.ID, n.VNIs, n.Subnets, n.MTU, n.Internal, n.Sandbox))
+		for _, ep := range n.Endpoints {
+			lines = append(lines, fmt.Sprintf("network %s endpoint %s %s %s joined=%v veth=%s", n.ID, ep.ID, ep.Address, ep.MAC, ep.Joined, ep.Veth))
+		}
+		for _, p := range n.RemotePeers {
+			lines = append(lines, fmt.Sprintf("network %s remote {%s %s %s %s} active=%v", n.ID, p.EndpointID, p.IP, p.MAC, p.VTEP, p.Active))
+		}
+		for _, c := range n.Conflicts {
+			lines = append(lines, fmt.Sprintf("network %s conflict %s active=%s local=%v shadowed=%v", n.ID, c.IP, c.Active, c.Local, c.Shadowed))
+		}
+	}
+	for vni, c := range st.PendingPeers {
+		if c != 0 {
+			lines = append(lines, fmt.Sprintf("pending vni=%d peers=%d", vni, c))
+		}
+	}
+	sort.Strings(lines)
+	return lines
+}
+
+// desiredStatus is what the model says Status must show.
+func (m *model) desiredStatus(netnsDir string) []string {
+	var lines []string
+	for _, n := range m.nets {
+		vnis := make([]uint32, len(n.subnets))
+		pools := make([]string, len(n.subnets))
+		for i, s := range n.subnets {
+			vnis[i], pools[i] = s.vni, s.pool.String()
+		}
+		sb := ""
+		if n.joined() > 0 {
+			sb = filepath.Join(netnsDir, n.id)
+		}
+		lines = append(lines, fmt.Sprintf("network %s vnis=%v subnets=%v mtu=%d internal=%v sandbox=%q", n.id, vnis, pools, n.mtu, n.internal, sb))
+		for _, ep := range n.eps {
+			host, _ := vethNames(n.id, ep.id)
+			lines = append(lines, fmt.Sprintf("network %s endpoint %s %s %s joined=%v veth=%s", n.id, ep.id, ep.addr, ep.mac, ep.joined, host))
+		}
+		// Claimants per IP: joined endpoints (by id), then remotes in
+		// precedence order.
+		locals := map[netip.Addr][]string{}
+		remotes := map[netip.Addr][]peerdb.Peer{}
+		for _, ep := range n.eps {
+			if ep.joined {
+				locals[ep.addr.Addr()] = append(locals[ep.addr.Addr()], ep.id)
+			}
+		}
+		for p := range n.remote {
+			remotes[p.IP] = append(remotes[p.IP], p)
+		}
+		ips := map[netip.Addr]bool{}
+		for ip := range locals {
+			ips[ip] = true
+		}
+		for ip := range remotes {
+			ips[ip] = true
+		}
+		for ip := range ips {
+			ls, rs := locals[ip], remotes[ip]
+			sort.Strings(ls)
+			slices.SortFunc(rs, func(a, b peerdb.Peer) int {
+				if remoteLess(a, b) {
+					return -1
+				}
+				if remoteLess(b, a) {
+					return 1
+				}
+				return 0
+			})
+			for i, p := range rs {
+				lines = append(lines, fmt.Sprintf("network %s remote {%s %s %s %s} active=%v", n.id, p.EndpointID, p.IP, p.MAC, p.VTEP, len(ls) == 0 && i == 0))
+			}
+			if len(ls)+len(rs) < 2 {
+				continue
+			}
+			var ids []string
+			ids = append(ids, ls...)
+			for _, p := range rs {
+				ids = append(ids, p.EndpointID)
+			}
+			lines = append(lines, fmt.Sprintf("network %s conflict %s active=%s local=%v shadowed=%v", n.id, ip, ids[0], len(ls) > 0, ids[1:]))
+		}
+	}
+	for vni, set := range m.pending {
+		if len(set) != 0 {
+			lines = append(lines, fmt.Sprintf("pending vni=%d peers=%d", vni, len(set)))
+		}
+	}
+	sort.Strings(lines)
+	return lines
+}
+
+func compareStatus(e *env, m *model) []string {
+	var diffs []string
+	for _, l := range diffLines(m.desiredStatus(e.netnsDir), statusLines(e.d.Status(), e.netnsDir)) {
+		diffs = append(diffs, "driver status vs model: "+l)
+	}
+	return diffs
+}

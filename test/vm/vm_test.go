@@ -1,0 +1,142 @@
+package vm
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+// guestPackages are built as static test binaries and run in the VM: the
+// real-path suite, and the encryption package's own kernel tests, which on
+// an ESP-capable kernel check the supported path.
+var guestPackages = []struct{ name, pkg, run string }{
+	{"guest.test", "./test/vm/guest", ""},
+	{"encryption.test", "./encryption", ""},
+	// The driver's encrypted networks end to end (skipped on hosts without ESP).
+	{"driver.test", "./driver", "^TestEncryptedNetwork"},
+}
+
+func moduleRoot(t *testing.T) string {
+	out, err := exec.Command("go", "env", "GOMOD").Output()
+	if err != nil || strings.TrimSpace(string(out)) == "" {
+		t.Fatalf("cannot find the module root: %v", err)
+	}
+	return filepath.Dir(strings.TrimSpace(string(out)))
+}
+
+// lineWriter forwards complete lines to fn.
+type lineWriter struct {
+	buf []byte
+	fn  func(string)
+}
+
+func (w *lineWriter) Write(p []byte) (int, error) {
+	w.buf = append(w.buf, p...)
+	for {
+		i := bytes.IndexByte(w.buf, '\n')
+		if i < 0 {
+			return len(p), nil
+		}
+		w.fn(strings.TrimRight(string(w.buf[:i]), "\r"))
+		w.buf = w.buf[i+1:]
+	}
+}
+
+// TestVM boots Debian's kernel and runs the guest suites in it (see the
+// package doc). It is part of `go test ./...`; it skips only when qemu or
+// busybox are missing and cannot be installed (not root), or with -short.
+func TestVM(t *testing.T) {
+	if testing.Short() {
+		t.Skip("boots a VM; skipped with -short")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 9*time.Minute)
+	defer cancel()
+	t0 := time.Now()
+	if err := EnsureTools(ctx); err != nil {
+		if errors.Is(err, ErrNoTools) && os.Geteuid() != 0 {
+			t.Skipf("%v", err)
+		}
+		t.Fatal(err)
+	}
+	cache := DefaultCacheDir()
+	k, err := FetchKernel(ctx, cache)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tools := time.Since(t0)
+
+	t1 := time.Now()
+	root := moduleRoot(t)
+	bin := t.TempDir()
+	var bins []Binary
+	for _, g := range guestPackages {
+		out := filepath.Join(bin, g.name)
+		cmd := exec.CommandContext(ctx, "go", "test", "-c", "-o", out, g.pkg)
+		cmd.Dir = root
+		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+		if b, err := cmd.CombinedOutput(); err != nil {
+			t.Fatalf("building %s: %v\n%s", g.pkg, err, b)
+		}
+		args := []string{"-test.v", "-test.count=1", "-test.timeout=4m"}
+		if g.run != "" {
+			args = append(args, "-test.run="+g.run)
+		}
+		bins = append(bins, Binary{Name: g.name, Path: out, Args: args})
+	}
+	build := time.Since(t1)
+
+	var figures, failures []string
+	verbose := testing.Verbose()
+	console := &lineWriter{fn: func(l string) {
+		if verbose {
+			t.Log(l)
+		}
+		if strings.Contains(l, "FIGURE:") {
+			figures = append(figures, strings.TrimSpace(l[strings.Index(l, "FIGURE:")+len("FIGURE:"):]))
+		}
+		if strings.HasPrefix(strings.TrimSpace(l), "--- FAIL") {
+			failures = append(failures, strings.TrimSpace(l))
+		}
+	}}
+	res, err := Run(ctx, Options{
+		Kernel:          k,
+		Modules:         GuestModules,
+		OptionalModules: GuestOptionalModules,
+		Binaries:        bins,
+		Env:             map[string]string{"OVERLAYD_VM_GUEST": "1"},
+		Timeout:         6 * time.Minute,
+		Console:         console,
+	})
+	if res != nil {
+		os.WriteFile(filepath.Join(cache, "last-console.log"), []byte(res.Console), 0o644)
+	}
+	if err != nil {
+		t.Fatalf("%v\n(full console in %s)", err, filepath.Join(cache, "last-console.log"))
+	}
+	for _, f := range figures {
+		t.Logf("figure: %s", f)
+	}
+	t.Logf("kernel %s (%s); tools+kernel %v, guest build %v; VM (%s): boot to first payload %v, boot+tests %v; initramfs %.1f MB",
+		k.Release, k.Package, tools.Round(time.Millisecond), build.Round(time.Millisecond), res.Accel,
+		res.Boot.Round(time.Millisecond), res.Total.Round(time.Millisecond), float64(res.Initramf)/1e6)
+	if f := res.Failed(); len(f) != 0 {
+		t.Fatalf("guest suites failed: %v\n%s\n(full console in %s)", f, strings.Join(failures, "\n"), filepath.Join(cache, "last-console.log"))
+	}
+	for _, g := range guestPackages {
+		if _, ok := res.Exits[g.name]; !ok {
+			t.Fatalf("guest suite %s did not report", g.name)
+		}
+	}
+	if !strings.Contains(res.Console, "--- PASS: TestEncryptedNetworkRealPath") {
+		t.Fatalf("the driver's real-path test did not pass in the VM (skipped?)\n(full console in %s)", filepath.Join(cache, "last-console.log"))
+	}
+	if !strings.Contains(res.Console, "--- PASS: TestEncryptedOverlay") {
+		t.Fatalf("TestEncryptedOverlay did not pass in the VM (skipped?)")
+	}
+}
