@@ -194,15 +194,16 @@ func (c *Cluster) randomMember() (string, bool) {
 	return cands[rand.N(len(cands))], true
 }
 
-// reconnectCandidate picks a random member that failed (not left) within
-// ReconnectTimeout.
+// reconnectCandidate picks a random member that failed or left within
+// ReconnectTimeout: a member that left is usually restarting (an upgrade, a
+// dockerd restart), and swarm does not announce it again when it returns.
 func (c *Cluster) reconnectCandidate() (string, bool) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	var cands []string
 	now := c.now()
 	for name, m := range c.store.members {
-		if name == c.cfg.NodeName || m.state != StateDead || now.Sub(m.since) > c.cfg.ReconnectTimeout {
+		if name == c.cfg.NodeName || (m.state != StateDead && m.state != StateLeft) || now.Sub(m.since) > c.cfg.ReconnectTimeout {
 			continue
 		}
 		cands = append(cands, net.JoinHostPort(net.IP(m.node.Addr).String(), strconv.Itoa(int(m.node.Port))))

@@ -250,6 +250,7 @@ func (cp *controlPlane) close() {
 	c := cp.c
 	cp.mu.Unlock()
 	if c != nil {
+		cp.rememberMembers() // a restart sooner than the next periodic save still finds the cluster
 		if err := c.Leave(2 * time.Second); err != nil {
 			cp.log.Warn("leaving the cluster", "error", err)
 		}
