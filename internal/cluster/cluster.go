@@ -50,16 +50,18 @@ type Cluster struct {
 	msgsReceived atomic.Uint64
 	sendErrors   atomic.Uint64
 
-	joiner   *joiner
-	pubWake  chan struct{}
-	changed  chan struct{} // publisher -> periodic loop: digest soon
-	ready    chan struct{} // closed once ml is set
-	stop     chan struct{}
-	wg       sync.WaitGroup
-	closed   atomic.Bool
-	leaving  atomic.Bool
-	shutOnce sync.Once
-	shutErr  error
+	joiner  *joiner
+	pubWake chan struct{}
+	changed chan struct{} // publisher -> periodic loop: digest soon
+	// localErrs: invalid local records, logged by the publisher.
+	localErrs chan localErr
+	ready     chan struct{} // closed once ml is set
+	stop      chan struct{}
+	wg        sync.WaitGroup
+	closed    atomic.Bool
+	leaving   atomic.Bool
+	shutOnce  sync.Once
+	shutErr   error
 }
 
 var lastIncarnation atomic.Uint64
@@ -95,9 +97,9 @@ func New(cfg Config) (*Cluster, error) {
 		if err != nil {
 			return nil, fmt.Errorf("cluster: private address %q: %w", ip, err)
 		}
-		cfg.AdvertiseAddr = a
+		cfg.AdvertiseAddr = a.Unmap()
 		if !cfg.VTEP.IsValid() {
-			cfg.VTEP = a.Unmap()
+			cfg.VTEP = cfg.AdvertiseAddr
 		}
 	}
 	if !validVTEP(cfg.VTEP) {
@@ -116,6 +118,7 @@ func New(cfg Config) (*Cluster, error) {
 		dropped:   make(map[DropReason]uint64),
 		pubWake:   make(chan struct{}, 1),
 		changed:   make(chan struct{}, 1),
+		localErrs: make(chan localErr, 16),
 		ready:     make(chan struct{}),
 		stop:      make(chan struct{}),
 	}
@@ -174,8 +177,12 @@ func (c *Cluster) PublishLocalPeer(vni uint32, prev, next *peerdb.Peer) {
 	reason, changed := c.local.publish(vni, prev, next)
 	if reason != "" {
 		c.countDrop(DropLocalInvalid)
-		c.logLimited(slog.LevelError, "local:"+string(reason), "refusing to publish an invalid local record",
-			"vni", vni, "reason", reason, "record", fmtPeer(next), "vtep", c.cfg.VTEP)
+		// Logged by the publisher: no I/O under the caller's locks.
+		select {
+		case c.localErrs <- localErr{vni: vni, reason: reason, rec: fmtPeer(next)}:
+		default:
+		}
+		changed = true // wake the publisher
 	}
 	if changed {
 		select {
@@ -183,6 +190,12 @@ func (c *Cluster) PublishLocalPeer(vni uint32, prev, next *peerdb.Peer) {
 		default:
 		}
 	}
+}
+
+type localErr struct {
+	vni    uint32
+	reason DropReason
+	rec    string
 }
 
 func fmtPeer(p *peerdb.Peer) string {

@@ -167,6 +167,7 @@ func (c *Config) normalize() error {
 	if !c.BindAddr.IsValid() {
 		c.BindAddr = netip.IPv4Unspecified()
 	}
+	c.BindAddr, c.AdvertiseAddr = c.BindAddr.Unmap(), c.AdvertiseAddr.Unmap()
 	setDefault(&c.BindPort, DefaultPort)
 	if c.BindPort < 0 || c.BindPort > 65535 {
 		return fmt.Errorf("cluster: bad gossip port %d", c.BindPort)

@@ -185,12 +185,21 @@ type faultTransport struct {
 	once     sync.Once
 }
 
+// newFaultTransport binds host:port; port 0 picks a free port (the same
+// for TCP and UDP), so concurrent test runs on one machine cannot collide.
 func newFaultTransport(t testing.TB, host string, port int, part *partition, bytes *atomic.Int64) *faultTransport {
 	t.Helper()
-	nt, err := memberlist.NewNetTransport(&memberlist.NetTransportConfig{
-		BindAddrs: []string{host}, BindPort: port,
-		Logger: newDiscardStdLogger(),
-	})
+	var nt *memberlist.NetTransport
+	var err error
+	for range 20 { // TCP may get a port whose UDP twin is taken: retry
+		nt, err = memberlist.NewNetTransport(&memberlist.NetTransportConfig{
+			BindAddrs: []string{host}, BindPort: port,
+			Logger: newDiscardStdLogger(),
+		})
+		if err == nil || port != 0 {
+			break
+		}
+	}
 	if err != nil {
 		t.Fatalf("transport on %s:%d: %v", host, port, err)
 	}
@@ -373,7 +382,6 @@ type nodeOpts struct {
 	dupProb  float64
 	maxDelay time.Duration
 	tweak    func(*Config)
-	noWrap   bool
 }
 
 func startNode(t testing.TB, name, host string, port int, o nodeOpts) *node {
@@ -402,11 +410,11 @@ func (n *node) start(o nodeOpts) {
 		DigestInterval:    500 * time.Millisecond,
 		ReconnectInterval: 500 * time.Millisecond,
 	}
-	if !o.noWrap {
-		n.tr = newFaultTransport(t, n.host, n.port, o.part, o.bytes)
-		n.tr.dupProb, n.tr.maxDelay = o.dupProb, o.maxDelay
-		cfg.Transport = n.tr
-	}
+	n.tr = newFaultTransport(t, n.host, n.port, o.part, o.bytes)
+	n.tr.dupProb, n.tr.maxDelay = o.dupProb, o.maxDelay
+	cfg.Transport = n.tr
+	n.port = n.tr.inner.GetAutoBindPort() // a restart keeps the port
+	cfg.BindPort = n.port
 	if o.tweak != nil {
 		o.tweak(&cfg)
 	}
@@ -515,17 +523,40 @@ func waitMembers(t testing.TB, timeout time.Duration, nodes []*node) {
 	})
 }
 
-func startCluster(t testing.TB, prefix string, hosts []string, port int, o nodeOpts) []*node {
+// startCluster starts a node per host (on free ports); the others join
+// the first.
+func startCluster(t testing.TB, prefix string, hosts []string, o nodeOpts) []*node {
 	t.Helper()
 	var nodes []*node
 	for i, h := range hosts {
 		oo := o
 		if i > 0 {
-			oo.seeds = []string{net.JoinHostPort(hosts[0], fmt.Sprint(port))}
+			oo.seeds = []string{nodes[0].addr()}
 		}
-		nodes = append(nodes, startNode(t, fmt.Sprintf("%s%d", prefix, i+1), h, port, oo))
+		nodes = append(nodes, startNode(t, fmt.Sprintf("%s%d", prefix, i+1), h, 0, oo))
 	}
 	return nodes
+}
+
+// freePort returns a port that was free on host for TCP and UDP (for a
+// seed address needed before its node exists).
+func freePort(t testing.TB, host string) int {
+	t.Helper()
+	for range 20 {
+		l, err := net.Listen("tcp", net.JoinHostPort(host, "0"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		port := l.Addr().(*net.TCPAddr).Port
+		u, err := net.ListenPacket("udp", net.JoinHostPort(host, fmt.Sprint(port)))
+		l.Close()
+		if err == nil {
+			u.Close()
+			return port
+		}
+	}
+	t.Fatal("no free port")
+	return 0
 }
 
 var _ io.Writer = (*tbWriter)(nil)

@@ -170,6 +170,11 @@ func (c *Cluster) publishLoop() {
 		case <-c.stop:
 			return
 		}
+		for len(c.localErrs) > 0 {
+			e := <-c.localErrs
+			c.logLimited(slog.LevelError, "local:"+string(e.reason), "refusing to publish an invalid local record",
+				"vni", e.vni, "reason", e.reason, "record", e.rec, "vtep", c.cfg.VTEP)
+		}
 		recs := c.local.takeDirty()
 		if len(recs) == 0 {
 			continue
@@ -210,8 +215,9 @@ func (c *Cluster) encodeDeltas(recs []record) [][]byte {
 }
 
 // periodicLoop sends digests (DigestInterval after a change, then at
-// doubling intervals up to DigestMaxInterval), reaps tombstones and
-// expired graces, and resynchronises the delivery.
+// doubling intervals up to DigestMaxInterval), ends restart graces and
+// repeats unanswered sync requests (every 250 ms), reaps tombstones (every
+// TombstoneTTL/8) and resynchronises the delivery.
 func (c *Cluster) periodicLoop() {
 	jitter := func(d time.Duration) time.Duration {
 		return d - d/5 + rand.N(2*d/5+1)
@@ -219,10 +225,12 @@ func (c *Cluster) periodicLoop() {
 	step := c.cfg.DigestInterval
 	next := c.now().Add(step)
 	digest := time.NewTimer(jitter(step))
-	reap := time.NewTicker(250 * time.Millisecond)
+	tick := time.NewTicker(250 * time.Millisecond)
+	reapEvery := max(250*time.Millisecond, c.cfg.TombstoneTTL/8)
+	nextReap := c.now().Add(reapEvery)
 	resync := time.NewTicker(c.cfg.ResyncInterval)
 	defer digest.Stop()
-	defer reap.Stop()
+	defer tick.Stop()
 	defer resync.Stop()
 	for {
 		select {
@@ -240,11 +248,19 @@ func (c *Cluster) periodicLoop() {
 			step = min(2*step, c.cfg.DigestMaxInterval)
 			next = c.now().Add(step)
 			digest.Reset(jitter(step))
-		case <-reap.C:
+		case <-tick.C:
 			now := c.now()
-			c.local.reap(now, c.cfg.TombstoneTTL)
+			reap := !now.Before(nextReap)
+			if reap {
+				nextReap = now.Add(reapEvery)
+				c.local.reap(now, c.cfg.TombstoneTTL)
+			}
 			c.mu.Lock()
-			c.store.reap(now, c.cfg.TombstoneTTL, c.cfg.ReconnectTimeout)
+			if reap {
+				c.store.reap(now, c.cfg.TombstoneTTL, c.cfg.ReconnectTimeout)
+			} else {
+				c.store.tick(now)
+			}
 			c.mu.Unlock()
 		case <-resync.C:
 			c.resync()

@@ -67,6 +67,9 @@ type origin struct {
 	prev        map[recKey]peerdb.Peer
 	graceUntil  time.Time
 	lastSyncReq time.Time
+	// awaiting: a snapshot was asked for and no complete view (snapshot
+	// or matching digest) came since; the request is repeated.
+	awaiting bool
 }
 
 func newOrigin(inc uint64) *origin {
@@ -254,7 +257,11 @@ func (s *store) effectiveSet(o *origin, meta nodeMeta) map[recKey]peerdb.Peer {
 }
 
 func (s *store) syncFrom(name string, o *origin, now time.Time) {
+	if o == nil {
+		o = s.origins[name]
+	}
 	if o != nil {
+		o.awaiting = true
 		if now.Sub(o.lastSyncReq) < s.syncMinInterval {
 			return
 		}
@@ -434,6 +441,7 @@ func (s *store) applyDigest(name string, o *origin, m *message, now time.Time) {
 
 func (s *store) setComplete(name string, o *origin) {
 	o.complete = true
+	o.awaiting = false
 	if o.prev != nil {
 		for k := range o.prev {
 			s.dirty(k.VNI, pkey{name, k.EndpointID})
@@ -442,21 +450,40 @@ func (s *store) setComplete(name string, o *origin) {
 	}
 }
 
-// reap removes tombstones older than ttl, ends expired restart graces and
-// forgets members gone for longer than retention.
-func (s *store) reap(now time.Time, ttl, retention time.Duration) {
+// syncRetry is how long a sync request waits for its answer (a snapshot
+// or a matching digest) before it is repeated: requests and small
+// snapshots travel as UDP packets.
+const syncRetry = time.Second
+
+// tick ends expired restart graces and repeats unanswered sync requests.
+// It is cheap (no record is visited) and runs often.
+func (s *store) tick(now time.Time) {
 	for name, o := range s.origins {
-		for k, r := range o.recs {
-			if r.rec.Deleted && now.Sub(r.at) >= ttl {
-				delete(o.recs, k)
-			}
-		}
 		if o.prev != nil && !now.Before(o.graceUntil) {
 			s.stats.GraceExpired++
 			for k := range o.prev {
 				s.dirty(k.VNI, pkey{name, k.EndpointID})
 			}
 			o.prev = nil
+		}
+		if o.awaiting && now.Sub(o.lastSyncReq) >= syncRetry {
+			if m := s.members[name]; m != nil && m.state == StateAlive && m.metaErr == nil {
+				s.syncFrom(name, o, now)
+			}
+		}
+	}
+}
+
+// reap removes tombstones older than ttl and forgets members gone for
+// longer than retention. It visits every record: the Cluster runs it a few
+// times per TombstoneTTL.
+func (s *store) reap(now time.Time, ttl, retention time.Duration) {
+	s.tick(now)
+	for _, o := range s.origins {
+		for k, r := range o.recs {
+			if r.rec.Deleted && now.Sub(r.at) >= ttl {
+				delete(o.recs, k)
+			}
 		}
 	}
 	for name, m := range s.members {

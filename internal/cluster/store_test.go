@@ -24,16 +24,17 @@ func mlNode(name string, inc uint64, vtep string) *memberlist.Node {
 
 // receiver is a store that knows origin "o" (incarnation inc, VTEP vtep).
 type receiver struct {
-	s     *store
-	syncs int
-	snaps int
+	s      *store
+	syncs  int
+	syncTo map[string]int
+	snaps  int
 }
 
 func newReceiver(inc uint64, vtep string) *receiver {
-	r := &receiver{s: newStore("me")}
+	r := &receiver{s: newStore("me"), syncTo: map[string]int{}}
 	r.s.syncMinInterval = 0
 	r.s.grace = time.Minute
-	r.s.requestSync = func(string) { r.syncs++ }
+	r.s.requestSync = func(name string) { r.syncs++; r.syncTo[name]++ }
 	r.s.sendSnapshot = func(string) { r.snaps++ }
 	r.s.memberAlive(mlNode("me", 1, "10.0.0.100"), time.Unix(0, 0))
 	r.s.memberAlive(mlNode("o", inc, vtep), time.Unix(0, 0))
@@ -303,5 +304,36 @@ func TestMembershipEffect(t *testing.T) {
 	r.s.memberAlive(mlNode("o", 8, "10.0.0.1"), now)
 	if got := r.effectiveOf(); len(got) != 0 {
 		t.Fatalf("old incarnation's records back after death: %v", got)
+	}
+}
+
+// TestSyncRequestRepeated: a sync request (or its UDP answer) may be lost;
+// it is repeated every second until a complete view arrives.
+func TestSyncRequestRepeated(t *testing.T) {
+	r := newReceiver(5, "10.0.0.1")
+	t0 := time.Unix(1000, 0)
+	r.s.memberAlive(mlNode("p", 9, "10.0.0.2"), t0)
+	base := r.syncTo["p"]
+	r.s.tick(t0.Add(500 * time.Millisecond))
+	if r.syncTo["p"] != base {
+		t.Fatal("repeated too early")
+	}
+	r.s.tick(t0.Add(1100 * time.Millisecond))
+	r.s.tick(t0.Add(2200 * time.Millisecond))
+	if r.syncTo["p"] != base+2 {
+		t.Fatalf("sync requests %d, want %d", r.syncTo["p"], base+2)
+	}
+	r.s.apply(&message{Type: msgSnapshot, Origin: "p", Incarnation: 9, AsOf: 0, Records: []record{}}, t0.Add(2300*time.Millisecond))
+	r.s.tick(t0.Add(5 * time.Second))
+	if r.syncTo["p"] != base+2 {
+		t.Fatalf("still asking after the snapshot: %d", r.syncTo["p"]-base)
+	}
+	// A dead member is not asked.
+	r.s.memberAlive(mlNode("q", 3, "10.0.0.3"), t0)
+	r.s.memberGone(mlNode("q", 3, "10.0.0.3"), t0)
+	n := r.syncTo["q"]
+	r.s.tick(t0.Add(5 * time.Second))
+	if r.syncTo["q"] != n {
+		t.Fatal("asked a dead member")
 	}
 }
