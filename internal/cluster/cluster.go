@@ -29,8 +29,8 @@ type Cluster struct {
 	rl     *rateLimiter
 	ml     *memberlist.Memberlist
 	inc    uint64
-	meta   []byte
-	budget int // packetBudget
+	meta   atomic.Pointer[[]byte] // our node metadata; replaced by SetAppState
+	budget int                    // packetBudget
 	now    func() time.Time
 	local  *localStore
 
@@ -122,7 +122,8 @@ func New(cfg Config) (*Cluster, error) {
 		ready:     make(chan struct{}),
 		stop:      make(chan struct{}),
 	}
-	c.meta = encodeMeta(nodeMeta{ProtoMin: protocolVersionMin, ProtoMax: ProtocolVersion, Incarnation: c.inc, VTEP: cfg.VTEP})
+	meta := encodeMeta(c.metaOf(nil))
+	c.meta.Store(&meta)
 	c.local = newLocalStore(cfg.NodeName, c.inc, cfg.VTEP, c.now)
 	c.store.grace = cfg.RestartGrace
 	c.store.dirty = c.markDirtyLocked
@@ -312,6 +313,52 @@ func (c *Cluster) handleMessage(b []byte) {
 	}
 }
 
+func (c *Cluster) metaOf(app []byte) nodeMeta {
+	return nodeMeta{ProtoMin: protocolVersionMin, ProtoMax: ProtocolVersion, Incarnation: c.inc, VTEP: c.cfg.VTEP, App: app}
+}
+
+// SetAppState advertises app (at most MaxAppState bytes, opaque to the
+// cluster: overlayd puts its encryption key epochs there) in this node's
+// metadata and gossips the update. Every node's Config.OnMembersChange is
+// then called; AppStates reads the states.
+func (c *Cluster) SetAppState(app []byte) error {
+	if len(app) > MaxAppState {
+		return fmt.Errorf("application state of %d bytes is larger than %d", len(app), MaxAppState)
+	}
+	meta := encodeMeta(c.metaOf(append([]byte{}, app...)))
+	c.meta.Store(&meta)
+	<-c.ready
+	if c.closed.Load() {
+		return errors.New("cluster is shut down")
+	}
+	return c.ml.UpdateNode(c.cfg.TCPTimeout)
+}
+
+// AppStates returns the application state of every alive member (this node
+// included) whose metadata is valid, by node name.
+func (c *Cluster) AppStates() map[string][]byte {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	out := map[string][]byte{}
+	for name, m := range c.store.members {
+		if m.state == StateAlive && m.metaErr == nil {
+			out[name] = append([]byte(nil), m.meta.App...)
+		}
+	}
+	if _, ok := out[c.cfg.NodeName]; !ok {
+		if self, err := decodeMeta(*c.meta.Load()); err == nil {
+			out[c.cfg.NodeName] = self.App
+		}
+	}
+	return out
+}
+
+func (c *Cluster) membersChanged() {
+	if f := c.cfg.OnMembersChange; f != nil {
+		f()
+	}
+}
+
 // memberAlive handles memberlist's join and update events (called with
 // memberlist's node lock held: no calls into memberlist here).
 func (c *Cluster) memberAlive(n *memberlist.Node) {
@@ -328,6 +375,7 @@ func (c *Cluster) memberAlive(n *memberlist.Node) {
 		}
 	}
 	c.store.memberAlive(n, c.now())
+	c.membersChanged()
 }
 
 // memberGone handles memberlist's leave event (a node dead or left).
@@ -342,6 +390,7 @@ func (c *Cluster) memberGone(n *memberlist.Node) {
 	if n.Name != c.cfg.NodeName {
 		c.log.Info("member gone", "node", n.Name, "state", state)
 	}
+	c.membersChanged()
 }
 
 // suspected records that this node's probe of name failed.
@@ -367,7 +416,7 @@ func (c *Cluster) destFlagLocked(name string, f func(*dest)) {
 // delegate implements memberlist's Delegate and EventDelegate.
 type delegate struct{ c *Cluster }
 
-func (d *delegate) NodeMeta(limit int) []byte { return d.c.meta }
+func (d *delegate) NodeMeta(limit int) []byte { return *d.c.meta.Load() }
 
 func (d *delegate) NotifyMsg(b []byte) { d.c.handleMessage(b) }
 

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -485,5 +486,40 @@ func TestConfigValidation(t *testing.T) {
 	}
 	if cfg.BindPort != 7947 || cfg.BindPort == 7946 {
 		t.Errorf("default port %d", cfg.BindPort)
+	}
+}
+
+// The application state a node advertises reaches every other node, and a
+// change of it is announced through OnMembersChange.
+func TestAppStateReachesMembers(t *testing.T) {
+	var changes atomic.Int64
+	nodes := startCluster(t, "app", hosts("127.0.0.", 201, 3), nodeOpts{tweak: func(c *Config) {
+		c.OnMembersChange = func() { changes.Add(1) }
+	}})
+	waitFor(t, 10*time.Second, "membership", func() (bool, string) {
+		for _, n := range nodes {
+			if st := n.c.AppStates(); len(st) != 3 {
+				return false, fmt.Sprintf("%s sees %d members", n.name, len(st))
+			}
+		}
+		return true, ""
+	})
+	before := changes.Load()
+	if err := nodes[1].c.SetAppState([]byte("keys:1")); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 10*time.Second, "application state", func() (bool, string) {
+		for _, n := range nodes {
+			if st := n.c.AppStates(); string(st[nodes[1].name]) != "keys:1" {
+				return false, fmt.Sprintf("%s sees %q", n.name, st)
+			}
+		}
+		return true, ""
+	})
+	if changes.Load() == before {
+		t.Fatal("OnMembersChange was not called for the update")
+	}
+	if err := nodes[1].c.SetAppState(make([]byte, MaxAppState+1)); err == nil {
+		t.Fatal("oversized application state accepted")
 	}
 }

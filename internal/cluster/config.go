@@ -51,7 +51,12 @@ type Config struct {
 	Seeds         []string   // "host[:port]" to join, retried in the background with backoff
 	TombstoneTTL  time.Duration
 	Sink          Sink // required
-	Logger        *slog.Logger
+	// OnMembersChange, if set, is called when a member joins, leaves, dies
+	// or changes its metadata (its application state, see SetAppState).
+	// It is called from memberlist's callbacks: it must not block (signal a
+	// goroutine) and must not call into the Cluster.
+	OnMembersChange func()
+	Logger          *slog.Logger
 	// Transport replaces memberlist's NetTransport (tests wrap it to drop,
 	// delay or count traffic). BindAddr/BindPort are then only used to
 	// advertise.

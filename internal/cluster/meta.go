@@ -9,7 +9,11 @@ import (
 // Node metadata (memberlist's per-node meta, at most 512 bytes), version 1:
 //
 //	metaVersion:u8 (>=1) protoMin:u8 protoMax:u8 incarnation:u64be
-//	vtepFamily:u8 (4|6) vtep:4|16 [ignored trailing bytes]
+//	vtepFamily:u8 (4|6) vtep:4|16 [since version 2: appLen:u16be app:appLen]
+//	[ignored trailing bytes]
+//
+// app is the application state (SetAppState: the encryption key epochs),
+// opaque to this package.
 //
 // Later metadata versions may only append fields, so an older node still
 // reads what it knows. The incarnation is chosen once per process start
@@ -17,7 +21,7 @@ import (
 // other incarnation than the one a node currently advertises are discarded.
 
 const (
-	metaVersion byte = 1
+	metaVersion byte = 2
 	// ProtocolVersion is the wire protocol this package speaks; nodes
 	// advertise the range they understand in their metadata.
 	ProtocolVersion    byte = 1
@@ -28,7 +32,12 @@ type nodeMeta struct {
 	ProtoMin, ProtoMax byte
 	Incarnation        uint64
 	VTEP               netip.Addr
+	App                []byte // nil when absent
 }
+
+// MaxAppState is the largest application state a node can advertise
+// (memberlist's metadata holds 512 bytes).
+const MaxAppState = 400
 
 func encodeMeta(m nodeMeta) []byte {
 	b := []byte{metaVersion, m.ProtoMin, m.ProtoMax}
@@ -42,7 +51,8 @@ func encodeMeta(m nodeMeta) []byte {
 		b = append(b, 6)
 		b = append(b, v[:]...)
 	}
-	return b
+	b = binary.BigEndian.AppendUint16(b, uint16(len(m.App)))
+	return append(b, m.App...)
 }
 
 func decodeMeta(b []byte) (nodeMeta, error) {
@@ -50,18 +60,31 @@ func decodeMeta(b []byte) (nodeMeta, error) {
 	if len(b) < 12 {
 		return m, fmt.Errorf("node metadata of %d bytes is too short (not an overlayd node?)", len(b))
 	}
-	if b[0] < metaVersion {
+	if b[0] < 1 {
 		return m, fmt.Errorf("node metadata version %d", b[0])
 	}
 	m.ProtoMin, m.ProtoMax = b[1], b[2]
 	m.Incarnation = binary.BigEndian.Uint64(b[3:11])
+	var rest []byte
 	switch fam := b[11]; {
 	case fam == 4 && len(b) >= 16:
-		m.VTEP = netip.AddrFrom4([4]byte(b[12:16]))
+		m.VTEP, rest = netip.AddrFrom4([4]byte(b[12:16])), b[16:]
 	case fam == 6 && len(b) >= 28:
-		m.VTEP = netip.AddrFrom16([16]byte(b[12:28]))
+		m.VTEP, rest = netip.AddrFrom16([16]byte(b[12:28])), b[28:]
 	default:
 		return m, fmt.Errorf("node metadata: bad VTEP (family %d, %d bytes)", fam, len(b))
+	}
+	if b[0] >= 2 {
+		if len(rest) < 2 {
+			return m, fmt.Errorf("node metadata version %d without its application state", b[0])
+		}
+		n := int(binary.BigEndian.Uint16(rest))
+		if n > MaxAppState || len(rest) < 2+n {
+			return m, fmt.Errorf("node metadata: application state of %d bytes does not fit (%d left, at most %d)", n, len(rest)-2, MaxAppState)
+		}
+		if n > 0 {
+			m.App = append([]byte{}, rest[2:2+n]...)
+		}
 	}
 	switch {
 	case !validVTEP(m.VTEP):

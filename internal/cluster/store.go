@@ -180,7 +180,7 @@ func (s *store) memberAlive(n *memberlist.Node, now time.Time) {
 		// partition) or metadata fixed. Its stored records are effective
 		// again; ask for what changed meanwhile.
 		s.markOrigin(n.Name, o)
-		if !wasAlive || oldErr != nil || oldMeta != meta {
+		if !wasAlive || oldErr != nil || !sameMeta(oldMeta, meta) {
 			s.syncFrom(n.Name, o, now)
 		}
 	default:
@@ -509,4 +509,10 @@ func (s *store) eachEffective(f func(vni uint32, k pkey, p peerdb.Peer)) {
 			f(rk.VNI, pkey{name, rk.EndpointID}, p)
 		}
 	}
+}
+
+// sameMeta reports whether two metadata carry the same replication-relevant
+// fields (the application state does not concern the records).
+func sameMeta(a, b nodeMeta) bool {
+	return a.ProtoMin == b.ProtoMin && a.ProtoMax == b.ProtoMax && a.Incarnation == b.Incarnation && a.VTEP == b.VTEP
 }

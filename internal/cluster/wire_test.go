@@ -216,14 +216,25 @@ func TestMetaRoundTrip(t *testing.T) {
 	for _, v := range []string{"10.0.0.1", "fd00::7"} {
 		m := nodeMeta{ProtoMin: 1, ProtoMax: 1, Incarnation: 99, VTEP: netip.MustParseAddr(v)}
 		got, err := decodeMeta(encodeMeta(m))
-		if err != nil || got != m {
+		if err != nil || !eqMeta(got, m) {
 			t.Errorf("meta %v: got %+v, %v", m, got, err)
 		}
+		withApp := m
+		withApp.App = []byte("accept=1 send=1")
+		if got, err := decodeMeta(encodeMeta(withApp)); err != nil || !eqMeta(got, withApp) {
+			t.Errorf("meta with app state %v: got %+v, %v", withApp, got, err)
+		}
 		// Forward compatible: a later version may append fields.
-		b := append(encodeMeta(m), 0xaa, 0xbb)
-		b[0] = 2
-		if got, err := decodeMeta(b); err != nil || got != m {
-			t.Errorf("meta v2 %v: got %+v, %v", m, got, err)
+		b := append(encodeMeta(withApp), 0xaa, 0xbb)
+		b[0] = 3
+		if got, err := decodeMeta(b); err != nil || !eqMeta(got, withApp) {
+			t.Errorf("meta v3 %v: got %+v, %v", m, got, err)
+		}
+		// Backward compatible: a version 1 node has no application state.
+		v1 := encodeMeta(m)[:len(encodeMeta(m))-2]
+		v1[0] = 1
+		if got, err := decodeMeta(v1); err != nil || !eqMeta(got, m) {
+			t.Errorf("meta v1 %v: got %+v, %v", m, got, err)
 		}
 	}
 	for _, b := range [][]byte{nil, {1}, encodeMeta(nodeMeta{ProtoMin: 2, ProtoMax: 3, Incarnation: 1, VTEP: netip.MustParseAddr("10.0.0.1")}),
@@ -271,3 +282,5 @@ func FuzzDecode(f *testing.F) {
 		}
 	})
 }
+
+func eqMeta(a, b nodeMeta) bool { return sameMeta(a, b) && bytes.Equal(a.App, b.App) }

@@ -15,6 +15,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/overlayd/overlayd/driver"
 )
@@ -35,6 +36,9 @@ type Settings struct {
 	SecretFile    string   // "": <state-dir>/cluster.key, generated on first start
 	ControlSocket string
 	NodeName      string
+	// KeyRotationInterval is how often the encryption keys rotate (0: never
+	// by timer; `overlayd keys rotate` still works).
+	KeyRotationInterval time.Duration
 }
 
 // Defaults.
@@ -66,6 +70,7 @@ var settings = []setting{
 	{"secret-file", "OVERLAYD_SECRET_FILE", "", "file holding the cluster key; default: <state-dir>/cluster.key, generated on first start"},
 	{"control-socket", "OVERLAYD_CONTROL_SOCKET", DefaultControlSocket, "local control socket for `overlayd status` (mode 0600)"},
 	{"node-name", "OVERLAYD_NODE_NAME", "", "this host's name in the cluster; default: the hostname"},
+	{"key-rotation-interval", "OVERLAYD_KEY_ROTATION_INTERVAL", "12h", "how often encrypted networks' keys rotate cluster-wide (0: only by `overlayd keys rotate`)"},
 }
 
 // Usage writes the settings table (flag, environment variable, default).
@@ -197,6 +202,13 @@ func Parse(args []string, getenv func(string) string) (*Settings, error) {
 		st.NodeName = h
 	} else if len(st.NodeName) > 128 || strings.ContainsAny(st.NodeName, " \t\n/") {
 		errs = append(errs, fmt.Errorf("%s %q: must be at most 128 characters without spaces or slashes", src, st.NodeName))
+	}
+	if v, src := get("key-rotation-interval"); v != "" {
+		d, err := time.ParseDuration(v)
+		if err != nil || d < 0 || (d > 0 && d < time.Minute) {
+			errs = append(errs, fmt.Errorf("%s %q: must be a duration of at least 1m (like 12h), or 0 to rotate only on request", src, v))
+		}
+		st.KeyRotationInterval = d
 	}
 	if err := errors.Join(errs...); err != nil {
 		return nil, err

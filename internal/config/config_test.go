@@ -6,6 +6,7 @@ import (
 	"flag"
 	"strings"
 	"testing"
+	"time"
 )
 
 func env(m map[string]string) func(string) string { return func(k string) string { return m[k] } }
@@ -104,6 +105,22 @@ func TestClusterSettings(t *testing.T) {
 		{"--secret-file", "key"}, {"--control-socket", "c.sock"}, {"--node-name", "a b"}} {
 		if _, err := Parse(bad, env(nil)); err == nil || !strings.Contains(err.Error(), bad[0]) {
 			t.Errorf("Parse(%v) = %v, want an error naming %s", bad, err, bad[0])
+		}
+	}
+}
+
+func TestKeyRotationInterval(t *testing.T) {
+	st, err := Parse(nil, env(nil))
+	if err != nil || st.KeyRotationInterval != 12*time.Hour {
+		t.Fatalf("default key rotation interval: %v %v", st, err)
+	}
+	st, err = Parse([]string{"--key-rotation-interval", "0"}, env(nil))
+	if err != nil || st.KeyRotationInterval != 0 {
+		t.Fatalf("0: %v %v", st, err)
+	}
+	for _, bad := range []string{"soon", "10s", "-1h"} {
+		if _, err := Parse([]string{"--key-rotation-interval", bad}, env(nil)); err == nil || !strings.Contains(err.Error(), "--key-rotation-interval") {
+			t.Errorf("--key-rotation-interval %s: %v", bad, err)
 		}
 	}
 }

@@ -2,6 +2,7 @@ package daemon
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"log/slog"
 	"net"
@@ -53,6 +54,7 @@ type controlPlane struct {
 	startMu sync.Mutex
 	mu      sync.Mutex
 	c       *cluster.Cluster // guarded by mu; nil until started
+	km      *keyManager      // guarded by mu; nil until started
 	seed    []string         // seeds learned before the start; guarded by mu
 	stop    chan struct{}
 	done    sync.WaitGroup
@@ -115,15 +117,25 @@ func (cp *controlPlane) tryStart() {
 		Seeds:         append(append(append([]string(nil), cp.st.Join...), seeds...), cp.rememberedMembers()...),
 		Sink:          sink{cp.d},
 		Logger:        cp.log.With("component", "cluster"),
+		OnMembersChange: func() {
+			cp.mu.Lock()
+			km := cp.km
+			cp.mu.Unlock()
+			if km != nil {
+				km.poke()
+			}
+		},
 	})
 	if err != nil {
 		cp.log.Error("control plane failed to start; retrying", "error", err)
 		return
 	}
+	km := newKeyManager(cp.d, c, cp.st.NodeName, cp.st.KeyRotationInterval, cp.log.With("component", "keys"))
 	cp.mu.Lock()
-	cp.c = c
+	cp.c, cp.km = c, km
 	late := cp.seed[len(seeds):]
 	cp.mu.Unlock()
+	km.start()
 	c.AddSeeds(late...)
 	// Endpoints restored from the state file, or joined before the start:
 	// published under each network's lock, so ordered with Join/Leave
@@ -231,6 +243,27 @@ func (cp *controlPlane) rememberMembers() {
 	}
 }
 
+// rotate starts a cluster-wide key rotation (`overlayd keys rotate`).
+func (cp *controlPlane) rotate() (any, error) {
+	cp.mu.Lock()
+	km := cp.km
+	cp.mu.Unlock()
+	if km == nil {
+		return nil, errors.New("the control plane has not started yet (no advertise address known)")
+	}
+	return km.Rotate()
+}
+
+func (cp *controlPlane) memberKeys() map[string]string {
+	cp.mu.Lock()
+	km := cp.km
+	cp.mu.Unlock()
+	if km == nil {
+		return nil
+	}
+	return km.memberKeys()
+}
+
 func (cp *controlPlane) status() *cluster.Status {
 	cp.mu.Lock()
 	c := cp.c
@@ -247,8 +280,11 @@ func (cp *controlPlane) status() *cluster.Status {
 func (cp *controlPlane) close() {
 	close(cp.stop)
 	cp.mu.Lock()
-	c := cp.c
+	c, km := cp.c, cp.km
 	cp.mu.Unlock()
+	if km != nil {
+		km.close()
+	}
 	if c != nil {
 		cp.rememberMembers() // a restart sooner than the next periodic save still finds the cluster
 		if err := c.Leave(2 * time.Second); err != nil {

@@ -49,6 +49,7 @@ func Run(ctx context.Context, st *config.Settings, log *slog.Logger) error {
 		Store:         db,
 		Publisher:     cp,
 		OnDiscover:    cp.discovered,
+		Secret:        key,
 	})
 	if err != nil {
 		return err
@@ -63,7 +64,10 @@ func Run(ctx context.Context, st *config.Settings, log *slog.Logger) error {
 		return err
 	}
 	ctl, err := control.Serve(st.ControlSocket, control.Handlers{
-		Status: func() any { return &StatusReport{Cluster: cp.status(), Driver: d.Status()} },
+		Status: func() any {
+			return &StatusReport{Cluster: cp.status(), Keys: cp.memberKeys(), Driver: d.Status()}
+		},
+		Rotate: cp.rotate,
 	})
 	if err != nil {
 		l.Close()

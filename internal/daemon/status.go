@@ -13,8 +13,9 @@ import (
 // StatusReport is what `overlayd status` shows: the control plane's view
 // (this node, members) and the driver's (networks, endpoints, peers).
 type StatusReport struct {
-	Cluster *cluster.Status `json:"cluster,omitempty"`
-	Driver  driver.Status   `json:"driver"`
+	Cluster *cluster.Status   `json:"cluster,omitempty"`
+	Keys    map[string]string `json:"member_keys,omitempty"` // key epochs each member advertises
+	Driver  driver.Status     `json:"driver"`
 }
 
 // Render writes r for humans.
@@ -42,7 +43,27 @@ func (r *StatusReport) Render(w io.Writer) {
 			fmt.Fprintf(w, "\nDropped gossip: %s\n", strings.Join(drops, " "))
 		}
 	}
+	if len(r.Keys) > 0 {
+		fmt.Fprintf(w, "\nKey epochs advertised:\n")
+		for _, name := range sortedNames(r.Keys) {
+			fmt.Fprintf(w, "  %-20s %s\n", name, r.Keys[name])
+		}
+	}
 	d := r.Driver
+	if e := d.Encryption; e != nil {
+		fmt.Fprintf(w, "\nEncryption: accept %v, send %d, target %d, encrypted VNIs %v\n", e.Accept, e.Send, e.Target, e.VNIs)
+		for _, p := range e.Pairs {
+			in := []string{}
+			for _, sa := range p.Inbound {
+				in = append(in, fmt.Sprintf("epoch %d spi %#08x installed=%v packets=%d", sa.Epoch, sa.SPI, sa.Installed, sa.Packets))
+			}
+			fmt.Fprintf(w, "  with %-15s send epoch %d (spi %#08x installed=%v packets=%d) policy=%v; inbound: %s\n",
+				p.Remote, p.SendEpoch, p.SendSA.SPI, p.SendSA.Installed, p.SendSA.Packets, p.PolicyFound, strings.Join(in, "; "))
+		}
+		if e.Error != "" {
+			fmt.Fprintf(w, "  error: %s\n", e.Error)
+		}
+	}
 	fmt.Fprintf(w, "\nDriver: scope %s, VXLAN port %d, advertise %s\n", d.Scope, d.VXLANPort, d.AdvertiseAddr)
 	if len(d.Networks) == 0 {
 		fmt.Fprintf(w, "  no networks\n")
@@ -81,4 +102,13 @@ func short(id string) string {
 		return id[:12]
 	}
 	return id
+}
+
+func sortedNames(m map[string]string) []string {
+	names := make([]string, 0, len(m))
+	for n := range m {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	return names
 }

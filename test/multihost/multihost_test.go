@@ -295,6 +295,35 @@ func TestThreeHosts(t *testing.T) {
 		t.Fatalf("status: networks %v", nets)
 	}
 
+	// Key epochs: every host converges on epoch 1, then `overlayd keys
+	// rotate` on one host moves the whole cluster to epoch 2 through the
+	// three steps (accept, send, retire).
+	keysEverywhere := func(want string) error {
+		for _, h := range hosts {
+			keys, _ := h.status(t)["member_keys"].(map[string]any)
+			if len(keys) != len(hosts) {
+				return fmt.Errorf("%s sees keys of %d members: %v", h.name, len(keys), keys)
+			}
+			for name, k := range keys {
+				if k != want {
+					return fmt.Errorf("%s sees %s at %v, want %s", h.name, name, k, want)
+				}
+			}
+		}
+		return nil
+	}
+	if err := nstest.Eventually(15*time.Second, 100*time.Millisecond, func() error { return keysEverywhere("accept=[1] send=1 target=1") }); err != nil {
+		t.Fatal(err)
+	}
+	rotStart := time.Now()
+	if out, err := exec.Command(binary(t), "keys", "rotate", "--control-socket", hosts[1].control()).CombinedOutput(); err != nil {
+		t.Fatalf("overlayd keys rotate: %v\n%s", err, out)
+	}
+	if err := nstest.Eventually(20*time.Second, 100*time.Millisecond, func() error { return keysEverywhere("accept=[2] send=2 target=2") }); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("key rotation 1 → 2 completed on all hosts after %v", time.Since(rotStart).Round(time.Millisecond))
+
 	// Move 198.51.100.10 from host0 to host1: pings from host2 work again
 	// quickly. (A second endpoint keeps host0's sandbox.)
 	hosts[0].join(t, "ep0-second", netip.MustParsePrefix("198.51.100.13/24"))
