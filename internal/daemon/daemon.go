@@ -15,6 +15,7 @@ import (
 	"github.com/docker/go-plugins-helpers/network"
 
 	"github.com/overlayd/overlayd/driver"
+	"github.com/overlayd/overlayd/encryption"
 	"github.com/overlayd/overlayd/internal/config"
 	"github.com/overlayd/overlayd/internal/control"
 	"github.com/overlayd/overlayd/internal/netnsutil"
@@ -56,6 +57,13 @@ func Run(ctx context.Context, st *config.Settings, log *slog.Logger) error {
 	}
 	defer d.Close()
 	cp.d = d
+	// Checked at start (and again whenever an encrypted network is created
+	// or joined): say up front whether encrypted networks can work here.
+	if err := encryption.CheckKernelSupport(); err != nil {
+		log.Warn("encrypted networks are unavailable on this host (they will be refused, never sent in clear)", "reason", err)
+	} else {
+		log.Info("encrypted networks available (ESP/AEAD supported by the kernel)")
+	}
 
 	// The plugin socket first: dockerd disables a managed plugin whose socket
 	// is late, and joining the cluster may take long.
