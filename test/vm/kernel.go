@@ -100,9 +100,11 @@ func EnsureTools(ctx context.Context) error {
 	if os.Geteuid() != 0 {
 		return fmt.Errorf("%w (install qemu-system-x86 and busybox-static, or run as root to let the test install them)", ErrNoTools)
 	}
-	install := []string{"install", "-y", "-q", "--no-install-recommends", "qemu-system-x86", "busybox-static"}
+	// The real-engine suite may be installing at the same time: wait for
+	// dpkg's lock rather than fail.
+	install := []string{"-o", "DPkg::Lock::Timeout=300", "install", "-y", "-q", "--no-install-recommends", "qemu-system-x86", "busybox-static"}
 	if _, err := run(ctx, "", "apt-get", install...); err != nil {
-		if _, uerr := run(ctx, "", "apt-get", "update", "-q"); uerr != nil {
+		if _, uerr := run(ctx, "", "apt-get", "-o", "DPkg::Lock::Timeout=300", "update", "-q"); uerr != nil {
 			return fmt.Errorf("%w: apt-get update: %v", ErrNoTools, uerr)
 		}
 		if _, err := run(ctx, "", "apt-get", install...); err != nil {
@@ -143,7 +145,7 @@ func FetchKernel(ctx context.Context, cacheDir string) (*Kernel, error) {
 	}
 	pkg, err := kernelPackage(ctx)
 	if err != nil && os.Geteuid() == 0 {
-		if _, uerr := run(ctx, "", "apt-get", "update", "-q"); uerr == nil {
+		if _, uerr := run(ctx, "", "apt-get", "-o", "DPkg::Lock::Timeout=300", "update", "-q"); uerr == nil {
 			pkg, err = kernelPackage(ctx)
 		}
 	}
