@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"net/netip"
 	"strings"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -185,28 +184,8 @@ func TestEncryptedNetworkRealPath(t *testing.T) {
 
 	// Rotate during a continuous ping: accept 2 everywhere, send 2
 	// everywhere, retire 1 everywhere.
-	var sent, lost atomic.Int64
-	stop, done := make(chan struct{}), make(chan struct{})
-	go func() {
-		defer close(done)
-		for {
-			select {
-			case <-stop:
-				return
-			default:
-			}
-			sent.Add(1)
-			if nstest.Ping(ctrs[0], peers[1].IP, 500*time.Millisecond) != nil {
-				lost.Add(1)
-			}
-			time.Sleep(10 * time.Millisecond)
-		}
-	}()
-	waitPings := func(n int64) {
-		for target := sent.Load() + n; sent.Load() < target; {
-			time.Sleep(5 * time.Millisecond)
-		}
-	}
+	pl := nstest.StartPingLoop(ctrs[0], peers[1].IP, 10*time.Millisecond, 500*time.Millisecond)
+	waitPings := pl.WaitSent
 	waitPings(10)
 	start := time.Now()
 	for _, step := range []encryption.NodeKeys{
@@ -222,11 +201,10 @@ func TestEncryptedNetworkRealPath(t *testing.T) {
 		waitPings(10)
 	}
 	rotation := time.Since(start)
-	close(stop)
-	<-done
-	t.Logf("FIGURE: driver key rotation on 2 hosts took %v (3 steps); pings lost during it: %d of %d", rotation.Round(time.Millisecond), lost.Load(), sent.Load())
-	if lost.Load() != 0 {
-		t.Errorf("%d of %d pings lost during the key rotation", lost.Load(), sent.Load())
+	sent, lost := pl.Stop()
+	t.Logf("FIGURE: driver key rotation on 2 hosts took %v (3 steps); pings lost during it: %d of %d", rotation.Round(time.Millisecond), lost, sent)
+	if lost != 0 {
+		t.Errorf("%d of %d pings lost during the key rotation", lost, sent)
 	}
 	for _, d := range ds {
 		mustAudit(t, d)

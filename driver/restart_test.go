@@ -3,7 +3,6 @@ package driver
 import (
 	"net/netip"
 	"strings"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -67,24 +66,7 @@ func TestRestartAdoptsRunningSandbox(t *testing.T) {
 	}
 
 	// Ping continuously across the restart and count what is lost.
-	var sent, lost atomic.Int64
-	stop := make(chan struct{})
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		for {
-			select {
-			case <-stop:
-				return
-			default:
-			}
-			sent.Add(1)
-			if nstest.Ping(ctrs[0], peers[1].IP, 200*time.Millisecond) != nil {
-				lost.Add(1)
-			}
-			time.Sleep(10 * time.Millisecond)
-		}
-	}()
+	pl := nstest.StartPingLoop(ctrs[0], peers[1].IP, 10*time.Millisecond, 200*time.Millisecond)
 
 	dA.Close()
 	st.Close()
@@ -100,14 +82,13 @@ func TestRestartAdoptsRunningSandbox(t *testing.T) {
 	if err := dA.ApplyPeerEvent(PeerEvent{VNI: 77, Next: &peers[1]}); err != nil {
 		t.Fatal(err)
 	}
-	for sent.Load() < 20 {
+	for pl.Sent() < 20 {
 		time.Sleep(10 * time.Millisecond)
 	}
-	close(stop)
-	<-done
-	t.Logf("pings across the restart: %d sent, %d lost", sent.Load(), lost.Load())
-	if lost.Load() != 0 {
-		t.Errorf("%d of %d pings lost across a restart", lost.Load(), sent.Load())
+	sent, lost := pl.Stop()
+	t.Logf("pings across the restart: %d sent, %d lost", sent, lost)
+	if lost != 0 {
+		t.Errorf("%d of %d pings lost across a restart", lost, sent)
 	}
 	stat := dA.Status()
 	if len(stat.Networks) != 1 || len(stat.Networks[0].Endpoints) != 1 || !stat.Networks[0].Endpoints[0].Joined {

@@ -116,7 +116,7 @@ func (cp *controlPlane) tryStart() {
 		Key:           cp.key,
 		Seeds:         append(append(append([]string(nil), cp.st.Join...), seeds...), cp.rememberedMembers()...),
 		Sink:          sink{cp.d},
-		Logger:        cp.log.With("component", "cluster"),
+		Logger:        cp.log,
 		OnMembersChange: func() {
 			cp.mu.Lock()
 			km := cp.km

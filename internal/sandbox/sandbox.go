@@ -101,11 +101,8 @@ func Create(host *Host, id string, subnets []Subnet) (_ *Sandbox, err error) {
 			sb.Destroy()
 		}
 	}()
-	if sb.h, err = netlink.NewHandleAt(ns, unix.NETLINK_ROUTE); err != nil {
-		return nil, fmt.Errorf("failed to open netlink handle in sandbox %s: %w", path, err)
-	}
-	if sb.batch, err = nlbatch.Open(ns); err != nil {
-		return nil, fmt.Errorf("failed to open netlink socket in sandbox %s: %w", path, err)
+	if err := sb.openHandles(); err != nil {
+		return nil, err
 	}
 	if err := sb.setupNamespace(); err != nil {
 		return nil, err
@@ -339,11 +336,8 @@ func Adopt(host *Host, id string, subnets []Subnet) (_ *Sandbox, err error) {
 			sb.close()
 		}
 	}()
-	if sb.h, err = netlink.NewHandleAt(ns, unix.NETLINK_ROUTE); err != nil {
-		return nil, fmt.Errorf("failed to open netlink handle in sandbox %s: %w", path, err)
-	}
-	if sb.batch, err = nlbatch.Open(ns); err != nil {
-		return nil, fmt.Errorf("failed to open netlink socket in sandbox %s: %w", path, err)
+	if err := sb.openHandles(); err != nil {
+		return nil, err
 	}
 	for _, s := range subnets {
 		sl := subnetLinks{Subnet: s}
@@ -364,6 +358,18 @@ func Adopt(host *Host, id string, subnets []Subnet) (_ *Sandbox, err error) {
 		sb.subnets = append(sb.subnets, sl)
 	}
 	return sb, nil
+}
+
+// openHandles opens the netlink handle and the batch socket bound to the
+// sandbox's namespace.
+func (sb *Sandbox) openHandles() (err error) {
+	if sb.h, err = netlink.NewHandleAt(sb.ns, unix.NETLINK_ROUTE); err != nil {
+		return fmt.Errorf("failed to open netlink handle in sandbox %s: %w", sb.path, err)
+	}
+	if sb.batch, err = nlbatch.Open(sb.ns); err != nil {
+		return fmt.Errorf("failed to open netlink socket in sandbox %s: %w", sb.path, err)
+	}
+	return nil
 }
 
 // HasLink reports whether the sandbox holds a link named name.

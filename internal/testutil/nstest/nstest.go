@@ -13,6 +13,7 @@ import (
 	"net/netip"
 	"os"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -305,4 +306,50 @@ func HasPrefix(names []string, prefix string) bool {
 		}
 	}
 	return false
+}
+
+// PingLoop pings dst from ns continuously (every interval, each waiting up
+// to timeout) until stop is called, which returns how many were sent and
+// lost. For counting packets lost across a restart or a key rotation.
+type PingLoop struct {
+	sent, lost atomic.Int64
+	stop, done chan struct{}
+}
+
+// StartPingLoop starts a PingLoop.
+func StartPingLoop(ns *NS, dst netip.Addr, interval, timeout time.Duration) *PingLoop {
+	p := &PingLoop{stop: make(chan struct{}), done: make(chan struct{})}
+	go func() {
+		defer close(p.done)
+		for {
+			select {
+			case <-p.stop:
+				return
+			default:
+			}
+			p.sent.Add(1)
+			if Ping(ns, dst, timeout) != nil {
+				p.lost.Add(1)
+			}
+			time.Sleep(interval)
+		}
+	}()
+	return p
+}
+
+// Sent returns the number of pings sent so far.
+func (p *PingLoop) Sent() int64 { return p.sent.Load() }
+
+// WaitSent waits until n more pings have been sent.
+func (p *PingLoop) WaitSent(n int64) {
+	for target := p.sent.Load() + n; p.sent.Load() < target; {
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// Stop stops the loop and returns the numbers of pings sent and lost.
+func (p *PingLoop) Stop() (sent, lost int64) {
+	close(p.stop)
+	<-p.done
+	return p.sent.Load(), p.lost.Load()
 }
