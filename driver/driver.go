@@ -11,7 +11,8 @@
 //	              (create/delete, endpoints, join/leave, peer events, kernel
 //	              programming of its sandbox)
 //	Driver.encMu — the encryption state lock (keys, per-peer SA state and their
-//	              kernel programming); reserved for encrypted networks
+//	              kernel programming); ordered before the peer programming
+//	              that needs it
 //	Driver.allocMu — VNI allocation for AllocateNetwork/FreeNetwork (swarm
 //	              leader); held while the allocation is persisted
 //	Driver.mu   — the driver's maps; bottom: never take another lock while
