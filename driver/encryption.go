@@ -19,12 +19,14 @@ import (
 // with the peer programming that needs it: a network holds its lock, then
 // takes encMu (never the reverse).
 type encState struct {
-	prog    *encryption.Programmer         // nil until first needed
-	keys    encryption.NodeKeys            // what the control plane decided (SetKeys)
-	vnis    map[string][]uint32            // encrypted networks present here → their VNIs
-	remotes map[string]map[netip.Addr]bool // encrypted networks with a sandbox → VTEPs of their active remote peers
-	applied *encryption.Desired            // what the last successful Apply programmed
-	lastErr error                          // the last Apply's error, for status
+	prog *encryption.Programmer // nil until first needed
+	keys encryption.NodeKeys    // what the control plane decided (SetKeys)
+	// Keyed by the network value, not its id: a deleted network and a new
+	// one of the same id may sync in either order.
+	vnis    map[*network][]uint32            // encrypted networks present here → their VNIs
+	remotes map[*network]map[netip.Addr]bool // encrypted networks with a sandbox → VTEPs of their active remote peers
+	applied *encryption.Desired              // what the last successful Apply programmed
+	lastErr error                            // the last Apply's error, for status
 	// adopted are the remote VTEPs an earlier run programmed (from the
 	// state file): kept until ReconcileAll, like adopted neighbours, so a
 	// restart does not cut encrypted traffic before the control plane has
@@ -85,6 +87,9 @@ func (d *Driver) desiredEncLocked() encryption.Desired {
 			remotes[r] = true
 		}
 	}
+	// A remote record claiming our own VTEP (a misconfiguration, or our own
+	// endpoint seen through another network) is no pair to encrypt.
+	delete(remotes, want.Local)
 	if want.Send == 0 {
 		// Keys not decided yet: only the fail-closed rules (encrypted VNIs
 		// are dropped both ways until there is a key to send with).
@@ -194,9 +199,9 @@ func (d *Driver) syncEnc(n *network, widen bool) error {
 	d.encMu.Lock()
 	defer d.encMu.Unlock()
 	if d.enc.vnis == nil {
-		d.enc.vnis, d.enc.remotes = map[string][]uint32{}, map[string]map[netip.Addr]bool{}
+		d.enc.vnis, d.enc.remotes = map[*network][]uint32{}, map[*network]map[netip.Addr]bool{}
 	}
-	old := d.enc.remotes[n.id]
+	old := d.enc.remotes[n]
 	if widen {
 		for r := range old {
 			if remotes == nil {
@@ -206,14 +211,14 @@ func (d *Driver) syncEnc(n *network, widen bool) error {
 		}
 	}
 	if n.deleted {
-		delete(d.enc.vnis, n.id)
+		delete(d.enc.vnis, n)
 	} else {
-		d.enc.vnis[n.id] = n.vnis()
+		d.enc.vnis[n] = n.vnis()
 	}
 	if len(remotes) == 0 {
-		delete(d.enc.remotes, n.id)
+		delete(d.enc.remotes, n)
 	} else {
-		d.enc.remotes[n.id] = remotes
+		d.enc.remotes[n] = remotes
 	}
 	if err := d.applyEncLocked(); err != nil {
 		return fmt.Errorf("encryption for network %q: %w", n.id, err)

@@ -241,6 +241,11 @@ func (d *Driver) Join(req *api.JoinRequest) (_ *api.JoinResponse, err error) {
 	if err := n.sb.ApplyDelta(delta); err != nil {
 		return nil, fmt.Errorf("Join of endpoint %q: %w", ep.id, err)
 	}
+	// The local endpoint may shadow a remote claimant of its IP, whose VTEP
+	// may then need no SA any more.
+	if err := d.syncEnc(n, false); err != nil {
+		d.log.Warn("encryption state after a Join", "network", n.id, "error", err)
+	}
 	ep.joined, ep.vtep = true, vtep
 	if err := d.saveEndpoint(n, ep); err != nil {
 		ep.joined, ep.vtep = false, netip.Addr{}
@@ -312,7 +317,15 @@ func (d *Driver) leave(n *network, ep *endpoint) error {
 		if err := n.sb.RemoveEndpoint(ep.sbName); err != nil {
 			errs = append(errs, err)
 		}
+		// The delta may re-activate a remote claimant of the IP: its VTEP
+		// needs SAs and a policy before its neighbour is programmed.
+		if err := d.syncEnc(n, true); err != nil {
+			errs = append(errs, err)
+		}
 		if err := n.sb.ApplyDelta(delta); err != nil {
+			errs = append(errs, err)
+		}
+		if err := d.syncEnc(n, false); err != nil {
 			errs = append(errs, err)
 		}
 	}

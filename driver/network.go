@@ -36,7 +36,7 @@ func (n *network) trace(d *Driver, kind TraceKind) {
 	if d.cfg.Trace == nil {
 		return
 	}
-	ev := TraceEvent{Kind: kind, Network: n.id, VNIs: n.vnis(), Pools: n.pools(), MTU: n.mtu, Internal: n.internal}
+	ev := TraceEvent{Kind: kind, Network: n.id, VNIs: n.vnis(), Pools: n.pools(), MTU: n.mtu, Internal: n.internal, Encrypted: n.encrypted}
 	for _, s := range n.subnets {
 		ev.Gateways = append(ev.Gateways, s.gateway)
 	}

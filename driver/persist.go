@@ -115,9 +115,9 @@ func (d *Driver) restore() error {
 			// installed until keys and peers are back (SetKeys,
 			// ReconcileAll).
 			if d.enc.vnis == nil {
-				d.enc.vnis, d.enc.remotes = map[string][]uint32{}, map[string]map[netip.Addr]bool{}
+				d.enc.vnis, d.enc.remotes = map[*network][]uint32{}, map[*network]map[netip.Addr]bool{}
 			}
-			d.enc.vnis[n.id] = n.vnis()
+			d.enc.vnis[n] = n.vnis()
 		}
 		var joined []*endpoint
 		for _, er := range eps[n.id] {

@@ -52,11 +52,12 @@ type TraceEvent struct {
 	Kind    TraceKind
 	Network string
 	// TraceCreateNetwork.
-	VNIs     []uint32
-	Pools    []netip.Prefix
-	Gateways []netip.Prefix
-	MTU      int
-	Internal bool
+	VNIs      []uint32
+	Pools     []netip.Prefix
+	Gateways  []netip.Prefix
+	MTU       int
+	Internal  bool
+	Encrypted bool
 	// Endpoint kinds.
 	Endpoint string
 	Addr     netip.Prefix

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math/rand"
 	"net/netip"
 	"os"
 	"regexp"
@@ -65,6 +66,11 @@ func newEnv(t testing.TB, fixedAdv, trace bool) *env {
 		AdvertiseAddr: e.fixedAdv,
 		Logger:        slog.New(&capHandler{c: e.logs}),
 		OnDiscover:    func(netip.Addr, bool) {},
+		// Encrypted networks on a kernel with xfrm policies and nftables
+		// but no ESP states: a stand-in passes the kernel check (as in
+		// driver.TestEncryptedNetworkFailsClosedWithoutSAs).
+		Secret:          stressSecret,
+		CheckEncryption: func() error { return nil },
 	}
 	if trace {
 		cfg.Trace = e.rec.trace
@@ -330,6 +336,7 @@ type runResult struct {
 	deadlock  bool
 	stats     modelStats
 	inferred  []string // trace events the model had to reorder (see model.inferDelete)
+	keys      keysStats
 	traceFile string
 }
 
@@ -350,6 +357,9 @@ type harness struct {
 	oplog      [][]string
 	phaseTrace []driver.TraceEvent
 	phaseFirst int
+
+	keysRng   *rand.Rand // the key states probeKeys sets
+	keysStats keysStats
 }
 
 // runStress runs the seeded workload and checks every quiet point; it
@@ -374,6 +384,10 @@ func runStress(t testing.TB, cfg runConfig) *runResult {
 		h.u.mix.audit = 0
 		h.e.kernelOnly = true
 	}
+	if !cfg.fixedAdv {
+		h.u.plainOnly()
+	}
+	h.keysRng = rand.New(rand.NewSource(cfg.seed))
 	h.wd = newWatchdog(cfg.watchdog, cfg.workers+1)
 	defer h.wd.close()
 	// The linearised trace of the whole run, gzipped JSON lines: kept when
@@ -489,7 +503,7 @@ func runStress(t testing.TB, cfg runConfig) *runResult {
 			return h.fail(res, res.phases, start, diffs)
 		}
 	}
-	res.ops, res.elapsed, res.stats, res.inferred = h.ops.Load(), time.Since(start), h.m.stats, h.m.inferred
+	res.ops, res.elapsed, res.stats, res.inferred, res.keys = h.ops.Load(), time.Since(start), h.m.stats, h.m.inferred, h.keysStats
 	return res
 }
 
@@ -555,14 +569,17 @@ func (h *harness) check() []string {
 	h.e.announceMu.Unlock()
 	for i, ev := range evs {
 		if ev.Kind == driver.TraceCreateNetwork {
-			if err := h.u.checkCreate(ev); err != nil {
+			enc, err := h.u.checkCreate(ev)
+			if err != nil {
 				diffs = append(diffs, "trace: "+err.Error())
 			}
+			h.m.nextEncrypted = enc
 		}
 		h.m.seq = first + i
 		if err := h.m.apply(ev); err != nil {
 			diffs = append(diffs, fmt.Sprintf("trace #%d is not a possible sequential history: %v", first+i, err))
 		}
+		h.m.nextEncrypted = false
 	}
 	if err := h.m.settled(); err != nil {
 		diffs = append(diffs, "trace: "+err.Error())
@@ -572,6 +589,9 @@ func (h *harness) check() []string {
 			h.m.stats.inferredDeletes, strings.Join(h.m.inferred, "\n  ")))
 	}
 	diffs = append(diffs, compareAll(h.e, h.m, h.u)...)
+	if len(diffs) == 0 && !h.e.kernelOnly {
+		diffs = append(diffs, h.probeKeys()...)
+	}
 	h.mu.Lock()
 	diffs = append(diffs, h.unexpected...)
 	h.unexpected = nil
@@ -599,6 +619,7 @@ func compareAll(e *env, m *model, u *universe) []string {
 			diffs = append(diffs, "kernel vs model: "+l)
 		}
 	}
+	diffs = append(diffs, compareEncryption(e, m, nil)...)
 	if e.kernelOnly {
 		return diffs
 	}

@@ -52,6 +52,10 @@ type model struct {
 	advertised map[netip.Addr]bool
 	fixedAdv   netip.Addr // configured advertise address, if any
 
+	// nextEncrypted tells apply whether the CreateNetwork being applied is
+	// of an encrypted spec (the harness knows from the spec it matches).
+	nextEncrypted bool
+
 	seq      int      // sequence number of the event being applied (for notes)
 	inferred []string // how each inferred deletion was detected and settled (first few)
 
@@ -60,6 +64,7 @@ type model struct {
 
 type modelStats struct {
 	creates, deletes, epCreates, epDeletes int
+	encryptedCreates                       int
 	joins, leaves, sandboxesBuilt          int
 	peerBatches, peerEvents, peerOnSandbox int
 	pendingBatches, pendingEvents          int
@@ -68,9 +73,9 @@ type modelStats struct {
 }
 
 func (s modelStats) String() string {
-	return fmt.Sprintf("networks created %d deleted %d; endpoints created %d deleted %d; joins %d (sandboxes built %d) leaves %d; "+
+	return fmt.Sprintf("networks created %d (encrypted %d) deleted %d; endpoints created %d deleted %d; joins %d (sandboxes built %d) leaves %d; "+
 		"peer events %d in %d batches (%d on a network with a sandbox); pending events %d in %d batches; early peers applied %d dropped %d; inferred deletes %d",
-		s.creates, s.deletes, s.epCreates, s.epDeletes, s.joins, s.sandboxesBuilt, s.leaves,
+		s.creates, s.encryptedCreates, s.deletes, s.epCreates, s.epDeletes, s.joins, s.sandboxesBuilt, s.leaves,
 		s.peerEvents, s.peerBatches, s.peerOnSandbox, s.pendingEvents, s.pendingBatches, s.earlyApplied, s.earlyDropped, s.inferredDeletes)
 }
 
@@ -89,12 +94,13 @@ type mEndpoint struct {
 }
 
 type mNetwork struct {
-	id       string
-	subnets  []mSubnet
-	mtu      int
-	internal bool
-	eps      map[string]*mEndpoint
-	remote   map[peerdb.Peer]struct{}
+	id        string
+	subnets   []mSubnet
+	mtu       int
+	internal  bool
+	encrypted bool
+	eps       map[string]*mEndpoint
+	remote    map[peerdb.Peer]struct{}
 }
 
 func newModel(fixedAdv netip.Addr) *model {
@@ -223,12 +229,15 @@ func (m *model) apply(ev driver.TraceEvent) error {
 				m.inferDelete(old, ev)
 			}
 		}
-		n := &mNetwork{id: ev.Network, mtu: ev.MTU, internal: ev.Internal, eps: map[string]*mEndpoint{}, remote: map[peerdb.Peer]struct{}{}}
+		n := &mNetwork{id: ev.Network, mtu: ev.MTU, internal: ev.Internal, encrypted: m.nextEncrypted, eps: map[string]*mEndpoint{}, remote: map[peerdb.Peer]struct{}{}}
 		for i := range ev.VNIs {
 			n.subnets = append(n.subnets, mSubnet{vni: ev.VNIs[i], pool: ev.Pools[i], gw: ev.Gateways[i]})
 		}
 		m.nets[n.id] = n
 		m.stats.creates++
+		if n.encrypted {
+			m.stats.encryptedCreates++
+		}
 		for _, v := range ev.VNIs {
 			for p := range m.pending[v] {
 				if n.validRemote(p) {

@@ -83,6 +83,7 @@ func TestStress(t *testing.T) {
 	t.Logf("%d operations in %v (%.0f ops/s), %d quiet points, all clean; lock order checked: %v",
 		res.ops, res.elapsed.Round(time.Millisecond), float64(res.ops)/res.elapsed.Seconds(), res.phases, lockorder.Enabled)
 	t.Logf("model: %s", res.stats)
+	t.Logf("keys: %s", res.keys)
 	logInferred(t, res)
 	// The run must have exercised what it claims to.
 	if res.ops >= ciOps {

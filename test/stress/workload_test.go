@@ -11,6 +11,7 @@ import (
 	api "github.com/docker/go-plugins-helpers/network"
 
 	"github.com/overlayd/overlayd/driver"
+	"github.com/overlayd/overlayd/encryption"
 	"github.com/overlayd/overlayd/peerdb"
 )
 
@@ -24,6 +25,11 @@ type netSpec struct {
 	noGW     bool // no gateway (pools get one otherwise: the pool's first address)
 	mtu      int  // 0: from the underlay
 	internal bool
+	// encrypted: created with -o encrypted (the harness's driver has a
+	// Secret and a stand-in kernel check). Specs of one id differ in VNIs or
+	// pools, so checkCreate tells from the trace which spec, and so whether
+	// the network is encrypted (the trace does not say).
+	encrypted bool
 }
 
 func (s *netSpec) gateway(i int) netip.Prefix {
@@ -44,6 +50,9 @@ func (s *netSpec) String() string {
 	}
 	if s.internal {
 		b.WriteString(" internal")
+	}
+	if s.encrypted {
+		b.WriteString(" encrypted")
 	}
 	return b.String()
 }
@@ -83,15 +92,17 @@ func pfx(s string) netip.Prefix { return netip.MustParsePrefix(s) }
 
 // stressUniverse: six network ids over seven specs, single- and
 // multi-subnet, sharing VNIs (100 and 103) and a pool, one without gateway
-// and internal, two with explicit MTUs; VNI 999 belongs to no spec.
+// and internal, two with explicit MTUs, two encrypted (s0 of n0 and s6 of
+// n2, sharing VNIs 100 and 103 with plain specs); VNI 999 belongs to no
+// spec.
 func stressUniverse(localVTEP netip.Addr) *universe {
-	s0 := &netSpec{vnis: []uint32{100}, pools: []netip.Prefix{pfx("198.51.100.0/26")}}
+	s0 := &netSpec{vnis: []uint32{100}, pools: []netip.Prefix{pfx("198.51.100.0/26")}, encrypted: true}
 	s1 := &netSpec{vnis: []uint32{101}, pools: []netip.Prefix{pfx("198.51.100.64/26")}, mtu: 1400}
 	s2 := &netSpec{vnis: []uint32{102, 103}, pools: []netip.Prefix{pfx("198.51.100.128/26"), pfx("198.51.100.192/26")}}
 	s3 := &netSpec{vnis: []uint32{104}, pools: []netip.Prefix{pfx("203.0.113.0/25")}, noGW: true, internal: true}
 	s4 := &netSpec{vnis: []uint32{105, 106, 107}, pools: []netip.Prefix{pfx("203.0.113.128/26"), pfx("198.18.0.0/24"), pfx("198.18.1.0/24")}, mtu: 1300}
 	s5 := &netSpec{vnis: []uint32{100}, pools: []netip.Prefix{pfx("198.18.2.0/24")}}
-	s6 := &netSpec{vnis: []uint32{108, 103}, pools: []netip.Prefix{pfx("198.18.3.0/24"), pfx("198.51.100.192/26")}}
+	s6 := &netSpec{vnis: []uint32{108, 103}, pools: []netip.Prefix{pfx("198.18.3.0/24"), pfx("198.51.100.192/26")}, encrypted: true}
 	specs := map[string][]*netSpec{
 		"n0": {s0, s5},
 		"n1": {s1},
@@ -164,10 +175,25 @@ func (u *universe) index(orphans []uint32) {
 	}
 }
 
+// plainOnly makes every spec unencrypted: an encrypted network needs the
+// local VTEP address (the encryption state is invalid without it), so runs
+// that learn the advertise address from DiscoverNew do without.
+func (u *universe) plainOnly() {
+	for _, id := range u.nets {
+		for _, s := range u.specs[id] {
+			s.encrypted = false
+		}
+	}
+}
+
+// encryptedMTU is an encrypted network's MTU on nstest's 1500-byte eth0.
+var encryptedMTU = encryption.InnerMTU(1500, false)
+
 // checkCreate verifies that a traced CreateNetwork matches a request the
 // workload could have made for that id, and that the MTU is the requested
-// one or the underlay's minus the VXLAN overhead.
-func (u *universe) checkCreate(ev driver.TraceEvent) error {
+// one or the underlay's minus the VXLAN (and, encrypted, ESP) overhead. It
+// returns whether the matching spec is encrypted.
+func (u *universe) checkCreate(ev driver.TraceEvent) (bool, error) {
 	for _, s := range u.specs[ev.Network] {
 		if !slices.Equal(s.vnis, ev.VNIs) || !slices.Equal(s.pools, ev.Pools) || s.internal != ev.Internal {
 			continue
@@ -182,13 +208,16 @@ func (u *universe) checkCreate(ev driver.TraceEvent) error {
 		want := s.mtu
 		if want == 0 {
 			want = underlayMTU
+			if s.encrypted {
+				want = encryptedMTU
+			}
 		}
 		if ev.MTU != want {
-			return fmt.Errorf("%s: MTU %d, want %d", fmtTrace(ev), ev.MTU, want)
+			return s.encrypted, fmt.Errorf("%s: MTU %d, want %d", fmtTrace(ev), ev.MTU, want)
 		}
-		return nil
+		return s.encrypted, nil
 	}
-	return fmt.Errorf("%s: no CreateNetwork request of the workload had these settings", fmtTrace(ev))
+	return false, fmt.Errorf("%s: no CreateNetwork request of the workload had these settings", fmtTrace(ev))
 }
 
 // createRequest is the request dockerd would send for s.
@@ -200,6 +229,9 @@ func createRequest(id string, s *netSpec) *api.CreateNetworkRequest {
 	generic := map[string]interface{}{driver.OptVNI: strings.Join(vnis, ",")}
 	if s.mtu != 0 {
 		generic[driver.OptMTU] = strconv.Itoa(s.mtu)
+	}
+	if s.encrypted {
+		generic[driver.OptEncrypted] = "" // -o encrypted
 	}
 	req := &api.CreateNetworkRequest{NetworkID: id, Options: map[string]interface{}{driver.OptGeneric: generic}}
 	if s.internal {
@@ -388,7 +420,7 @@ func (g *gen) createNetwork(id string) op {
 		if g.pick(2) == 0 {
 			gen[driver.OptMTU] = "100" // out of range
 		} else {
-			gen[driver.OptEncrypted] = "true" // not supported yet
+			gen[driver.OptEncrypted] = "maybe" // not a boolean
 		}
 		return op{desc: "CreateNetwork " + id + " (invalid option)", ok: mustFail, run: func(d *driver.Driver) error {
 			return d.CreateNetwork(req)
