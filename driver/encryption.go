@@ -210,6 +210,13 @@ func (d *Driver) syncEnc(n *network, widen bool) error {
 			remotes[r] = true
 		}
 	}
+	_, registered := d.enc.vnis[n]
+	if registered != n.deleted && maps.Equal(old, remotes) && d.enc.lastErr == nil {
+		// Nothing of n's share changed (the common peer event: a VTEP that
+		// already has its SAs) and the last Apply succeeded: skip the
+		// kernel dumps.
+		return nil
+	}
 	if n.deleted {
 		delete(d.enc.vnis, n)
 	} else {
