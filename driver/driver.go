@@ -105,13 +105,13 @@ type Driver struct {
 	host     *sandbox.Host // immutable after New; its netlink handle is safe for concurrent use
 	ownsNS   bool
 	hostNS   netns.NsHandle
-	encMu    lockorder.Mutex                     // encryption state lock: below every network.mu, above allocMu; guards enc
+	encMu    *lockorder.Mutex                    // encryption state lock: below every network.mu, above allocMu; guards enc
 	enc      encState                            // guarded by encMu
-	mu       lockorder.Mutex                     // driver.mu: bottom of the hierarchy; guards the fields below
+	mu       *lockorder.Mutex                    // driver.mu: bottom of the hierarchy; guards the fields below
 	nets     map[string]*network                 // by network id; guarded by mu
 	byVNI    map[uint32]*network                 // every VNI of every network; guarded by mu
 	pending  map[uint32]map[peerdb.Peer]struct{} // remote peers of networks not (yet) here, by VNI; guarded by mu
-	allocMu  lockorder.Mutex                     // allocation lock: below encMu, above mu; guards allocs and allocNet
+	allocMu  *lockorder.Mutex                    // allocation lock: below encMu, above mu; guards allocs and allocNet
 	allocs   map[uint32]string                   // VNIs handed out by AllocateNetwork → network id; guarded by allocMu
 	allocNet map[string][]uint32                 // the same, by network id; guarded by allocMu
 	adv      netip.Addr                          // advertise address once known; guarded by mu
@@ -158,6 +158,9 @@ func New(cfg Config) (*Driver, error) {
 	d := &Driver{
 		cfg:      cfg,
 		log:      cfg.Logger,
+		encMu:    lockorder.New(lockorder.LevelEncryption),
+		mu:       lockorder.New(lockorder.LevelDriver),
+		allocMu:  lockorder.New(lockorder.LevelAlloc),
 		nets:     map[string]*network{},
 		byVNI:    map[uint32]*network{},
 		pending:  map[uint32]map[peerdb.Peer]struct{}{},

@@ -14,7 +14,7 @@ import (
 // network is one overlay network on this host. Every mutable field is
 // guarded by mu (network.mu, the top of the lock hierarchy).
 type network struct {
-	mu lockorder.Mutex // network.mu: top of the hierarchy
+	mu *lockorder.Mutex // network.mu: top of the hierarchy
 
 	// Immutable after creation.
 	id        string
@@ -86,7 +86,7 @@ func (d *Driver) CreateNetwork(req *api.CreateNetworkRequest) error {
 		mtu = d.underlayMTU(spec.encrypted)
 	}
 	n := &network{
-		mu:        lockorder.Mutex{Level: lockorder.LevelNetwork},
+		mu:        lockorder.New(lockorder.LevelNetwork),
 		id:        spec.id,
 		subnets:   spec.subnets,
 		mtu:       mtu,

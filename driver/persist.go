@@ -214,7 +214,7 @@ func networkFromRecord(r store.Network) (*network, error) {
 		return nil, errors.New("pools, VNIs and gateways do not match")
 	}
 	n := &network{
-		mu:        lockorder.Mutex{Level: lockorder.LevelNetwork},
+		mu:        lockorder.New(lockorder.LevelNetwork),
 		id:        r.ID,
 		mtu:       r.MTU,
 		internal:  r.Internal,

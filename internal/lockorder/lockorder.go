@@ -5,49 +5,92 @@
 // than the level of every lock it already holds, so taking a higher lock
 // while holding a lower one, or two locks of one level (two networks) at
 // once, is reported as an inversion.
+//
+// Every Mutex is made by New with its level; there is no zero level. A
+// Mutex that was not made by New (a zero value) is reported at its first
+// Lock in lockcheck builds, so no lock can escape the check by accident.
 package lockorder
 
-// Levels of overlayd's lock hierarchy, top (taken first) to bottom.
+import "fmt"
+
+// Level is a lock's place in the hierarchy: locks are taken in increasing
+// level order.
+type Level int
+
+// Levels of overlayd's lock hierarchy, top (taken first) to bottom. Each
+// level's comment says what it guards and what may be taken under it.
 const (
-	LevelNetwork    = 10 // network.mu
-	LevelEncryption = 20 // the encryption state lock
-	LevelAlloc      = 25 // the driver's VNI allocation lock (swarm leader)
-	LevelDriver     = 30 // driver.mu: bottom, never held while taking another
+	// LevelNetwork: network.mu, one per network; held for every
+	// operation on that network. Never two at once.
+	LevelNetwork Level = 10
+	// LevelEncryption: the encryption owner's lock (keys, shares, SAs,
+	// policies, nftables and their programming). Taken under a network
+	// lock when a network's share changes, or alone by the owner's loop.
+	LevelEncryption Level = 20
+	// LevelAlloc: the driver's VNI allocation lock (swarm leader).
+	LevelAlloc Level = 25
+	// LevelDriver: driver.mu, the driver's maps (networks by id and VNI,
+	// the local VTEP). Never held while calling out of the driver.
+	LevelDriver Level = 30
+	// LevelCluster: the control plane's replicated store (cluster.mu).
+	// Taken under a network lock when a network pulls its peers, and by
+	// memberlist callbacks (memberlist's own locks are outside the
+	// hierarchy and always taken before it).
+	LevelCluster Level = 40
+	// LevelClusterSender: one sender's queue, taken under cluster.mu or
+	// alone.
+	LevelClusterSender Level = 45
+	// LevelClusterLocal: this host's own records, taken under a network
+	// lock by PublishLocalPeer, or alone.
+	LevelClusterLocal Level = 50
+	// LevelLeaf: small leaf locks that guard a few fields and never call
+	// out (the daemon's control-plane handle, rate limiters, counters).
+	LevelLeaf Level = 90
 )
 
-// Names of the levels, for reports.
-var levelNames = map[int]string{
-	LevelNetwork:    "network.mu",
-	LevelEncryption: "encryption lock",
-	LevelAlloc:      "allocation lock",
-	LevelDriver:     "driver.mu",
+var levelNames = map[Level]string{
+	LevelNetwork:       "network.mu",
+	LevelEncryption:    "encryption lock",
+	LevelAlloc:         "allocation lock",
+	LevelDriver:        "driver.mu",
+	LevelCluster:       "cluster.mu",
+	LevelClusterSender: "cluster sender lock",
+	LevelClusterLocal:  "cluster local-record lock",
+	LevelLeaf:          "leaf lock",
 }
 
-func levelName(l int) string {
+// Levels returns every level of the hierarchy, top to bottom.
+func Levels() []Level {
+	return []Level{LevelNetwork, LevelEncryption, LevelAlloc, LevelDriver, LevelCluster, LevelClusterSender, LevelClusterLocal, LevelLeaf}
+}
+
+func (l Level) String() string {
 	if n, ok := levelNames[l]; ok {
 		return n
 	}
-	return "level " + itoa(l)
+	return fmt.Sprintf("level %d", int(l))
 }
 
-func itoa(i int) string {
-	if i == 0 {
-		return "0"
+// New returns an unlocked Mutex at level l. It panics if l is not one of
+// the hierarchy's levels: a lock's level is decided where it is made.
+func New(l Level) *Mutex {
+	if _, ok := levelNames[l]; !ok {
+		panic(fmt.Sprintf("lockorder.New: %d is not a level of the hierarchy", int(l)))
 	}
-	neg := i < 0
-	if neg {
-		i = -i
+	return &Mutex{level: l}
+}
+
+// Level returns m's level (0 for a Mutex not made by New).
+func (m *Mutex) Level() Level { return m.level }
+
+// hierarchy renders the hierarchy for reports.
+func hierarchy() string {
+	s := ""
+	for i, l := range Levels() {
+		if i > 0 {
+			s += " → "
+		}
+		s += l.String()
 	}
-	var b [20]byte
-	p := len(b)
-	for i > 0 {
-		p--
-		b[p] = byte('0' + i%10)
-		i /= 10
-	}
-	if neg {
-		p--
-		b[p] = '-'
-	}
-	return string(b[p:])
+	return s
 }

@@ -7,11 +7,11 @@ import "sync"
 // Enabled reports whether acquisitions are checked (the lockcheck build tag).
 const Enabled = false
 
-// Mutex is a sync.Mutex with a level in the lock hierarchy. Set Level before
-// first use; the zero Level is not checked.
+// Mutex is a sync.Mutex with a level in the lock hierarchy; make it with
+// New.
 type Mutex struct {
 	sync.Mutex
-	Level int
+	level Level
 }
 
 // SetViolationHandler is a no-op without the lockcheck tag.

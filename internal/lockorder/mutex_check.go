@@ -13,16 +13,16 @@ import (
 // Enabled reports whether acquisitions are checked (the lockcheck build tag).
 const Enabled = true
 
-// Mutex is a sync.Mutex with a level in the lock hierarchy. Set Level before
-// first use; the zero Level is not checked.
+// Mutex is a sync.Mutex with a level in the lock hierarchy; make it with
+// New.
 type Mutex struct {
 	mu    sync.Mutex
-	Level int
+	level Level
 }
 
 type held struct {
 	m     *Mutex
-	level int
+	level Level
 	stack string
 }
 
@@ -62,16 +62,16 @@ func stack() string {
 }
 
 func (m *Mutex) check() {
-	if m.Level == 0 {
-		return
-	}
 	g := goid()
 	regMu.Lock()
 	var msg string
+	if m.level == 0 {
+		msg = "lock without a level: every lockorder.Mutex must be made by lockorder.New\nnow:\n" + stack()
+	}
 	for _, h := range holding[g] {
-		if h.level >= m.Level {
-			msg = fmt.Sprintf("lock order inversion: taking %s while holding %s (the hierarchy is network.mu → encryption lock → driver.mu, one lock per level)\nheld since:\n%s\nnow:\n%s",
-				levelName(m.Level), levelName(h.level), h.stack, stack())
+		if msg == "" && h.level >= m.level {
+			msg = fmt.Sprintf("lock order inversion: taking %s while holding %s (the hierarchy is %s, one lock per level)\nheld since:\n%s\nnow:\n%s",
+				m.level, h.level, hierarchy(), h.stack, stack())
 			break
 		}
 	}
@@ -83,20 +83,14 @@ func (m *Mutex) check() {
 }
 
 func (m *Mutex) record() {
-	if m.Level == 0 {
-		return
-	}
 	g := goid()
 	st := stack()
 	regMu.Lock()
-	holding[g] = append(holding[g], held{m: m, level: m.Level, stack: st})
+	holding[g] = append(holding[g], held{m: m, level: m.level, stack: st})
 	regMu.Unlock()
 }
 
 func (m *Mutex) forget() {
-	if m.Level == 0 {
-		return
-	}
 	regMu.Lock()
 	defer regMu.Unlock()
 	// Unlock may happen on another goroutine than Lock (allowed by

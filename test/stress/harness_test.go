@@ -283,8 +283,8 @@ func installLockCheck(t testing.TB) *inversionCounter {
 	if !lockorder.Enabled {
 		return c
 	}
-	bottom := &lockorder.Mutex{Level: lockorder.LevelDriver}
-	top := &lockorder.Mutex{Level: lockorder.LevelNetwork}
+	bottom := lockorder.New(lockorder.LevelDriver)
+	top := lockorder.New(lockorder.LevelNetwork)
 	bottom.Lock()
 	top.Lock() // inversion: network.mu while holding driver.mu
 	top.Unlock()

@@ -199,8 +199,8 @@ func TestLockOrderHandlerActive(t *testing.T) {
 		t.Skip("built without -tags lockcheck")
 	}
 	c := installLockCheck(t) // proves one deliberate inversion is counted
-	a := &lockorder.Mutex{Level: lockorder.LevelNetwork}
-	b := &lockorder.Mutex{Level: lockorder.LevelNetwork}
+	a := lockorder.New(lockorder.LevelNetwork)
+	b := lockorder.New(lockorder.LevelNetwork)
 	a.Lock()
 	b.Lock() // two network locks at once
 	b.Unlock()
