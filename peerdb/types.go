@@ -113,3 +113,14 @@ type Delta struct {
 func (d Delta) Empty() bool {
 	return len(d.NeighSet) == 0 && len(d.NeighDel) == 0 && len(d.FDBSet) == 0 && len(d.FDBDel) == 0
 }
+
+// Key identifies one remote record: the VNI it was published under, the
+// node that owns it and its endpoint. The control plane owns the records;
+// a network's peer table holds at most one record per Key.
+type Key struct {
+	VNI        uint32
+	Origin     string
+	EndpointID string
+}
+
+func (k Key) String() string { return fmt.Sprintf("vni %d %s/%s", k.VNI, k.Origin, k.EndpointID) }
