@@ -10,6 +10,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/overlayd/overlayd/peerdb"
 )
 
 // arrivals counts, per endpoint id, how many receivers have applied its
@@ -57,12 +59,12 @@ func (a *arrivals) expectBatch(prefix string, want int) chan time.Time {
 	return a.batchDone
 }
 
-func (a *arrivals) on(ev Event, at time.Time) {
+func (a *arrivals) on(_ peerdb.Key, prev, next *peerdb.Peer, at time.Time) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	switch {
-	case ev.Next != nil && ev.Prev == nil:
-		id := ev.Next.EndpointID
+	case next != nil && prev == nil:
+		id := next.EndpointID
 		if a.batch != "" && len(id) > len(a.batch) && id[:len(a.batch)] == a.batch {
 			a.batchN++
 			if a.batchN == a.batchWant {
@@ -77,8 +79,8 @@ func (a *arrivals) on(ev Event, at time.Time) {
 				delete(a.doneAdd, id)
 			}
 		}
-	case ev.Next == nil:
-		id := ev.Prev.EndpointID
+	case next == nil:
+		id := prev.EndpointID
 		if ch := a.doneDel[id]; ch != nil {
 			a.dels[id]++
 			if a.dels[id] == a.receivers {
@@ -139,6 +141,7 @@ func benchCluster(t *testing.T, n int) {
 	defaults := func(c *Config) {
 		d := DefaultConfig()
 		c.DigestInterval, c.ReconnectInterval = d.DigestInterval, d.ReconnectInterval
+		c.FailedGrace = -1 // measure failure detection: records out at the death
 	}
 	var nodes []*node
 	failures := func() uint64 {
@@ -156,7 +159,9 @@ func benchCluster(t *testing.T, n int) {
 			o.seeds = []string{nodes[0].addr()}
 		}
 		nd := startNode(t, fmt.Sprintf("b%02d", i), fmt.Sprintf("127.0.1.%d", i+1), 0, o)
-		nd.sink.onApply = arr.on
+		nd.w.mu.Lock()
+		nd.w.onChange = arr.on
+		nd.w.mu.Unlock()
 		nodes = append(nodes, nd)
 	}
 	start := time.Now()
@@ -275,7 +280,7 @@ func benchCluster(t *testing.T, n int) {
 				t.Errorf("false positive: %s sees %s as %s", nd.name, m.Name, m.State)
 			}
 		}
-		nd.sink.checkViolations(t, nd.name)
+		nd.w.checkViolations(t, nd.name)
 	}
 	var nfail, refuted uint64
 	for _, nd := range alive {

@@ -2,49 +2,54 @@ package cluster
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"log/slog"
 	"net"
 	"net/netip"
+	"slices"
+	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	sockaddr "github.com/hashicorp/go-sockaddr"
 	"github.com/hashicorp/memberlist"
+	"github.com/overlayd/overlayd/internal/lockorder"
 	"github.com/overlayd/overlayd/peerdb"
 )
 
 // Cluster is this node's membership in the overlayd control plane.
 //
-// Locks (see doc.go): mu guards the replicated store, the senders and the
-// delivery state; local.mu guards our own records; each sender has its own
-// queue lock taken under mu or alone. Memberlist calls the event delegate
-// with its node lock held, so nothing here calls into memberlist while
-// holding mu (memberlist's lock is always taken first).
+// Locks (levels of internal/lockorder; see doc.go): mu (LevelCluster)
+// guards the replicated store, the senders map and the shards' dirty sets;
+// each sender's queue lock (LevelClusterSender) is taken under mu or
+// alone; local.mu (LevelClusterLocal) guards our own records and metadata;
+// dropMu, the rate limiter's and the joiner's locks are leaves
+// (LevelLeaf). Memberlist calls its delegates with its own node lock held
+// (outside the hierarchy, always taken first), so nothing here calls into
+// memberlist while holding any of these locks.
 type Cluster struct {
-	cfg    Config
-	log    *slog.Logger
-	rl     *rateLimiter
-	ml     *memberlist.Memberlist
-	inc    uint64
-	meta   atomic.Pointer[[]byte] // our node metadata; replaced by SetAppState
-	budget int                    // packetBudget
-	now    func() time.Time
-	local  *localStore
+	cfg     Config // read-only after New; the current VTEP is local.vtep
+	log     *slog.Logger
+	rl      *rateLimiter
+	ml      *memberlist.Memberlist
+	inc     uint64
+	started time.Time // process start of this incarnation
+	budget  int       // packetBudget
+	now     func() time.Time
+	local   *localStore // our records and metadata; its own lock
 
-	mu        sync.Mutex
-	store     *store
-	dests     map[string]*dest
-	delivered map[uint32]map[pkey]peerdb.Peer
-	shards    []*shard
+	mu     *lockorder.Mutex // LevelCluster
+	store  *store           // guarded by mu
+	dests  map[string]*dest // guarded by mu
+	shards []*shard         // fixed; each shard's dirty set guarded by mu
 
-	dropMu  sync.Mutex
-	dropped map[DropReason]uint64
+	dropMu  *lockorder.Mutex      // LevelLeaf
+	dropped map[DropReason]uint64 // guarded by dropMu
 
-	sinkErrors   atomic.Uint64
-	eventsOut    atomic.Uint64
+	changeCalls  atomic.Uint64 // Watcher.PeersChanged calls
+	changedKeys  atomic.Uint64 // keys passed to them
 	msgsSent     atomic.Uint64
 	bytesSent    atomic.Uint64
 	msgsReceived atomic.Uint64
@@ -110,11 +115,13 @@ func New(cfg Config) (*Cluster, error) {
 		log:       cfg.Logger.With("component", "cluster"),
 		rl:        newRateLimiter(10 * time.Second),
 		inc:       newIncarnation(),
+		started:   time.Now(),
 		budget:    cfg.packetBudget(),
 		now:       time.Now,
+		mu:        lockorder.New(lockorder.LevelCluster),
 		store:     newStore(cfg.NodeName),
 		dests:     make(map[string]*dest),
-		delivered: make(map[uint32]map[pkey]peerdb.Peer),
+		dropMu:    lockorder.New(lockorder.LevelLeaf),
 		dropped:   make(map[DropReason]uint64),
 		pubWake:   make(chan struct{}, 1),
 		changed:   make(chan struct{}, 1),
@@ -122,16 +129,16 @@ func New(cfg Config) (*Cluster, error) {
 		ready:     make(chan struct{}),
 		stop:      make(chan struct{}),
 	}
-	meta := encodeMeta(c.metaOf(nil))
-	c.meta.Store(&meta)
 	c.local = newLocalStore(cfg.NodeName, c.inc, cfg.VTEP, c.now)
 	c.store.grace = cfg.RestartGrace
+	c.store.failedGrace = cfg.FailedGrace
 	c.store.dirty = c.markDirtyLocked
 	c.store.requestSync = func(name string) { c.destFlagLocked(name, func(d *dest) { d.syncReq = true }) }
 	c.store.sendSnapshot = func(name string) { c.destFlagLocked(name, func(d *dest) { d.snapshot = true }) }
 	for range cfg.DeliveryShards {
 		c.shards = append(c.shards, &shard{dirty: make(map[uint32]map[pkey]struct{}), wake: make(chan struct{}, 1)})
 	}
+	c.joiner = newJoiner(c, cfg.Seeds) // before memberlist: its callbacks use it
 	logw := &mlLogWriter{log: cfg.Logger, rl: c.rl, dropped: c.countDrop, suspected: c.suspected}
 	ml, err := memberlist.Create(cfg.memberlistConfig(&delegate{c}, logw))
 	if err != nil {
@@ -146,7 +153,6 @@ func New(cfg Config) (*Cluster, error) {
 	}
 	c.ml = ml
 	close(c.ready)
-	c.joiner = newJoiner(c, cfg.Seeds)
 	c.start(c.publishLoop)
 	c.start(c.periodicLoop)
 	for _, sh := range c.shards {
@@ -186,10 +192,7 @@ func (c *Cluster) PublishLocalPeer(vni uint32, prev, next *peerdb.Peer) {
 		changed = true // wake the publisher
 	}
 	if changed {
-		select {
-		case c.pubWake <- struct{}{}:
-		default:
-		}
+		c.wakePublisher()
 	}
 }
 
@@ -213,27 +216,54 @@ func (c *Cluster) AddSeeds(addrs ...string) {
 	c.joiner.add(addrs...)
 }
 
-// Leave announces this node's departure: every member removes its records
-// at once instead of after failure detection. Call Shutdown afterwards.
+// Leave announces this node's departure for good (decommissioning a
+// host): every member stops holding its records in force at once, instead
+// of keeping them for FailedGrace after detecting a failure. Nothing in
+// this package leaves implicitly: a stopping daemon calls Shutdown only.
+// Call Shutdown afterwards. timeout bounds the announcement and
+// memberlist's leave broadcast, each.
 func (c *Cluster) Leave(timeout time.Duration) error {
 	if c.closed.Load() {
-		return errors.New("cluster: shut down")
+		return fmt.Errorf("cluster: node %s cannot leave: shut down", c.cfg.NodeName)
 	}
 	if c.leaving.Swap(true) {
 		return nil
 	}
-	// Tell the members it is a leave (memberlist's event does not say).
+	// Tell every member it is a leave (memberlist's event does not say),
+	// reliably, before memberlist's own leave broadcast; a member that
+	// hears of the death first still honours a leave that follows.
 	b, err := encodeMessage(&message{Type: msgLeave, Origin: c.cfg.NodeName, Incarnation: c.inc})
 	if err == nil {
+		var wg sync.WaitGroup
 		for _, n := range c.aliveNodes() {
-			_ = c.ml.SendBestEffort(n, b)
+			wg.Add(1)
+			c.start(func() {
+				defer wg.Done()
+				if c.ml.SendReliable(n, b) != nil {
+					_ = c.ml.SendBestEffort(n, b)
+				}
+			})
 		}
+		sent := make(chan struct{})
+		go func() { wg.Wait(); close(sent) }()
+		t := time.NewTimer(timeout)
+		select {
+		case <-sent:
+		case <-t.C:
+		}
+		t.Stop()
 	}
-	return c.ml.Leave(timeout)
+	if err := c.ml.Leave(timeout); err != nil {
+		return fmt.Errorf("cluster: node %s leaving: %w", c.cfg.NodeName, err)
+	}
+	return nil
 }
 
-// Shutdown stops gossiping without leaving (the others detect the failure)
-// and stops the background work, waiting for a Sink call in progress.
+// Shutdown stops gossiping without leaving: the others detect a failure
+// and keep this node's records in force for their FailedGrace, so a
+// restart within it changes nothing for them. It stops the background
+// work, waiting for a Watcher call in progress (so it must not be called
+// while holding a lock the Watcher waits for).
 func (c *Cluster) Shutdown() error {
 	c.shutOnce.Do(func() {
 		c.closed.Store(true)
@@ -294,7 +324,8 @@ func (c *Cluster) logLimited(level slog.Level, key, msg string, args ...any) {
 }
 
 // handleMessage decodes, validates and applies a message from the network
-// (memberlist user message or push/pull state). It never blocks on the Sink.
+// (memberlist user message or push/pull state). It never waits for the
+// Watcher.
 func (c *Cluster) handleMessage(b []byte) {
 	if c.closed.Load() || len(b) == 0 {
 		return
@@ -313,46 +344,105 @@ func (c *Cluster) handleMessage(b []byte) {
 	}
 }
 
-func (c *Cluster) metaOf(app []byte) nodeMeta {
-	return nodeMeta{ProtoMin: protocolVersionMin, ProtoMax: ProtocolVersion, Incarnation: c.inc, VTEP: c.cfg.VTEP, App: app}
-}
-
 // SetAppState advertises app (at most MaxAppState bytes, opaque to the
-// cluster: overlayd puts its encryption key epochs there) in this node's
+// cluster: overlayd puts its encryption key adverts there) in this node's
 // metadata and gossips the update. Every node's Config.OnMembersChange is
-// then called; AppStates reads the states.
+// then called; AppStates and MemberApps read the states. It blocks until
+// the update is gossiped (at most TCPTimeout): never call it holding a
+// lock.
 func (c *Cluster) SetAppState(app []byte) error {
 	if len(app) > MaxAppState {
-		return fmt.Errorf("application state of %d bytes is larger than %d", len(app), MaxAppState)
+		return fmt.Errorf("cluster: application state of %d bytes is larger than %d", len(app), MaxAppState)
 	}
-	meta := encodeMeta(c.metaOf(append([]byte{}, app...)))
-	c.meta.Store(&meta)
-	<-c.ready
 	if c.closed.Load() {
-		return errors.New("cluster is shut down")
+		return fmt.Errorf("cluster: node %s cannot set its application state: shut down", c.cfg.NodeName)
 	}
-	return c.ml.UpdateNode(c.cfg.TCPTimeout)
+	c.local.setApp(append([]byte{}, app...))
+	if err := c.ml.UpdateNode(c.cfg.TCPTimeout); err != nil {
+		return fmt.Errorf("cluster: gossiping the application state of node %s: %w", c.cfg.NodeName, err)
+	}
+	return nil
 }
+
+// SetVTEP changes this node's VTEP: its metadata is updated and gossiped,
+// and every local record is re-published with the new VTEP (new
+// versions), so every member converges on it (a member refuses records
+// whose VTEP is not the one their origin advertises; until the records of
+// the new VTEP arrive, it keeps those of the former one in force, at most
+// RestartGrace). From then on PublishLocalPeer refuses records of any
+// other VTEP. It blocks until the update is gossiped (at most TCPTimeout):
+// never call it holding a lock.
+func (c *Cluster) SetVTEP(v netip.Addr) error {
+	v = v.Unmap()
+	if !validVTEP(v) {
+		return fmt.Errorf("cluster: new VTEP %v of node %s is not a unicast address", v, c.cfg.NodeName)
+	}
+	if c.closed.Load() {
+		return fmt.Errorf("cluster: node %s cannot change its VTEP to %v: shut down", c.cfg.NodeName, v)
+	}
+	old, n := c.local.setVTEP(v)
+	if old == v {
+		return nil
+	}
+	c.log.Info("VTEP changed; records re-published", "from", old, "to", v, "records", n)
+	err := c.ml.UpdateNode(c.cfg.TCPTimeout)
+	c.wakePublisher() // the deltas follow the metadata
+	if err != nil {
+		return fmt.Errorf("cluster: gossiping VTEP %v of node %s: %w", v, c.cfg.NodeName, err)
+	}
+	return nil
+}
+
+func (c *Cluster) wakePublisher() {
+	select {
+	case c.pubWake <- struct{}{}:
+	default:
+	}
+}
+
+// VTEP returns this node's current VTEP.
+func (c *Cluster) VTEP() netip.Addr { return c.local.currentVTEP() }
 
 // AppStates returns the application state of every alive member (this node
 // included) whose metadata is valid, by node name.
 func (c *Cluster) AppStates() map[string][]byte {
+	self := c.local.meta().App
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	out := map[string][]byte{}
 	for name, m := range c.store.members {
-		if m.state == StateAlive && m.metaErr == nil {
+		if m.state == StateAlive && m.metaErr == nil && name != c.cfg.NodeName {
 			out[name] = append([]byte(nil), m.meta.App...)
 		}
 	}
-	if _, ok := out[c.cfg.NodeName]; !ok {
-		if self, err := decodeMeta(*c.meta.Load()); err == nil {
-			out[c.cfg.NodeName] = self.App
-		}
-	}
+	out[c.cfg.NodeName] = append([]byte(nil), self...)
 	return out
 }
 
+// MemberApp is what an alive member advertises: its name, VTEP and
+// application state (SetAppState).
+type MemberApp struct {
+	Name string
+	VTEP netip.Addr
+	App  []byte
+}
+
+// MemberApps returns, for every alive member other than this node whose
+// metadata is valid, its name, VTEP and application state, sorted by name.
+func (c *Cluster) MemberApps() []MemberApp {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	var out []MemberApp
+	for name, m := range c.store.members {
+		if name != c.cfg.NodeName && m.state == StateAlive && m.metaErr == nil {
+			out = append(out, MemberApp{Name: name, VTEP: m.meta.VTEP, App: append([]byte(nil), m.meta.App...)})
+		}
+	}
+	slices.SortFunc(out, func(a, b MemberApp) int { return strings.Compare(a.Name, b.Name) })
+	return out
+}
+
+// membersChanged calls OnMembersChange; no cluster lock may be held.
 func (c *Cluster) membersChanged() {
 	if f := c.cfg.OnMembersChange; f != nil {
 		f()
@@ -363,34 +453,66 @@ func (c *Cluster) membersChanged() {
 // memberlist's node lock held: no calls into memberlist here).
 func (c *Cluster) memberAlive(n *memberlist.Node) {
 	c.mu.Lock()
-	defer c.mu.Unlock()
+	var fresh *dest
 	if n.Name != c.cfg.NodeName && !c.closed.Load() {
-		d := c.dests[n.Name]
-		if d == nil {
-			d = newDest(n)
-			c.dests[n.Name] = d
-			c.start(func() { c.sendLoop(d) })
-		} else {
+		if d := c.dests[n.Name]; d != nil {
 			d.setNode(n)
+		} else {
+			fresh = newDest(n)
+			c.dests[n.Name] = fresh
 		}
 	}
-	c.store.memberAlive(n, c.now())
+	c.store.memberAlive(n, c.now()) // may queue a sync request to it
+	if fresh != nil {
+		// Then our digest: a member back from dead (same incarnation)
+		// missed our changes meanwhile and asks for a snapshot if so.
+		if b, err := encodeMessage(c.local.digest()); err == nil {
+			fresh.mu.Lock()
+			fresh.digest = b
+			fresh.mu.Unlock()
+			fresh.signal()
+		}
+		c.start(func() { c.sendLoop(fresh) })
+	}
+	c.mu.Unlock()
 	c.membersChanged()
 }
 
 // memberGone handles memberlist's leave event (a node dead or left).
 func (c *Cluster) memberGone(n *memberlist.Node) {
 	c.mu.Lock()
-	defer c.mu.Unlock()
 	state := c.store.memberGone(n, c.now())
+	var until time.Time
+	if m := c.store.members[n.Name]; m != nil && m.failedGrace {
+		until = m.failedUntil
+	}
 	if d := c.dests[n.Name]; d != nil {
 		close(d.stop)
 		delete(c.dests, n.Name)
 	}
+	c.mu.Unlock()
 	if n.Name != c.cfg.NodeName {
-		c.log.Info("member gone", "node", n.Name, "state", state)
+		if until.IsZero() {
+			c.log.Info("member gone", "node", n.Name, "state", state)
+		} else {
+			c.log.Info("member failed; its records stay in force until its return or the grace's end",
+				"node", n.Name, "state", state, "grace", c.cfg.FailedGrace)
+		}
+		c.joiner.wakeUp() // it may have announced itself at another address
 	}
 	c.membersChanged()
+}
+
+// memberInfo returns what this node knows of member name: its state, the
+// time of its last state change and its address ("ip:port").
+func (c *Cluster) memberInfo(name string) (MemberState, time.Time, string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	m := c.store.members[name]
+	if m == nil {
+		return "", time.Time{}, ""
+	}
+	return m.state, m.since, net.JoinHostPort(net.IP(m.node.Addr).String(), strconv.Itoa(int(m.node.Port)))
 }
 
 // suspected records that this node's probe of name failed.
@@ -413,10 +535,11 @@ func (c *Cluster) destFlagLocked(name string, f func(*dest)) {
 	}
 }
 
-// delegate implements memberlist's Delegate and EventDelegate.
+// delegate implements memberlist's Delegate, EventDelegate, PingDelegate
+// and ConflictDelegate.
 type delegate struct{ c *Cluster }
 
-func (d *delegate) NodeMeta(limit int) []byte { return *d.c.meta.Load() }
+func (d *delegate) NodeMeta(limit int) []byte { return *d.c.local.metaBytes.Load() }
 
 func (d *delegate) NotifyMsg(b []byte) { d.c.handleMessage(b) }
 
@@ -457,5 +580,25 @@ func (d *delegate) NotifyPingComplete(other *memberlist.Node, rtt time.Duration,
 	if m := c.store.members[other.Name]; m != nil {
 		m.suspectSince = time.Time{}
 		m.rtt = rtt
+	}
+}
+
+// NotifyConflict implements memberlist.ConflictDelegate: memberlist refused
+// an alive message that gives member existing another address, because
+// the member is still alive (or suspect, or dead for less than
+// deadNodeReclaimTime) at its known address. Names are unique per host, so
+// this is the member restarted at a new address: once its old address is
+// declared dead the joiner joins it at the new one, so it is accepted at
+// once rather than when its own gossip happens to reach us. Called with
+// memberlist's node lock held: no calls into memberlist here.
+func (d *delegate) NotifyConflict(existing, other *memberlist.Node) {
+	c := d.c
+	if existing.Name == c.cfg.NodeName {
+		return // our own name at a former address: stale news of our previous process
+	}
+	addr := net.JoinHostPort(net.IP(other.Addr).String(), strconv.Itoa(int(other.Port)))
+	if c.joiner.claim(existing.Name, addr, c.now()) {
+		c.logLimited(slog.LevelInfo, "claim:"+existing.Name, "member announced itself at another address; accepted there once its old address is declared dead",
+			"node", existing.Name, "old", net.JoinHostPort(net.IP(existing.Addr).String(), strconv.Itoa(int(existing.Port))), "new", addr)
 	}
 }

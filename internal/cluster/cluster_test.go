@@ -26,7 +26,7 @@ func hosts(prefix string, from, n int) []string {
 func checkAllViolations(t *testing.T, nodes []*node) {
 	t.Helper()
 	for _, n := range nodes {
-		n.sink.checkViolations(t, n.name)
+		n.w.checkViolations(t, n.name)
 	}
 }
 
@@ -70,7 +70,7 @@ func TestConvergeAddUpdateDelete(t *testing.T) {
 			t.Errorf("member %+v", m)
 		}
 	}
-	want := map[uint32]VNIStatus{100: {VNI: 100, Local: 2, Remote: 6, Delivered: 6}}
+	want := map[uint32]VNIStatus{100: {VNI: 100, Local: 2, Remote: 6}}
 	for _, v := range st.VNIs {
 		if w, ok := want[v.VNI]; ok && v != w {
 			t.Errorf("VNI status %+v, want %+v", v, w)
@@ -89,10 +89,13 @@ func TestConvergeAddUpdateDelete(t *testing.T) {
 	if !bytes.Contains(js, []byte(`"state":"alive"`)) || !bytes.Contains(js, []byte(`"key_fingerprint":"`+Fingerprint(testKey)+`"`)) {
 		t.Errorf("status JSON: %s", js)
 	}
-	// Each (VNI) delivered in order and never concurrently: with 4 shards,
-	// at most 4 concurrent Sink calls.
-	if m := nodes[0].sink.maxConc.Load(); m > DefaultDeliveryShards {
-		t.Errorf("%d concurrent sink calls", m)
+	// Each VNI told in order and never concurrently (checked by the
+	// watcher): with 4 shards, at most 4 concurrent Watcher calls.
+	if m := nodes[0].w.maxConc.Load(); m > DefaultDeliveryShards {
+		t.Errorf("%d concurrent watcher calls", m)
+	}
+	if st.Stats.PeersChangedCalls == 0 || st.Stats.PeersChangedKeys < st.Stats.PeersChangedCalls {
+		t.Errorf("stats: %+v", st.Stats)
 	}
 }
 
@@ -108,7 +111,7 @@ func TestReorderDuplicateConverges(t *testing.T) {
 			for j := range 6 {
 				id := fmt.Sprintf("%s-%d", n.name, j)
 				if round%5 == 4 && j%2 == 0 {
-					if _, ok := n.local[sinkKey{7, n.vtep, id}]; ok {
+					if _, ok := n.local[n.key(7, id)]; ok {
 						n.unpublish(7, id)
 					}
 					continue
@@ -130,104 +133,14 @@ func TestReorderDuplicateConverges(t *testing.T) {
 	t.Logf("stale records ignored: %d", stale)
 }
 
-// TestFailureDetectionAndRejoin: a node shut down without leaving has its
-// records removed everywhere within the failure-detection time, and they
-// come back when it rejoins (a new memberlist instance, same name).
-func TestFailureDetectionAndRejoin(t *testing.T) {
-	t.Parallel()
-	hs := hosts("127.0.0.", 31, 4)
-	nodes := startCluster(t, "fd", hs, nodeOpts{})
-	waitMembers(t, 10*time.Second, nodes)
-	for i, n := range nodes {
-		n.publish(33, n.peer(n.name+"-a", fmt.Sprintf("10.33.%d.2", i)))
-		n.publish(33, n.peer(n.name+"-b", fmt.Sprintf("10.33.%d.3", i)))
-	}
-	waitConverged(t, 10*time.Second, nodes)
-
-	victim := nodes[3]
-	rest := nodes[:3]
-	start := time.Now()
-	_ = victim.c.Shutdown()
-	// 4 nodes, defaults: first probe within ~0.3-0.9 s, the probe 0.3 s,
-	// suspicion 0.9 s once another node confirms (3.6 s without), gossip
-	// of the death ~0.2 s: 1.5-5 s; slack for -race on a busy machine.
-	waitConverged(t, 8*time.Second, rest)
-	took := time.Since(start)
-	t.Logf("records of the failed node removed everywhere after %v", took)
-	for _, n := range rest {
-		if st := memberState(n.c, victim.name); st != StateDead {
-			t.Errorf("%s sees %s as %s", n.name, victim.name, st)
-		}
-	}
-
-	// Rejoin: a new instance with the same name and address, which
-	// publishes its endpoints again (one changed set).
-	victim.local = map[sinkKey]peerdb.Peer{}
-	victim.sink = newTestSink()
-	victim.start(nodeOpts{seeds: []string{nodes[0].addr()}})
-	victim.publish(33, victim.peer(victim.name+"-a", "10.33.3.2"))
-	victim.publish(33, victim.peer(victim.name+"-c", "10.33.3.4"))
-	waitMembers(t, 10*time.Second, nodes)
-	waitConverged(t, 10*time.Second, nodes)
-	checkAllViolations(t, nodes)
-}
-
-func memberState(c *Cluster, name string) MemberState {
-	for _, m := range c.Status().Members {
-		if m.Name == name {
-			return m.State
-		}
-	}
-	return ""
-}
-
-// TestQuickRestartNoFlap: a node that restarts before it is declared dead
-// (new incarnation while alive) re-publishes its records; the others keep
-// them in force across the restart (no delete, no event for unchanged
-// records) and take its new state.
-func TestQuickRestartNoFlap(t *testing.T) {
-	t.Parallel()
-	nodes := startCluster(t, "qr", hosts("127.0.0.", 41, 3), nodeOpts{})
-	waitMembers(t, 10*time.Second, nodes)
-	r := nodes[2]
-	r.publish(41, r.peer("keep", "10.41.0.2"))
-	r.publish(41, r.peer("drop", "10.41.0.3"))
-	waitConverged(t, 10*time.Second, nodes)
-	for _, n := range nodes[:2] {
-		n.sink.mu.Lock()
-		n.sink.keepEvents, n.sink.events = true, nil
-		n.sink.mu.Unlock()
-	}
-	// Restart: the new process publishes what it still has, then joins.
-	_ = r.c.Shutdown()
-	r.c = nil
-	r.local = map[sinkKey]peerdb.Peer{}
-	r.start(nodeOpts{seeds: []string{nodes[0].addr()}})
-	r.publish(41, r.peer("keep", "10.41.0.2"))
-	r.publish(41, r.peer("new", "10.41.0.4"))
-	waitConverged(t, 10*time.Second, nodes)
-	for _, n := range nodes[:2] {
-		if st := n.c.Status(); st.Stats.IncarnationChanges != 1 {
-			t.Skipf("%s: the restart was detected as a failure first (%+v): flap expected", n.name, st.Stats)
-		}
-		n.sink.mu.Lock()
-		for _, ev := range n.sink.events {
-			if ev.Prev != nil && ev.Prev.EndpointID == "keep" || ev.Next != nil && ev.Next.EndpointID == "keep" {
-				t.Errorf("%s: unchanged record flapped: %+v", n.name, ev)
-			}
-		}
-		n.sink.mu.Unlock()
-	}
-	checkAllViolations(t, nodes)
-}
-
 // TestPartitionHeals: two groups cut apart drop each other's records,
 // change their own meanwhile, and converge to one state when healed.
 func TestPartitionHeals(t *testing.T) {
 	t.Parallel()
 	part := &partition{}
 	hs := hosts("127.0.0.", 51, 5)
-	nodes := startCluster(t, "pt", hs, nodeOpts{part: part})
+	// A short FailedGrace: each side drops the other's records soon.
+	nodes := startCluster(t, "pt", hs, nodeOpts{part: part, tweak: func(c *Config) { c.FailedGrace = 500 * time.Millisecond }})
 	waitMembers(t, 10*time.Second, nodes)
 	for i, n := range nodes {
 		n.publish(51, n.peer(n.name+"-a", fmt.Sprintf("10.51.%d.2", i)))
@@ -297,14 +210,14 @@ func TestWrongKeyRefused(t *testing.T) {
 		if memberState(n.c, "intruder") != "" {
 			t.Errorf("%s knows the intruder", n.name)
 		}
-		for k := range n.sink.snapshot() {
-			if k.ID == "evil" || k.ID == "evil2" {
+		for k := range n.w.snapshot() {
+			if k.EndpointID == "evil" || k.EndpointID == "evil2" {
 				t.Errorf("%s accepted %v", n.name, k)
 			}
 		}
 	}
-	if len(x.sink.snapshot()) != 0 {
-		t.Errorf("intruder received records: %v", x.sink.snapshot())
+	if len(x.w.snapshot()) != 0 || len(x.c.Peers(61)) != 0 {
+		t.Errorf("intruder received records: %v", x.w.snapshot())
 	}
 
 	// Right key, wrong VTEP: node 2 forges a record of node 3 with another
@@ -332,7 +245,7 @@ func TestWrongKeyRefused(t *testing.T) {
 
 // TestBadInputCounted: bad messages from the network are dropped and
 // counted under the right reason, whether they arrive through memberlist
-// or directly; none changes the Sink.
+// or directly; none changes what is in force.
 func TestBadInputCounted(t *testing.T) {
 	t.Parallel()
 	nodes := startCluster(t, "bad", hosts("127.0.0.", 71, 2), nodeOpts{})
@@ -378,8 +291,11 @@ func TestBadInputCounted(t *testing.T) {
 			return after[tc.reason] == before[tc.reason]+1, fmt.Sprintf("%s: %d -> %d", tc.reason, before[tc.reason], after[tc.reason])
 		})
 	}
-	if d := diffState(a.sink.snapshot(), expectedFor(a, nodes)); d != "" {
-		t.Errorf("sink changed: %s", d)
+	if d := diffState(a.w.snapshot(), expectedFor(a, nodes)); d != "" {
+		t.Errorf("records changed: %s", d)
+	}
+	if d := diffState(a.c.Peers(71), expectedFor(a, nodes)); d != "" {
+		t.Errorf("records in force changed: %s", d)
 	}
 	checkAllViolations(t, nodes)
 	// Invalid local records are refused and counted.
@@ -393,11 +309,13 @@ func TestBadInputCounted(t *testing.T) {
 	}
 }
 
-// TestLeaveRemovesAtOnce: a node that leaves is removed at once (no
-// failure detection) and shown as left.
+// TestLeaveRemovesAtOnce: a node that leaves explicitly loses its records
+// everywhere at once (well within FailedGrace, which applies to failures
+// only) and is shown as left.
 func TestLeaveRemovesAtOnce(t *testing.T) {
 	t.Parallel()
-	nodes := startCluster(t, "lv", hosts("127.0.0.", 81, 3), nodeOpts{})
+	const grace = 30 * time.Second
+	nodes := startCluster(t, "lv", hosts("127.0.0.", 81, 3), nodeOpts{tweak: func(c *Config) { c.FailedGrace = grace }})
 	waitMembers(t, 10*time.Second, nodes)
 	for i, n := range nodes {
 		n.publish(81, n.peer(n.name+"-a", fmt.Sprintf("10.81.%d.2", i)))
@@ -407,12 +325,15 @@ func TestLeaveRemovesAtOnce(t *testing.T) {
 		t.Fatal(err)
 	}
 	took := waitConverged(t, 5*time.Second, nodes[:2])
-	t.Logf("left node's records removed in %v", took)
+	t.Logf("left node's records removed in %v (FailedGrace %v)", took, grace)
 	for _, n := range nodes[:2] {
 		waitFor(t, 5*time.Second, "left state", func() (bool, string) {
 			s := memberState(n.c, nodes[2].name)
 			return s == StateLeft, string(s)
 		})
+		if r := n.w.removalsOf(nodes[2].key(81, nodes[2].name+"-a")); r != 1 {
+			t.Errorf("%s: the left node's record was removed %d times", n.name, r)
+		}
 	}
 	_ = nodes[2].c.Shutdown()
 	checkAllViolations(t, nodes)
@@ -444,32 +365,16 @@ func TestSeedsInBackground(t *testing.T) {
 	checkAllViolations(t, nodes)
 }
 
-// TestSinkErrorKeepsGoing: a failing Sink is counted and delivery goes on.
-func TestSinkErrorKeepsGoing(t *testing.T) {
-	t.Parallel()
-	nodes := startCluster(t, "se", hosts("127.0.0.", 101, 2), nodeOpts{})
-	waitMembers(t, 10*time.Second, nodes)
-	nodes[0].sink.fail.Store(true)
-	nodes[1].publish(101, nodes[1].peer("a", "10.101.0.2"))
-	waitConverged(t, 10*time.Second, nodes)
-	nodes[1].publish(101, nodes[1].peer("b", "10.101.0.3"))
-	waitConverged(t, 10*time.Second, nodes)
-	if n := nodes[0].c.Status().Stats.SinkErrors; n < 2 {
-		t.Errorf("sink errors %d, want >= 2", n)
-	}
-	checkAllViolations(t, nodes)
-}
-
 // TestConfigValidation covers New's refusals.
 func TestConfigValidation(t *testing.T) {
 	base := func() Config {
-		return Config{NodeName: "n", BindAddr: netip.MustParseAddr("127.0.0.1"), BindPort: 1, Key: testKey, Sink: newTestSink()}
+		return Config{NodeName: "n", BindAddr: netip.MustParseAddr("127.0.0.1"), BindPort: 1, Key: testKey, Watcher: newTestWatcher("n")}
 	}
 	for name, mod := range map[string]func(*Config){
 		"no name":       func(c *Config) { c.NodeName = "" },
 		"no key":        func(c *Config) { c.Key = nil },
 		"short key":     func(c *Config) { c.Key = []byte("short") },
-		"no sink":       func(c *Config) { c.Sink = nil },
+		"no watcher":    func(c *Config) { c.Watcher = nil },
 		"bad vtep":      func(c *Config) { c.VTEP = netip.MustParseAddr("224.0.0.1") },
 		"probe timeout": func(c *Config) { c.ProbeTimeout = time.Second },
 	} {
@@ -486,6 +391,14 @@ func TestConfigValidation(t *testing.T) {
 	}
 	if cfg.BindPort != 7947 || cfg.BindPort == 7946 {
 		t.Errorf("default port %d", cfg.BindPort)
+	}
+	if cfg.FailedGrace != DefaultFailedGrace || DefaultFailedGrace != 10*time.Second {
+		t.Errorf("default FailedGrace %v", cfg.FailedGrace)
+	}
+	neg := base()
+	neg.FailedGrace = -1
+	if err := neg.normalize(); err != nil || neg.FailedGrace != 0 {
+		t.Errorf("negative FailedGrace: %v, %v", neg.FailedGrace, err)
 	}
 }
 
@@ -518,6 +431,39 @@ func TestAppStateReachesMembers(t *testing.T) {
 	})
 	if changes.Load() == before {
 		t.Fatal("OnMembersChange was not called for the update")
+	}
+	// MemberApps: every other alive member with its VTEP and state, not
+	// this node.
+	for _, n := range nodes {
+		apps := n.c.MemberApps()
+		if len(apps) != 2 {
+			t.Fatalf("%s: MemberApps %+v", n.name, apps)
+		}
+		for i, a := range apps {
+			if a.Name == n.name {
+				t.Errorf("%s: MemberApps lists this node", n.name)
+			}
+			if i > 0 && apps[i-1].Name >= a.Name {
+				t.Errorf("%s: MemberApps not sorted: %+v", n.name, apps)
+			}
+			var o *node
+			for _, m := range nodes {
+				if m.name == a.Name {
+					o = m
+				}
+			}
+			if o == nil || a.VTEP != o.vtep {
+				t.Errorf("%s: MemberApps entry %+v", n.name, a)
+			}
+			if want := ""; o == nodes[1] {
+				want = "keys:1"
+				if string(a.App) != want {
+					t.Errorf("%s: app of %s %q, want %q", n.name, a.Name, a.App, want)
+				}
+			} else if len(a.App) != 0 {
+				t.Errorf("%s: app of %s %q, want none", n.name, a.Name, a.App)
+			}
+		}
 	}
 	if err := nodes[1].c.SetAppState(make([]byte, MaxAppState+1)); err == nil {
 		t.Fatal("oversized application state accepted")

@@ -19,23 +19,19 @@ const DefaultPort = 7947
 // another label are refused before decryption is even tried.
 const DefaultLabel = "overlayd"
 
-// Event is a change of one remote peer record: create (nil, Next), update
-// (Prev, Next) or delete (Prev, nil). Prev is exactly the Next of the
-// previous event delivered for the same record (same VNI, origin and
-// endpoint id).
-type Event struct {
-	VNI    uint32
-	Prev   *peerdb.Peer
-	Next   *peerdb.Peer
-	Origin string // node that owns the record (for logs; not part of the peer)
-}
-
-// Sink receives remote peer changes. It is called from the cluster's own
-// delivery goroutines, never from a memberlist callback; events of one VNI
-// are delivered in order and never concurrently, so it may block (on the
-// network's lock). Events of one call are sorted by VNI.
-type Sink interface {
-	ApplyPeerEvents(evs []Event) error
+// Watcher is told which remote records may have changed; it pulls them
+// with Cluster.Peer or Cluster.Peers. It is called from the cluster's own
+// delivery goroutines, never from a memberlist callback and with no
+// cluster lock held; calls for one VNI are ordered and never concurrent
+// (calls for different VNIs may be), and it may block (on a network's
+// lock), which delays only the VNIs of its delivery shard. keys are the
+// keys marked dirty since the previous call for vni, sorted by origin then
+// endpoint id, all of VNI vni and never of this node; a key may be
+// reported although its record did not change. keys == nil means: any
+// record of vni may have changed (pull them all); this package does not
+// send nil today, but a Watcher must accept it.
+type Watcher interface {
+	PeersChanged(vni uint32, keys []peerdb.Key)
 }
 
 // Config configures a Cluster. Zero values take the defaults shown.
@@ -50,11 +46,13 @@ type Config struct {
 	Label         string     // memberlist cluster label; default DefaultLabel
 	Seeds         []string   // "host[:port]" to join, retried in the background with backoff
 	TombstoneTTL  time.Duration
-	Sink          Sink // required
+	Watcher       Watcher // required
 	// OnMembersChange, if set, is called when a member joins, leaves, dies
-	// or changes its metadata (its application state, see SetAppState).
-	// It is called from memberlist's callbacks: it must not block (signal a
-	// goroutine) and must not call into the Cluster.
+	// or changes its metadata (its VTEP or application state, see
+	// SetAppState and MemberApps). It is called from memberlist's callbacks
+	// (memberlist's node lock held, no cluster lock held): it must not
+	// block (signal a goroutine) and must not call into the Cluster or
+	// memberlist.
 	OnMembersChange func()
 	Logger          *slog.Logger
 	// Transport replaces memberlist's NetTransport (tests wrap it to drop,
@@ -104,18 +102,26 @@ type Config struct {
 	// member (heals partitions) and retries unanswered seeds. Default 5 s.
 	ReconnectInterval time.Duration
 	// ReconnectTimeout: how long a failed member is retried, and its
-	// records kept (not in force) for a quick restore. Default 24 h.
+	// records kept (not in force once FailedGrace is over) for a quick
+	// restore. Default 24 h.
 	ReconnectTimeout time.Duration
+	// FailedGrace: a member declared dead (failed, not left: a stopped
+	// daemon does not leave) keeps its records in force this long after
+	// its death, so a restart, a stalled host or a false detection that
+	// comes back within it changes nothing for the consumers. A member
+	// that left (Leave) loses its records at once. Default 10 s; negative:
+	// no grace (records out of force at the death).
+	FailedGrace time.Duration
 	// TCPTimeout: dial and I/O timeout of streams (push/pull, records sent
 	// reliably). Default 5 s.
 	TCPTimeout time.Duration
-	// RestartGrace: when a member restarts before it was declared dead
-	// (new incarnation while alive), its old records stay in force until
-	// its new snapshot arrives, at most this long. Default 5 s.
+	// RestartGrace: when a member comes back with a new incarnation while
+	// its records are in force (a restart seen while it was alive, or
+	// within FailedGrace after its death), or advertises a new VTEP, its
+	// previous records stay in force until its first complete view (a
+	// snapshot or a matching digest) arrives, at most this long after its
+	// return. Default 5 s.
 	RestartGrace time.Duration
-	// ResyncInterval: the delivery recomputes every record's (delivered,
-	// effective) pair this often, repairing any missed change. Default 30 s.
-	ResyncInterval time.Duration
 	// DeliveryShards: number of delivery goroutines; a VNI always maps to
 	// the same one. Default 4.
 	DeliveryShards int
@@ -137,7 +143,7 @@ const (
 	DefaultReconnectTimeout        = 24 * time.Hour
 	DefaultTCPTimeout              = 5 * time.Second
 	DefaultRestartGrace            = 5 * time.Second
-	DefaultResyncInterval          = 30 * time.Second
+	DefaultFailedGrace             = 10 * time.Second
 	DefaultDeliveryShards          = 4
 
 	// udpBufferSize is memberlist's packet size; a message up to
@@ -145,6 +151,15 @@ const (
 	udpBufferSize = 1400
 	// largeChunk bounds a delta sent over TCP.
 	largeChunk = 1 << 20
+
+	// deadNodeReclaimTime: memberlist refuses an alive message that gives
+	// a member another address unless that member has been dead (or left)
+	// this long. Node names are unique per host, so the only node that
+	// claims a dead member's name at another address is that host
+	// restarted with a new underlay address: it is accepted as soon as
+	// the old address is declared dead. The short wait lets gossip that
+	// was already in flight about the old address settle first.
+	deadNodeReclaimTime = 200 * time.Millisecond
 )
 
 func setDefault[T comparable](p *T, def T) {
@@ -166,8 +181,8 @@ func (c *Config) normalize() error {
 	default:
 		return fmt.Errorf("cluster: the key has %d bytes; it must have 16, 24 or 32", len(c.Key))
 	}
-	if c.Sink == nil {
-		return errors.New("cluster: Sink is required")
+	if c.Watcher == nil {
+		return errors.New("cluster: Watcher is required")
 	}
 	if !c.BindAddr.IsValid() {
 		c.BindAddr = netip.IPv4Unspecified()
@@ -210,7 +225,8 @@ func (c *Config) normalize() error {
 	setDefault(&c.ReconnectTimeout, DefaultReconnectTimeout)
 	setDefault(&c.TCPTimeout, DefaultTCPTimeout)
 	setDefault(&c.RestartGrace, DefaultRestartGrace)
-	setDefault(&c.ResyncInterval, DefaultResyncInterval)
+	setDefault(&c.FailedGrace, DefaultFailedGrace)
+	c.FailedGrace = max(c.FailedGrace, 0)
 	setDefault(&c.DeliveryShards, DefaultDeliveryShards)
 	if c.ProbeTimeout >= c.ProbeInterval {
 		return fmt.Errorf("cluster: ProbeTimeout %v must be shorter than ProbeInterval %v", c.ProbeTimeout, c.ProbeInterval)
@@ -224,7 +240,7 @@ func (c *Config) normalize() error {
 }
 
 // DefaultConfig returns a Config with every timing default filled in (the
-// zero Config means the same); callers set the identity, key and Sink.
+// zero Config means the same); callers set the identity, key and Watcher.
 func DefaultConfig() Config {
 	return Config{
 		BindPort:                DefaultPort,
@@ -243,7 +259,7 @@ func DefaultConfig() Config {
 		ReconnectTimeout:        DefaultReconnectTimeout,
 		TCPTimeout:              DefaultTCPTimeout,
 		RestartGrace:            DefaultRestartGrace,
-		ResyncInterval:          DefaultResyncInterval,
+		FailedGrace:             DefaultFailedGrace,
 		DeliveryShards:          DefaultDeliveryShards,
 	}
 }
@@ -271,7 +287,7 @@ func (c *Config) memberlistConfig(d *delegate, logw *mlLogWriter) *memberlist.Co
 	mc.GossipToTheDeadTime = 30 * time.Second
 	mc.PushPullInterval = c.PushPullInterval
 	mc.TCPTimeout = c.TCPTimeout
-	mc.DeadNodeReclaimTime = 30 * time.Second
+	mc.DeadNodeReclaimTime = deadNodeReclaimTime
 	mc.HandoffQueueDepth = 4096
 	mc.UDPBufferSize = udpBufferSize
 	mc.DelegateProtocolVersion = ProtocolVersion
@@ -280,6 +296,7 @@ func (c *Config) memberlistConfig(d *delegate, logw *mlLogWriter) *memberlist.Co
 	mc.Delegate = d
 	mc.Events = d
 	mc.Ping = d
+	mc.Conflict = d
 	mc.Logger = logw.logger()
 	return mc
 }

@@ -2,15 +2,15 @@ package cluster
 
 import (
 	"cmp"
-	"log/slog"
 	"slices"
 
 	"github.com/overlayd/overlayd/peerdb"
 )
 
-// shard is one delivery goroutine's work: the keys whose effective value
-// may differ from what was delivered. A VNI always maps to one shard, so
-// its events are ordered and never delivered concurrently.
+// shard is one delivery goroutine's work: per VNI, the keys whose record
+// in force may have changed since the Watcher was last told. A VNI always
+// maps to one shard, so the Watcher's calls for it are ordered and never
+// concurrent.
 type shard struct {
 	dirty map[uint32]map[pkey]struct{} // guarded by Cluster.mu
 	wake  chan struct{}
@@ -36,10 +36,17 @@ func (c *Cluster) markDirtyLocked(vni uint32, k pkey) {
 	}
 }
 
-// deliveryLoop turns the shard's dirty keys into events: for each, prev is
-// what was delivered and next is what is in force now; equal pairs are
-// skipped, so any number of changes between two runs coalesce into one
-// event per key (level-triggered). The Sink is called without any lock.
+// change is one Watcher call: the dirty keys of one VNI.
+type change struct {
+	vni  uint32
+	keys []peerdb.Key
+}
+
+// deliveryLoop tells the Watcher which keys of its shard's VNIs may have
+// changed: everything marked since its previous run, one call per VNI in
+// VNI order, keys sorted. Any number of changes between two runs coalesce
+// into one call per VNI. The Watcher is called without any cluster lock
+// (it pulls with Peer/Peers, which take Cluster.mu).
 func (c *Cluster) deliveryLoop(sh *shard) {
 	for {
 		select {
@@ -47,102 +54,72 @@ func (c *Cluster) deliveryLoop(sh *shard) {
 		case <-c.stop:
 			return
 		}
-		evs := c.collect(sh)
-		if len(evs) == 0 {
-			continue
-		}
-		c.eventsOut.Add(uint64(len(evs)))
-		if err := c.cfg.Sink.ApplyPeerEvents(evs); err != nil {
-			// The Sink applied the valid events and reported the others;
-			// blind redelivery would repeat the rejected ones with a prev
-			// the Sink never had. Count, log, go on.
-			c.sinkErrors.Add(1)
-			c.logLimited(slog.LevelError, "sink", "applying peer events failed", "events", len(evs), "error", err)
+		for _, ch := range c.takeDirty(sh) {
+			if c.closed.Load() {
+				return
+			}
+			c.changeCalls.Add(1)
+			c.changedKeys.Add(uint64(len(ch.keys)))
+			c.cfg.Watcher.PeersChanged(ch.vni, ch.keys)
 		}
 	}
 }
 
-func (c *Cluster) collect(sh *shard) []Event {
+// takeDirty takes the shard's dirty keys and returns them as calls, by VNI
+// with sorted keys.
+func (c *Cluster) takeDirty(sh *shard) []change {
 	c.mu.Lock()
-	defer c.mu.Unlock()
 	if len(sh.dirty) == 0 {
+		c.mu.Unlock()
 		return nil
 	}
 	dirty := sh.dirty
 	sh.dirty = make(map[uint32]map[pkey]struct{})
-	var evs []Event
-	for vni, keys := range dirty {
-		del := c.delivered[vni]
-		for k := range keys {
-			next, ok := c.store.effective(vni, k)
-			prev, had := del[k]
-			switch {
-			case ok && had && prev == next, !ok && !had:
-				continue
-			}
-			ev := Event{VNI: vni, Origin: k.Origin}
-			if had {
-				p := prev
-				ev.Prev = &p
-			}
-			if ok {
-				n := next
-				ev.Next = &n
-				if del == nil {
-					del = make(map[pkey]peerdb.Peer)
-					c.delivered[vni] = del
-				}
-				del[k] = next
-			} else {
-				delete(del, k)
-			}
-			evs = append(evs, ev)
+	c.mu.Unlock()
+	out := make([]change, 0, len(dirty))
+	for vni, set := range dirty {
+		keys := make([]peerdb.Key, 0, len(set))
+		for k := range set {
+			keys = append(keys, peerdb.Key{VNI: vni, Origin: k.Origin, EndpointID: k.EndpointID})
 		}
-		if len(del) == 0 {
-			delete(c.delivered, vni)
-		}
+		slices.SortFunc(keys, compareKeys)
+		out = append(out, change{vni: vni, keys: keys})
 	}
-	sortEvents(evs)
-	return evs
+	slices.SortFunc(out, func(a, b change) int { return cmp.Compare(a.vni, b.vni) })
+	return out
 }
 
-// sortEvents orders events by VNI (the Sink batches consecutive events of
-// one network), deletes first, then updates, then creates (so an IP that
-// moves is freed before it is claimed again), then by origin and endpoint
-// (deterministic).
-func sortEvents(evs []Event) {
-	kind := func(e *Event) int {
-		switch {
-		case e.Next == nil:
-			return 0
-		case e.Prev != nil:
-			return 1
-		}
-		return 2
-	}
-	id := func(e *Event) string {
-		if e.Next != nil {
-			return e.Next.EndpointID
-		}
-		return e.Prev.EndpointID
-	}
-	slices.SortFunc(evs, func(a, b Event) int {
-		return cmp.Or(cmp.Compare(a.VNI, b.VNI), cmp.Compare(kind(&a), kind(&b)),
-			cmp.Compare(a.Origin, b.Origin), cmp.Compare(id(&a), id(&b)))
-	})
+// compareKeys orders keys by VNI, origin, endpoint id.
+func compareKeys(a, b peerdb.Key) int {
+	return cmp.Or(cmp.Compare(a.VNI, b.VNI), cmp.Compare(a.Origin, b.Origin), cmp.Compare(a.EndpointID, b.EndpointID))
 }
 
-// resync marks every delivered and every effective key dirty: the
-// delivery then repairs any difference (there should be none).
-func (c *Cluster) resync() {
+// Peer returns the record in force for k (never one of this node's own):
+// a live record of an alive member's current incarnation whose VTEP is
+// the one the member advertises, or its previous record during a restart
+// or VTEP-change grace, or the record of a member declared dead (not
+// left) within FailedGrace after its death. Safe for concurrent use; it
+// takes only Cluster.mu, briefly (callers may hold a network lock), never
+// blocks otherwise and never calls out.
+func (c *Cluster) Peer(k peerdb.Key) (peerdb.Peer, bool) {
+	if k.Origin == c.cfg.NodeName {
+		return peerdb.Peer{}, false
+	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	for vni, del := range c.delivered {
-		for k := range del {
-			c.markDirtyLocked(vni, k)
-		}
+	return c.store.effective(k.VNI, pkey{k.Origin, k.EndpointID})
+}
+
+// Peers returns every record in force for vni, by key (an empty map if
+// none). Same rules as Peer. Its cost is proportional to the records the
+// cluster holds for vni (a per-VNI index), not to all records.
+func (c *Cluster) Peers(vni uint32) map[peerdb.Key]peerdb.Peer {
+	c.mu.Lock()
+	ps := c.store.peers(vni)
+	c.mu.Unlock()
+	out := make(map[peerdb.Key]peerdb.Peer, len(ps))
+	for k, p := range ps {
+		out[peerdb.Key{VNI: vni, Origin: k.Origin, EndpointID: k.EndpointID}] = p
 	}
-	c.store.eachEffective(func(vni uint32, k pkey, _ peerdb.Peer) {
-		c.markDirtyLocked(vni, k)
-	})
+	return out
 }

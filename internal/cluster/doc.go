@@ -56,48 +56,88 @@
 //     change.
 //
 // A node that learns of a member (join, return from dead, new incarnation)
-// asks it for its snapshot, and answers such requests from others: a
-// joining or restarted node converges in one round trip.
+// asks it for its snapshot, sends it its digest first (a member back from
+// a false death missed our changes meanwhile), and answers such requests
+// from others: a joining or restarted node converges in one round trip. A
+// restarted node's own requests may reach members before they know its new
+// incarnation (refused); the first message it then gets from such a member
+// makes it ask again at once.
 //
 // # Membership
 //
 // Node metadata carries a metadata version, the protocol versions the node
-// speaks, its incarnation and its VTEP. A message is accepted only from an
-// alive member with usable metadata, for its current incarnation, and only
-// if every record's VTEP is the VTEP that member advertises; otherwise the
-// whole message is dropped and counted. When memberlist declares a node
-// dead or it leaves, its records stop being in force and are delivered as
-// deletes everywhere; a dead node's records are kept (not in force) for
-// ReconnectTimeout, so when it comes back (healed partition, false
-// positive) they are in force again at once and a sync request fetches
-// what changed. A node that restarts before it is declared dead keeps its
-// old records in force until its new snapshot replaces them (at most
-// RestartGrace): peers that did not change see no event at all.
+// speaks, its incarnation, its VTEP and its application state. A message
+// is accepted only from an alive member with usable metadata, for its
+// current incarnation, and only if every record's VTEP is the VTEP that
+// member advertises; otherwise the whole message is dropped and counted.
+//
+// Leaving is explicit. Shutdown stops the node without leaving: the others
+// see a failure. Leave (the decommissioning of a host) first sends every
+// member a leave message (reliably, falling back to a packet), then
+// leaves memberlist; a member that had declared the node dead before the
+// leave message arrived still honours it. Nothing else leaves.
+//
+// When memberlist declares a member dead (failed, not left), its records
+// stay in force for FailedGrace (default 10 s) after its death, and the
+// consumers are told nothing. If it returns within the grace with the
+// same incarnation (a false detection, a stalled host, a healed
+// partition) nothing changes for them; a sync request fetches what it
+// changed meanwhile. If it returns with a new incarnation (it restarted),
+// the records that were in force stay so, as the previous set, until the
+// new incarnation's first complete view (snapshot or matching digest), at
+// most RestartGrace (default 5 s) after its return: records that did not
+// change are never out of force, and only keys whose value changes are
+// reported. The same holds for a restart seen while the member was still
+// alive. If the grace ends without its return, its records go out of force
+// (reported to the consumers) but are kept until ReconnectTimeout, so a
+// later return with the same incarnation restores them at once. A member
+// that left loses its records at once and is forgotten. A member that
+// advertises a new VTEP (SetVTEP) keeps its records of the former VTEP in
+// force until its records of the new one arrive (a delta per record, its
+// snapshot for all), at most RestartGrace; it is asked for its snapshot at
+// once.
+//
+// A host restarted with another underlay address keeps its node name:
+// memberlist refuses an alive message that moves a member to another
+// address unless the member has been dead for deadNodeReclaimTime
+// (200 ms). Members that refused such a message (NotifyConflict) remember
+// the new address, and once the old one is declared dead they join the
+// new one, so the host is accepted there about deadNodeReclaimTime after
+// its old address is declared dead; the restarted node also pushes its
+// state to a member that has sent it nothing yet (each member that accepts
+// it asks for its snapshot at once) once a second, for up to 30 s after
+// joining. In the tests (3 nodes on loopback, the old
+// process stopped just before the new one starts) the node is alive again
+// at its new address everywhere 1.6-1.8 s after its new process started.
 //
 // Memberlist does not probe dead nodes, so a background joiner re-joins a
 // random failed member every ReconnectInterval (this heals partitions),
-// and retries seeds with backoff until one answers, and again whenever the
-// node finds itself alone. After a join it does two more push/pulls with
-// random members, catching alive broadcasts that raced with the join. New
-// never waits for joining.
+// and retries seeds with backoff (0.5 s doubling to 30 s) until one
+// answers, and again whenever the node finds itself alone. After a join it
+// does two more push/pulls with random members, catching alive broadcasts
+// that raced with the join. New never waits for joining.
 //
 // # Delivery
 //
-// The cluster keeps, per VNI, the effective view (records of alive
-// origins, never our own) and what it delivered. Every change marks keys
-// dirty and wakes the delivery shard of the key's VNI (DeliveryShards
-// goroutines; a VNI always maps to the same one). The shard takes all its
-// dirty keys, computes (prev = delivered, next = effective) for each,
-// skips equal pairs, records next as delivered and calls
-// Sink.ApplyPeerEvents once with the batch (sorted by VNI; deletes, then
-// updates, then creates). So events of one VNI are ordered and never
-// concurrent, bursts coalesce into one event per key, and memberlist
-// callbacks (NotifyMsg, MergeRemoteState, NotifyJoin/Leave/Update) only
-// mark keys dirty: they never wait for the Sink. A Sink error is counted
-// and logged (rate-limited); events are not redelivered (the Sink applied
-// the valid ones, and repeating a rejected one would carry a prev it never
-// had). Every ResyncInterval all keys are recomputed, repairing any
-// bookkeeping slip level-triggered.
+// The cluster is the one owner of the remote records; it pushes no
+// values. Every change of what may be in force marks its key dirty (per
+// VNI) and wakes the delivery shard of the VNI (DeliveryShards goroutines;
+// a VNI always maps to the same one). The shard takes all its dirty keys
+// and calls Watcher.PeersChanged(vni, keys) once per VNI, in VNI order,
+// with the keys sorted (origin, endpoint id), without holding any cluster
+// lock. So calls for one VNI are ordered and never concurrent, and any
+// number of changes between two runs coalesce into one call. The Watcher
+// pulls the values with Peer or Peers, which take Cluster.mu briefly and
+// compute what is in force on the spot: there is no copy of what was
+// delivered, and nothing to redeliver. Peers visits only the keys of its
+// VNI (an index by VNI of every key the store holds: records, tombstones
+// and previous records; kept on every merge, snapshot, digest, reap,
+// grace end, restart and origin removal). Keys are marked when their
+// value may change; a merge that keeps the value (a restarted node
+// re-sending an unchanged record) marks nothing. Repairing a consumer that
+// lost track is the consumer's business (it pulls Peers on its own tick);
+// memberlist callbacks (NotifyMsg, MergeRemoteState, NotifyJoin/Leave/
+// Update/Conflict) only mark keys dirty and never wait for the Watcher.
 //
 // # Bad input
 //
@@ -118,9 +158,26 @@
 //
 // # Locks
 //
-// Memberlist calls the event delegate with its node lock held, so the
-// cluster never calls into memberlist while holding Cluster.mu. Lock
-// order: memberlist's node lock -> Cluster.mu -> a sender's queue lock.
-// The local record lock (PublishLocalPeer) is a leaf taken alone. The
-// Sink is called with no lock held.
+// Every lock is a *lockorder.Mutex made with its level; a goroutine takes
+// a lock only while holding locks of strictly lower levels (the lockcheck
+// build panics otherwise):
+//
+//   - Cluster.mu (LevelCluster): the replicated store, the senders map and
+//     the shards' dirty sets. Taken by memberlist callbacks, the
+//     periodic loop, Status, and by Peer/Peers under the caller's network
+//     lock (LevelNetwork, above it).
+//   - dest.mu (LevelClusterSender): one sender's queue; under Cluster.mu or
+//     alone.
+//   - localStore.mu (LevelClusterLocal): this node's records, VTEP and
+//     application state; by PublishLocalPeer under the caller's network
+//     lock, under Cluster.mu (a new member's first digest), or alone.
+//   - the drop counters, the log rate limiter and the joiner's seeds and
+//     claims (LevelLeaf): nothing is taken or called while they are held.
+//
+// Memberlist's own locks are outside the hierarchy: it calls its delegates
+// with its node lock held, so nothing here calls into memberlist while
+// holding any of these locks (memberlist's lock is always taken first).
+// OnMembersChange is called from those callbacks with no cluster lock
+// held; the Watcher is called with no lock held at all, and may block on a
+// network's lock, which delays only the VNIs of its shard.
 package cluster

@@ -1,11 +1,11 @@
 package cluster
 
 import (
-	"errors"
 	"fmt"
 	"io"
 	"log"
 	"log/slog"
+	"maps"
 	"math/rand/v2"
 	"net"
 	"net/netip"
@@ -18,110 +18,157 @@ import (
 	"time"
 
 	"github.com/hashicorp/memberlist"
+	"github.com/overlayd/overlayd/internal/lockorder"
 	"github.com/overlayd/overlayd/peerdb"
 )
 
 var testKey = []byte("0123456789abcdef0123456789abcdef")
 
-// sinkKey identifies a delivered peer in a test sink: the VTEP tells the
-// origin apart.
-type sinkKey struct {
-	VNI  uint32
-	VTEP netip.Addr
-	ID   string
-}
+// testWatcher plays the driver: on PeersChanged it takes a lock at the
+// network level (as a network's lock) and pulls the keys with Peer, or the
+// whole VNI with Peers for nil keys, into its own copy of the remote
+// records. It records every breach of the Watcher contract: concurrent
+// calls for one VNI, unsorted or duplicate keys, keys of another VNI or of
+// this node.
+type testWatcher struct {
+	self  string
+	net   *lockorder.Mutex // LevelNetwork: pulls run under it, as in the driver
+	c     atomic.Pointer[Cluster]
+	ready chan struct{} // closed once c is set
 
-// testSink applies events to a map with (prev, next) semantics and records
-// every violation: a create of a key it has, a prev that differs from what
-// it holds, an update that changes the key, an empty event.
-type testSink struct {
-	mu         sync.Mutex
-	state      map[sinkKey]peerdb.Peer
+	mu         sync.Mutex // test bookkeeping (below); taken under net
+	state      map[peerdb.Key]peerdb.Peer
+	busy       map[uint32]bool // VNIs with a call in progress
 	violations []string
-	events     []Event
-	keepEvents bool
-	fail       atomic.Bool // return an error (after applying)
-	onApply    func(Event, time.Time)
-	calls      atomic.Int64
-	concurrent atomic.Int32
-	maxConc    atomic.Int32
+	// onChange, if set, is told of every change of the copy (prev or next
+	// nil for a create or removal), under mu.
+	onChange func(k peerdb.Key, prev, next *peerdb.Peer, at time.Time)
+	// removals counts the removals per key (a record that left the copy).
+	removals map[peerdb.Key]int
+	calls    atomic.Int64
+	maxConc  atomic.Int32
+	conc     atomic.Int32
 }
 
-func newTestSink() *testSink { return &testSink{state: make(map[sinkKey]peerdb.Peer)} }
+func newTestWatcher(self string) *testWatcher {
+	return &testWatcher{self: self, net: lockorder.New(lockorder.LevelNetwork), ready: make(chan struct{}),
+		state: make(map[peerdb.Key]peerdb.Peer), busy: make(map[uint32]bool), removals: make(map[peerdb.Key]int)}
+}
 
-func keyOf(vni uint32, p *peerdb.Peer) sinkKey { return sinkKey{vni, p.VTEP, p.EndpointID} }
+func (w *testWatcher) setCluster(c *Cluster) {
+	w.c.Store(c)
+	close(w.ready)
+}
 
-func (s *testSink) ApplyPeerEvents(evs []Event) error {
-	n := s.concurrent.Add(1)
-	defer s.concurrent.Add(-1)
+func (w *testWatcher) violation(format string, args ...any) {
+	w.violations = append(w.violations, fmt.Sprintf(format, args...))
+}
+
+func (w *testWatcher) PeersChanged(vni uint32, keys []peerdb.Key) {
+	<-w.ready
+	c := w.c.Load()
+	n := w.conc.Add(1)
+	defer w.conc.Add(-1)
 	for {
-		m := s.maxConc.Load()
-		if n <= m || s.maxConc.CompareAndSwap(m, n) {
+		m := w.maxConc.Load()
+		if n <= m || w.maxConc.CompareAndSwap(m, n) {
 			break
 		}
 	}
-	s.calls.Add(1)
+	w.calls.Add(1)
+	w.mu.Lock()
+	if w.busy[vni] {
+		w.violation("concurrent calls for VNI %d", vni)
+	}
+	w.busy[vni] = true
+	for i, k := range keys {
+		if k.VNI != vni {
+			w.violation("key %v in a call for VNI %d", k, vni)
+		}
+		if k.Origin == w.self {
+			w.violation("key %v of this node", k)
+		}
+		if i > 0 && compareKeys(keys[i-1], k) >= 0 {
+			w.violation("keys not sorted or duplicated: %v then %v", keys[i-1], k)
+		}
+	}
+	w.mu.Unlock()
+	defer func() {
+		w.mu.Lock()
+		w.busy[vni] = false
+		w.mu.Unlock()
+	}()
+
+	w.net.Lock() // the network's lock: Peer/Peers take cluster.mu under it
+	defer w.net.Unlock()
+	got := make(map[peerdb.Key]*peerdb.Peer, len(keys))
+	if keys == nil {
+		w.mu.Lock()
+		for k := range w.state {
+			if k.VNI == vni {
+				got[k] = nil
+			}
+		}
+		w.mu.Unlock()
+		for k, p := range c.Peers(vni) {
+			got[k] = &p
+		}
+	} else {
+		for _, k := range keys {
+			if p, ok := c.Peer(k); ok {
+				got[k] = &p
+			} else {
+				got[k] = nil
+			}
+		}
+	}
 	now := time.Now()
-	s.mu.Lock()
-	for i, ev := range evs {
-		if i > 0 && evs[i-1].VNI > ev.VNI {
-			s.violations = append(s.violations, "events not sorted by VNI")
-		}
-		if s.keepEvents {
-			s.events = append(s.events, ev)
-		}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	for k, next := range got {
+		prev, had := w.state[k]
 		switch {
-		case ev.Prev == nil && ev.Next == nil:
-			s.violations = append(s.violations, "empty event")
-		case ev.Prev == nil:
-			k := keyOf(ev.VNI, ev.Next)
-			if old, ok := s.state[k]; ok {
-				s.violations = append(s.violations, fmt.Sprintf("create of %v which holds %v", k, old))
+		case next == nil && !had:
+			continue
+		case next == nil:
+			delete(w.state, k)
+			w.removals[k]++
+			if w.onChange != nil {
+				w.onChange(k, &prev, nil, now)
 			}
-			s.state[k] = *ev.Next
+		case had && prev == *next:
+			continue
 		default:
-			k := keyOf(ev.VNI, ev.Prev)
-			old, ok := s.state[k]
-			if !ok || old != *ev.Prev {
-				s.violations = append(s.violations, fmt.Sprintf("prev %v of %v does not match held %v (%v)", *ev.Prev, k, old, ok))
-			}
-			delete(s.state, k)
-			if ev.Next != nil {
-				if nk := keyOf(ev.VNI, ev.Next); nk != k {
-					s.violations = append(s.violations, fmt.Sprintf("update changes key %v -> %v", k, nk))
+			w.state[k] = *next
+			if w.onChange != nil {
+				var pp *peerdb.Peer
+				if had {
+					pp = &prev
 				}
-				s.state[keyOf(ev.VNI, ev.Next)] = *ev.Next
+				w.onChange(k, pp, next, now)
 			}
 		}
 	}
-	s.mu.Unlock()
-	if s.onApply != nil {
-		for _, ev := range evs {
-			s.onApply(ev, now)
-		}
-	}
-	if s.fail.Load() {
-		return errors.New("test sink failure")
-	}
-	return nil
 }
 
-func (s *testSink) snapshot() map[sinkKey]peerdb.Peer {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	out := make(map[sinkKey]peerdb.Peer, len(s.state))
-	for k, v := range s.state {
-		out[k] = v
-	}
-	return out
+func (w *testWatcher) snapshot() map[peerdb.Key]peerdb.Peer {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return maps.Clone(w.state)
 }
 
-func (s *testSink) checkViolations(t testing.TB, name string) {
+func (w *testWatcher) removalsOf(k peerdb.Key) int {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.removals[k]
+}
+
+func (w *testWatcher) checkViolations(t testing.TB, name string) {
 	t.Helper()
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	for _, v := range s.violations {
-		t.Errorf("%s: sink violation: %s", name, v)
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	for _, v := range w.violations {
+		t.Errorf("%s: watcher contract broken: %s", name, v)
 	}
 }
 
@@ -180,7 +227,11 @@ type faultTransport struct {
 	dupProb  float64
 	maxDelay time.Duration
 	bytes    *atomic.Int64 // shared counter
+	// held: drop every packet and stream, both ways (a process that is not
+	// reachable yet); release with held.Store(false).
+	held     atomic.Bool
 	streamCh chan net.Conn
+	packetCh chan *memberlist.Packet
 	done     chan struct{}
 	once     sync.Once
 }
@@ -204,7 +255,7 @@ func newFaultTransport(t testing.TB, host string, port int, part *partition, byt
 		t.Fatalf("transport on %s:%d: %v", host, port, err)
 	}
 	ft := &faultTransport{inner: nt, host: host, part: part, bytes: bytes,
-		streamCh: make(chan net.Conn), done: make(chan struct{})}
+		streamCh: make(chan net.Conn), packetCh: make(chan *memberlist.Packet), done: make(chan struct{})}
 	go ft.pump()
 	return ft
 }
@@ -212,8 +263,17 @@ func newFaultTransport(t testing.TB, host string, port int, part *partition, byt
 func (f *faultTransport) pump() {
 	for {
 		select {
+		case p := <-f.inner.PacketCh():
+			if f.held.Load() {
+				continue
+			}
+			select {
+			case f.packetCh <- p:
+			case <-f.done:
+				return
+			}
 		case c := <-f.inner.StreamCh():
-			if f.part != nil && f.part.blocked(hostOf(c.RemoteAddr().String()), f.host) {
+			if f.held.Load() || f.part != nil && f.part.blocked(hostOf(c.RemoteAddr().String()), f.host) {
 				c.Close()
 				continue
 			}
@@ -242,7 +302,7 @@ func (f *faultTransport) FinalAdvertiseAddr(ip string, port int) (net.IP, int, e
 }
 
 func (f *faultTransport) WriteTo(b []byte, addr string) (time.Time, error) {
-	if f.part != nil && f.part.blocked(f.host, hostOf(addr)) {
+	if f.held.Load() || f.part != nil && f.part.blocked(f.host, hostOf(addr)) {
 		return time.Now(), nil // silently lost
 	}
 	if f.bytes != nil {
@@ -276,10 +336,10 @@ func (f *faultTransport) WriteToAddress(b []byte, a memberlist.Address) (time.Ti
 	return f.WriteTo(b, a.Addr)
 }
 
-func (f *faultTransport) PacketCh() <-chan *memberlist.Packet { return f.inner.PacketCh() }
+func (f *faultTransport) PacketCh() <-chan *memberlist.Packet { return f.packetCh }
 
 func (f *faultTransport) DialTimeout(addr string, timeout time.Duration) (net.Conn, error) {
-	if f.part != nil && f.part.blocked(f.host, hostOf(addr)) {
+	if f.held.Load() || f.part != nil && f.part.blocked(f.host, hostOf(addr)) {
 		return nil, fmt.Errorf("partitioned from %s", addr)
 	}
 	c, err := f.inner.DialTimeout(addr, timeout)
@@ -368,10 +428,10 @@ type node struct {
 	host  string
 	port  int
 	vtep  netip.Addr
-	sink  *testSink
+	w     *testWatcher
 	c     *Cluster
 	tr    *faultTransport
-	local map[sinkKey]peerdb.Peer // what it publishes (test bookkeeping)
+	local map[peerdb.Key]peerdb.Peer // what it publishes (test bookkeeping)
 }
 
 type nodeOpts struct {
@@ -381,17 +441,20 @@ type nodeOpts struct {
 	bytes    *atomic.Int64
 	dupProb  float64
 	maxDelay time.Duration
+	held     bool // the transport drops everything until released
 	tweak    func(*Config)
 }
 
 func startNode(t testing.TB, name, host string, port int, o nodeOpts) *node {
 	t.Helper()
 	n := &node{t: t, name: name, host: host, port: port, vtep: netip.MustParseAddr(host),
-		sink: newTestSink(), local: make(map[sinkKey]peerdb.Peer)}
+		local: make(map[peerdb.Key]peerdb.Peer)}
 	n.start(o)
 	return n
 }
 
+// start starts a new process of the node (a new incarnation, a new
+// watcher) on n.host:n.port.
 func (n *node) start(o nodeOpts) {
 	t := n.t
 	t.Helper()
@@ -399,19 +462,21 @@ func (n *node) start(o nodeOpts) {
 	if key == nil {
 		key = testKey
 	}
+	n.w = newTestWatcher(n.name)
 	cfg := Config{
 		NodeName:          n.name,
 		BindAddr:          netip.MustParseAddr(n.host),
 		BindPort:          n.port,
 		Key:               key,
 		Seeds:             o.seeds,
-		Sink:              n.sink,
+		Watcher:           n.w,
 		Logger:            testLogger(t).With("node", n.name),
 		DigestInterval:    500 * time.Millisecond,
 		ReconnectInterval: 500 * time.Millisecond,
 	}
 	n.tr = newFaultTransport(t, n.host, n.port, o.part, o.bytes)
 	n.tr.dupProb, n.tr.maxDelay = o.dupProb, o.maxDelay
+	n.tr.held.Store(o.held)
 	cfg.Transport = n.tr
 	n.port = n.tr.inner.GetAutoBindPort() // a restart keeps the port
 	cfg.BindPort = n.port
@@ -423,6 +488,7 @@ func (n *node) start(o nodeOpts) {
 		t.Fatalf("New %s: %v", n.name, err)
 	}
 	n.c = c
+	n.w.setCluster(c)
 	t.Cleanup(func() { n.stop() })
 }
 
@@ -434,14 +500,18 @@ func (n *node) stop() {
 
 func (n *node) addr() string { return net.JoinHostPort(n.host, fmt.Sprint(n.port)) }
 
-// peer makes a record of this node for endpoint i.
+func (n *node) key(vni uint32, id string) peerdb.Key {
+	return peerdb.Key{VNI: vni, Origin: n.name, EndpointID: id}
+}
+
+// peer makes a record of this node for endpoint id.
 func (n *node) peer(id string, ip string) peerdb.Peer {
 	a := netip.MustParseAddr(ip)
 	return peerdb.Peer{EndpointID: id, IP: a, MAC: peerdb.MACFromIP(a), VTEP: n.vtep}
 }
 
 func (n *node) publish(vni uint32, p peerdb.Peer) {
-	k := keyOf(vni, &p)
+	k := n.key(vni, p.EndpointID)
 	if old, ok := n.local[k]; ok {
 		n.c.PublishLocalPeer(vni, &old, &p)
 	} else {
@@ -451,7 +521,7 @@ func (n *node) publish(vni uint32, p peerdb.Peer) {
 }
 
 func (n *node) unpublish(vni uint32, id string) {
-	k := sinkKey{vni, n.vtep, id}
+	k := n.key(vni, id)
 	old, ok := n.local[k]
 	if !ok {
 		n.t.Fatalf("%s: unpublish of unknown %v", n.name, k)
@@ -460,22 +530,20 @@ func (n *node) unpublish(vni uint32, id string) {
 	delete(n.local, k)
 }
 
-// expectedFor returns what node n's sink should hold: every other listed
-// node's local records.
-func expectedFor(n *node, nodes []*node) map[sinkKey]peerdb.Peer {
-	want := make(map[sinkKey]peerdb.Peer)
+// expectedFor returns what node n should hold in force: every other
+// listed node's local records.
+func expectedFor(n *node, nodes []*node) map[peerdb.Key]peerdb.Peer {
+	want := make(map[peerdb.Key]peerdb.Peer)
 	for _, o := range nodes {
 		if o == n {
 			continue
 		}
-		for k, v := range o.local {
-			want[k] = v
-		}
+		maps.Copy(want, o.local)
 	}
 	return want
 }
 
-func diffState(got, want map[sinkKey]peerdb.Peer) string {
+func diffState(got, want map[peerdb.Key]peerdb.Peer) string {
 	var d []string
 	for k, v := range want {
 		if g, ok := got[k]; !ok {
@@ -496,14 +564,38 @@ func diffState(got, want map[sinkKey]peerdb.Peer) string {
 	return strings.Join(d, "; ")
 }
 
-// waitConverged waits until every live node's sink holds exactly the other
-// live nodes' records.
+// inForce returns every record in force at n for the VNIs of want and
+// got, pulled with Peers.
+func inForce(n *node, vnis map[uint32]bool) map[peerdb.Key]peerdb.Peer {
+	out := make(map[peerdb.Key]peerdb.Peer)
+	for vni := range vnis {
+		maps.Copy(out, n.c.Peers(vni))
+	}
+	return out
+}
+
+func vnisOf(ms ...map[peerdb.Key]peerdb.Peer) map[uint32]bool {
+	out := make(map[uint32]bool)
+	for _, m := range ms {
+		for k := range m {
+			out[k.VNI] = true
+		}
+	}
+	return out
+}
+
+// waitConverged waits until every live node's watcher copy, and what its
+// Peers returns, hold exactly the other live nodes' records.
 func waitConverged(t testing.TB, timeout time.Duration, nodes []*node) time.Duration {
 	t.Helper()
 	return waitFor(t, timeout, "convergence", func() (bool, string) {
 		for _, n := range nodes {
-			if d := diffState(n.sink.snapshot(), expectedFor(n, nodes)); d != "" {
-				return false, n.name + ": " + d
+			want, got := expectedFor(n, nodes), n.w.snapshot()
+			if d := diffState(got, want); d != "" {
+				return false, n.name + " (watcher): " + d
+			}
+			if d := diffState(inForce(n, vnisOf(want, got)), want); d != "" {
+				return false, n.name + " (Peers): " + d
 			}
 		}
 		return true, ""

@@ -6,8 +6,9 @@ import (
 	"net"
 	"net/netip"
 	"strconv"
-	"sync"
 	"time"
+
+	"github.com/overlayd/overlayd/internal/lockorder"
 )
 
 // joiner joins seeds and re-joins failed members in the background.
@@ -16,13 +17,29 @@ import (
 // jittered) until a join through it succeeds, or until it is the address
 // of an alive member. When this node finds itself alone, every seed is
 // armed again. Every ReconnectInterval it also tries to join one random
-// failed (not left) member seen within ReconnectTimeout: memberlist does
+// failed (or left) member seen within ReconnectTimeout: memberlist does
 // not probe dead nodes, so this is what heals a partition.
+//
+// After a successful join, it pushes/pulls state with a member every
+// second for up to confirmWindow while some alive member has not sent this
+// process any message yet (each member that accepts this incarnation asks
+// it for its snapshot at once): a member that refused this node's alive
+// message because it still had this node's former process alive at
+// another address accepts it at the first push/pull after that address is
+// declared dead. The first two of these go to random members in any case,
+// catching alive broadcasts that raced with the join.
+//
+// The other side of a restart at a new address: when memberlist refuses a
+// member's alive message for its different address (NotifyConflict), the
+// joiner remembers the claim and, once the member is declared dead here
+// (plus deadNodeReclaimTime), joins the new address, retrying every
+// claimRetry up to claimTries times or until the member is alive there.
 type joiner struct {
-	c    *Cluster
-	mu   sync.Mutex
-	seed map[string]*seedState
-	wake chan struct{}
+	c      *Cluster
+	mu     *lockorder.Mutex      // LevelLeaf; guards seed and claims (nothing is called with it held)
+	seed   map[string]*seedState // guarded by mu
+	claims map[string]*claim     // by member name; guarded by mu
+	wake   chan struct{}
 }
 
 type seedState struct {
@@ -31,15 +48,41 @@ type seedState struct {
 	backoff time.Duration
 }
 
+// claim is a member's alive message for another address than the one
+// this node knows it at.
+type claim struct {
+	addr  string
+	seen  time.Time // last notification
+	next  time.Time // next join attempt not before
+	tries int
+}
+
 const (
 	seedBackoffMin = 500 * time.Millisecond
 	seedBackoffMax = 30 * time.Second
+	// confirmWindow bounds the follow-up push/pulls after a join;
+	// followInterval spaces them.
+	confirmWindow  = 30 * time.Second
+	followInterval = time.Second
+	// claimTTL: a claim not acted upon for this long is forgotten.
+	claimTTL    = time.Minute
+	claimRetry  = 500 * time.Millisecond
+	claimTries  = 10
+	claimMargin = 50 * time.Millisecond // beyond deadNodeReclaimTime
 )
 
 func newJoiner(c *Cluster, seeds []string) *joiner {
-	j := &joiner{c: c, seed: make(map[string]*seedState), wake: make(chan struct{}, 1)}
+	j := &joiner{c: c, mu: lockorder.New(lockorder.LevelLeaf), seed: make(map[string]*seedState),
+		claims: make(map[string]*claim), wake: make(chan struct{}, 1)}
 	j.add(seeds...)
 	return j
+}
+
+func (j *joiner) wakeUp() {
+	select {
+	case j.wake <- struct{}{}:
+	default:
+	}
 }
 
 func (j *joiner) add(addrs ...string) {
@@ -57,10 +100,23 @@ func (j *joiner) add(addrs ...string) {
 		j.seed[a] = &seedState{backoff: seedBackoffMin}
 	}
 	j.mu.Unlock()
-	select {
-	case j.wake <- struct{}{}:
-	default:
+	j.wakeUp()
+}
+
+// claim records that member name announced itself at addr. It reports
+// whether the claim is new (to log it once).
+func (j *joiner) claim(name, addr string, now time.Time) bool {
+	j.mu.Lock()
+	cl := j.claims[name]
+	fresh := cl == nil || cl.addr != addr
+	if fresh {
+		cl = &claim{addr: addr}
+		j.claims[name] = cl
 	}
+	cl.seen = now
+	j.mu.Unlock()
+	j.wakeUp()
+	return fresh
 }
 
 // self reports whether a is this node's own advertised address.
@@ -83,17 +139,20 @@ func parseSeed(a string, defPort int) (netip.AddrPort, bool) {
 func (j *joiner) run() {
 	c := j.c
 	nextReconnect := c.now().Add(c.cfg.ReconnectInterval)
-	followUps, nextFollow := 0, time.Time{}
+	// Follow-ups after a join: two to random members, then to members
+	// that have not accepted this incarnation yet, until confirmUntil.
+	followUps, nextFollow, confirmUntil := 0, time.Time{}, time.Time{}
 	for {
 		if c.leaving.Load() || c.closed.Load() {
 			return
 		}
 		now := c.now()
 		alone := c.ml.NumMembers() <= 1
-		members := j.c.memberAddrs()
+		members := c.memberAddrs()
 		var due []string
 		wait := nextReconnect.Sub(now)
-		if followUps > 0 {
+		following := followUps > 0 || now.Before(confirmUntil)
+		if following {
 			wait = min(wait, nextFollow.Sub(now))
 		}
 		j.mu.Lock()
@@ -120,24 +179,49 @@ func (j *joiner) run() {
 			n, err := c.ml.Join([]string{a})
 			j.mu.Lock()
 			s := j.seed[a]
+			retry := s.backoff
 			if n > 0 {
 				s.joined, s.backoff = true, seedBackoffMin
-				followUps, nextFollow = 2, c.now().Add(time.Second)
-				c.log.Info("joined the cluster", "seed", a)
 			} else {
 				s.next = c.now().Add(s.backoff + rand.N(s.backoff/2))
-				c.logLimited(slog.LevelWarn, "join:"+a, "cannot join seed, retrying", "seed", a, "retry_in", s.backoff, "error", err)
 				s.backoff = min(2*s.backoff, seedBackoffMax)
 			}
 			j.mu.Unlock()
+			if n > 0 {
+				followUps, nextFollow, confirmUntil = 2, c.now().Add(followInterval), c.now().Add(confirmWindow)
+				c.log.Info("joined the cluster", "seed", a)
+			} else {
+				c.logLimited(slog.LevelWarn, "join:"+a, "cannot join seed, retrying", "seed", a, "retry_in", retry, "error", err)
+			}
 		}
 		if len(due) > 0 {
 			continue // recompute waits
 		}
-		if followUps > 0 && !now.Before(nextFollow) {
-			followUps--
-			nextFollow = now.Add(2 * time.Second)
-			if a, ok := c.randomMember(); ok {
+		if joins, claimWait := j.dueClaims(now); len(joins) > 0 {
+			for _, jn := range joins {
+				if c.leaving.Load() || c.closed.Load() {
+					return
+				}
+				n, err := c.ml.Join([]string{jn.addr})
+				c.logLimited(slog.LevelInfo, "claimjoin:"+jn.name, "joined a member at the address it announced",
+					"node", jn.name, "addr", jn.addr, "ok", n > 0, "error", err)
+			}
+			continue
+		} else if claimWait > 0 {
+			wait = min(wait, claimWait)
+		}
+		if following && !now.Before(nextFollow) {
+			nextFollow = now.Add(followInterval)
+			a, ok := c.unconfirmedMember()
+			if !ok && followUps > 0 {
+				a, ok = c.randomMember()
+			}
+			if followUps > 0 {
+				followUps--
+			}
+			if !ok {
+				confirmUntil = time.Time{} // every member has accepted us
+			} else {
 				_, _ = c.ml.Join([]string{a})
 			}
 			continue
@@ -163,6 +247,59 @@ func (j *joiner) run() {
 	}
 }
 
+type claimJoin struct{ name, addr string }
+
+// dueClaims returns the claims to join now (marking the attempt) and how
+// long until the next one may be due (0: none pending on a timer).
+func (j *joiner) dueClaims(now time.Time) ([]claimJoin, time.Duration) {
+	j.mu.Lock()
+	pending := make(map[string]claim, len(j.claims))
+	for name, cl := range j.claims {
+		pending[name] = *cl
+	}
+	j.mu.Unlock()
+	if len(pending) == 0 {
+		return nil, 0
+	}
+	var joins []claimJoin
+	var drop []string
+	var wait time.Duration
+	for name, cl := range pending {
+		state, since, addr := j.c.memberInfo(name)
+		switch {
+		case now.Sub(cl.seen) > claimTTL || cl.tries >= claimTries || state == "":
+			drop = append(drop, name)
+		case state == StateAlive && addr == cl.addr:
+			drop = append(drop, name) // accepted there
+		case state == StateDead || state == StateLeft:
+			at := since.Add(deadNodeReclaimTime + claimMargin)
+			if cl.next.After(at) {
+				at = cl.next
+			}
+			if at.After(now) {
+				if d := at.Sub(now); wait == 0 || d < wait {
+					wait = d
+				}
+				continue
+			}
+			joins = append(joins, claimJoin{name, cl.addr})
+		}
+		// Alive (or suspect) at its old address: memberGone wakes us.
+	}
+	j.mu.Lock()
+	for _, name := range drop {
+		delete(j.claims, name)
+	}
+	for _, jn := range joins {
+		if cl := j.claims[jn.name]; cl != nil {
+			cl.tries++
+			cl.next = now.Add(claimRetry)
+		}
+	}
+	j.mu.Unlock()
+	return joins, wait
+}
+
 // memberAddrs returns the addresses of the alive members.
 func (c *Cluster) memberAddrs() map[netip.AddrPort]bool {
 	c.mu.Lock()
@@ -180,11 +317,22 @@ func (c *Cluster) memberAddrs() map[netip.AddrPort]bool {
 
 // randomMember picks a random alive member other than this node.
 func (c *Cluster) randomMember() (string, bool) {
+	return c.pickMember(func(*member) bool { return true })
+}
+
+// unconfirmedMember picks a random alive member other than this node, with
+// usable metadata, that has sent this process no message yet (it has not
+// accepted this incarnation, or has not learnt it yet).
+func (c *Cluster) unconfirmedMember() (string, bool) {
+	return c.pickMember(func(m *member) bool { return m.metaErr == nil && m.lastHeard.Before(c.started) })
+}
+
+func (c *Cluster) pickMember(ok func(*member) bool) (string, bool) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	var cands []string
 	for name, m := range c.store.members {
-		if name != c.cfg.NodeName && m.state == StateAlive {
+		if name != c.cfg.NodeName && m.state == StateAlive && ok(m) {
 			cands = append(cands, net.JoinHostPort(net.IP(m.node.Addr).String(), strconv.Itoa(int(m.node.Port))))
 		}
 	}

@@ -2,26 +2,35 @@ package cluster
 
 import (
 	"net/netip"
-	"sync"
+	"sync/atomic"
 	"time"
 
+	"github.com/overlayd/overlayd/internal/lockorder"
 	"github.com/overlayd/overlayd/peerdb"
 )
 
-// localStore holds the records this node owns (its local endpoints). Its
-// lock is a leaf: nothing else is locked or called while it is held, so
-// PublishLocalPeer can be called under any of the caller's locks.
+// localStore holds the records this node owns (its local endpoints) and
+// what its metadata advertises (VTEP, application state). Its lock is at
+// LevelClusterLocal: below it only leaf locks may be taken (none is), and
+// nothing is called out while it is held, so PublishLocalPeer can be
+// called under a network lock or under Cluster.mu.
 type localStore struct {
-	mu    sync.Mutex
-	name  string
-	inc   uint64
-	vtep  netip.Addr
-	now   func() time.Time
-	clock uint64 // last version issued
+	mu   *lockorder.Mutex // LevelClusterLocal; guards every field below but name, inc, now
+	name string
+	inc  uint64
+	now  func() time.Time
+
+	vtep  netip.Addr // this node's VTEP: local records must carry it
+	app   []byte     // application state (SetAppState)
+	clock uint64     // last version issued
 	recs  map[recKey]*lrec
 	live  int
 	hash  uint64
 	dirty map[recKey]struct{} // changed since the publisher last ran
+	// metaBytes: metaLocked() encoded, replaced with mu held whenever the
+	// VTEP or the application state change; read without the lock
+	// (memberlist's NodeMeta).
+	metaBytes atomic.Pointer[[]byte]
 }
 
 type lrec struct {
@@ -30,11 +39,15 @@ type lrec struct {
 }
 
 func newLocalStore(name string, inc uint64, vtep netip.Addr, now func() time.Time) *localStore {
-	return &localStore{
+	l := &localStore{
+		mu:   lockorder.New(lockorder.LevelClusterLocal),
 		name: name, inc: inc, vtep: vtep, now: now,
 		recs:  make(map[recKey]*lrec),
 		dirty: make(map[recKey]struct{}),
 	}
+	b := encodeMeta(l.metaLocked())
+	l.metaBytes.Store(&b)
+	return l
 }
 
 // tick issues the next version: max(last+1, wall clock in ns). Versions
@@ -171,4 +184,59 @@ func (l *localStore) counts() map[uint32]int {
 		}
 	}
 	return c
+}
+
+// meta returns this node's metadata (VTEP and application state as set).
+func (l *localStore) meta() nodeMeta {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.metaLocked()
+}
+
+func (l *localStore) metaLocked() nodeMeta {
+	return nodeMeta{ProtoMin: protocolVersionMin, ProtoMax: ProtocolVersion, Incarnation: l.inc, VTEP: l.vtep, App: l.app}
+}
+
+// currentVTEP returns this node's VTEP.
+func (l *localStore) currentVTEP() netip.Addr {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.vtep
+}
+
+// setApp sets the application state (and the metadata).
+func (l *localStore) setApp(app []byte) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.app = app
+	b := encodeMeta(l.metaLocked())
+	l.metaBytes.Store(&b)
+}
+
+// setVTEP makes v this node's VTEP and re-publishes every live record
+// with it (new versions), so every member replaces them; the metadata
+// follows. It returns the former VTEP and the number of records
+// re-published.
+func (l *localStore) setVTEP(v netip.Addr) (old netip.Addr, n int) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	old = l.vtep
+	if l.vtep != v {
+		l.vtep = v
+		b := encodeMeta(l.metaLocked())
+		l.metaBytes.Store(&b)
+		for k, cur := range l.recs {
+			if cur.rec.Deleted || cur.rec.VTEP == v {
+				continue
+			}
+			l.hash -= recordHash(&cur.rec)
+			r := cur.rec
+			r.VTEP, r.Version = v, l.tick()
+			l.recs[k] = &lrec{rec: r}
+			l.hash += recordHash(&r)
+			l.dirty[k] = struct{}{}
+			n++
+		}
+	}
+	return old, n
 }

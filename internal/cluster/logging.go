@@ -6,14 +6,15 @@ import (
 	"log"
 	"log/slog"
 	"strings"
-	"sync"
 	"time"
+
+	"github.com/overlayd/overlayd/internal/lockorder"
 )
 
 // rateLimiter lets one log line per key through per period and counts the
 // ones it suppressed, so bad input from the network cannot flood the log.
 type rateLimiter struct {
-	mu     sync.Mutex
+	mu     *lockorder.Mutex // LevelLeaf; guards keys
 	period time.Duration
 	keys   map[string]*rlEntry
 }
@@ -24,7 +25,7 @@ type rlEntry struct {
 }
 
 func newRateLimiter(period time.Duration) *rateLimiter {
-	return &rateLimiter{period: period, keys: make(map[string]*rlEntry)}
+	return &rateLimiter{mu: lockorder.New(lockorder.LevelLeaf), period: period, keys: make(map[string]*rlEntry)}
 }
 
 // allow reports whether a line for key may be logged now, and how many
@@ -75,6 +76,9 @@ func (w *mlLogWriter) Write(p []byte) (int, error) {
 		}
 	}
 	line = strings.TrimPrefix(line, "memberlist: ")
+	if routineLine(line) {
+		level = min(level, slog.LevelDebug)
+	}
 	lower := strings.ToLower(line)
 	switch {
 	case strings.Contains(lower, "decrypt") || strings.Contains(lower, "not encrypted") || strings.Contains(lower, "encryption is not configured"):
@@ -113,4 +117,14 @@ func lineKind(s string) string {
 		s = s[:48]
 	}
 	return s
+}
+
+// routineLine reports whether a memberlist line describes something
+// expected around restarts, which memberlist logs as a warning or an
+// error: a node refuting a suspicion or death of itself (it restarted or
+// stalled), or an alive message for a member at another address (a
+// restart at a new address, handled by NotifyConflict, which logs its
+// own line).
+func routineLine(line string) bool {
+	return strings.HasPrefix(line, "Refuting a") || strings.HasPrefix(line, "Conflicting address for")
 }

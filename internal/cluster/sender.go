@@ -3,10 +3,10 @@ package cluster
 import (
 	"log/slog"
 	"math/rand/v2"
-	"sync"
 	"time"
 
 	"github.com/hashicorp/memberlist"
+	"github.com/overlayd/overlayd/internal/lockorder"
 )
 
 // dest is the sender to one alive member: a goroutine with a queue, so a
@@ -16,7 +16,9 @@ type dest struct {
 	stop chan struct{} // closed (under Cluster.mu) when the member is gone
 	wake chan struct{}
 
-	mu     sync.Mutex
+	// mu (LevelClusterSender) is taken under Cluster.mu or alone; it
+	// guards every field below.
+	mu     *lockorder.Mutex
 	node   memberlist.Node // written with both Cluster.mu and mu held; read under either
 	queue  [][]byte        // encoded deltas, in order
 	queued int             // bytes in queue
@@ -31,7 +33,8 @@ type dest struct {
 const maxQueued = 8 << 20
 
 func newDest(n *memberlist.Node) *dest {
-	d := &dest{name: n.Name, stop: make(chan struct{}), wake: make(chan struct{}, 1)}
+	d := &dest{name: n.Name, stop: make(chan struct{}), wake: make(chan struct{}, 1),
+		mu: lockorder.New(lockorder.LevelClusterSender)}
 	d.node = *n
 	d.node.Meta = nil
 	return d
@@ -173,7 +176,7 @@ func (c *Cluster) publishLoop() {
 		for len(c.localErrs) > 0 {
 			e := <-c.localErrs
 			c.logLimited(slog.LevelError, "local:"+string(e.reason), "refusing to publish an invalid local record",
-				"vni", e.vni, "reason", e.reason, "record", e.rec, "vtep", c.cfg.VTEP)
+				"vni", e.vni, "reason", e.reason, "record", e.rec, "vtep", c.local.currentVTEP())
 		}
 		recs := c.local.takeDirty()
 		if len(recs) == 0 {
@@ -215,9 +218,9 @@ func (c *Cluster) encodeDeltas(recs []record) [][]byte {
 }
 
 // periodicLoop sends digests (DigestInterval after a change, then at
-// doubling intervals up to DigestMaxInterval), ends restart graces and
-// repeats unanswered sync requests (every 250 ms), reaps tombstones (every
-// TombstoneTTL/8) and resynchronises the delivery.
+// doubling intervals up to DigestMaxInterval), ends restart and failed
+// graces and repeats unanswered sync requests (every 250 ms), and reaps
+// tombstones (every TombstoneTTL/8).
 func (c *Cluster) periodicLoop() {
 	jitter := func(d time.Duration) time.Duration {
 		return d - d/5 + rand.N(2*d/5+1)
@@ -228,10 +231,8 @@ func (c *Cluster) periodicLoop() {
 	tick := time.NewTicker(250 * time.Millisecond)
 	reapEvery := max(250*time.Millisecond, c.cfg.TombstoneTTL/8)
 	nextReap := c.now().Add(reapEvery)
-	resync := time.NewTicker(c.cfg.ResyncInterval)
 	defer digest.Stop()
 	defer tick.Stop()
-	defer resync.Stop()
 	for {
 		select {
 		case <-c.stop:
@@ -255,15 +256,18 @@ func (c *Cluster) periodicLoop() {
 				nextReap = now.Add(reapEvery)
 				c.local.reap(now, c.cfg.TombstoneTTL)
 			}
+			var expired []string
 			c.mu.Lock()
 			if reap {
-				c.store.reap(now, c.cfg.TombstoneTTL, c.cfg.ReconnectTimeout)
+				expired = c.store.reap(now, c.cfg.TombstoneTTL, c.cfg.ReconnectTimeout)
 			} else {
-				c.store.tick(now)
+				expired = c.store.tick(now)
 			}
 			c.mu.Unlock()
-		case <-resync.C:
-			c.resync()
+			for _, name := range expired {
+				c.log.Info("failed member did not return within the grace; its records are no longer in force",
+					"node", name, "grace", c.cfg.FailedGrace)
+			}
 		}
 	}
 }

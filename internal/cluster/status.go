@@ -48,38 +48,43 @@ type MemberStatus struct {
 	Incarnation uint64      `json:"incarnation,omitempty"`
 	Records     int         `json:"records"` // its live records held here
 	Since       time.Time   `json:"since"`
-	LastHeard   time.Time   `json:"last_heard,omitzero"` // last control-plane message from it
-	RTT         string      `json:"rtt,omitempty"`       // last direct probe round trip
-	Error       string      `json:"error,omitempty"`     // unusable metadata
-	Self        bool        `json:"self,omitempty"`
+	// InForceUntil: a dead member's records stay in force until then
+	// (FailedGrace), unless it returns or leaves first.
+	InForceUntil time.Time `json:"in_force_until,omitzero"`
+	LastHeard    time.Time `json:"last_heard,omitzero"` // last control-plane message from it
+	RTT          string    `json:"rtt,omitempty"`       // last direct probe round trip
+	Error        string    `json:"error,omitempty"`     // unusable metadata
+	Self         bool      `json:"self,omitempty"`
 }
 
 // VNIStatus counts the records of one VNI.
 type VNIStatus struct {
-	VNI       uint32 `json:"vni"`
-	Local     int    `json:"local"`     // records this node publishes
-	Remote    int    `json:"remote"`    // remote records in force
-	Delivered int    `json:"delivered"` // remote records delivered to the Sink
+	VNI    uint32 `json:"vni"`
+	Local  int    `json:"local"`  // records this node publishes
+	Remote int    `json:"remote"` // remote records in force
 }
 
 // Stats are counters since start.
 type Stats struct {
-	MessagesSent       uint64 `json:"messages_sent"`
-	BytesSent          uint64 `json:"bytes_sent"`
-	SendErrors         uint64 `json:"send_errors"`
-	MessagesReceived   uint64 `json:"messages_received"`
-	Deltas             uint64 `json:"deltas"`
-	Snapshots          uint64 `json:"snapshots"`
-	StaleSnapshots     uint64 `json:"stale_snapshots"`
-	Digests            uint64 `json:"digests"`
-	DigestMatches      uint64 `json:"digest_matches"`
-	DigestMismatches   uint64 `json:"digest_mismatches"`
-	StaleRecords       uint64 `json:"stale_records"` // older than held: reordered or duplicated
-	SyncRequests       uint64 `json:"sync_requests"`
-	IncarnationChanges uint64 `json:"incarnation_changes"`
-	MemberFailures     uint64 `json:"member_failures"` // members declared dead
-	EventsDelivered    uint64 `json:"events_delivered"`
-	SinkErrors         uint64 `json:"sink_errors"`
+	MessagesSent        uint64 `json:"messages_sent"`
+	BytesSent           uint64 `json:"bytes_sent"`
+	SendErrors          uint64 `json:"send_errors"`
+	MessagesReceived    uint64 `json:"messages_received"`
+	Deltas              uint64 `json:"deltas"`
+	Snapshots           uint64 `json:"snapshots"`
+	StaleSnapshots      uint64 `json:"stale_snapshots"`
+	Digests             uint64 `json:"digests"`
+	DigestMatches       uint64 `json:"digest_matches"`
+	DigestMismatches    uint64 `json:"digest_mismatches"`
+	StaleRecords        uint64 `json:"stale_records"` // older than held: reordered or duplicated
+	SyncRequests        uint64 `json:"sync_requests"`
+	IncarnationChanges  uint64 `json:"incarnation_changes"`
+	MemberFailures      uint64 `json:"member_failures"`       // members declared dead
+	MemberReturns       uint64 `json:"member_returns"`        // dead members back within FailedGrace
+	FailedGraceExpired  uint64 `json:"failed_grace_expired"`  // dead members whose records went out of force
+	RestartGraceExpired uint64 `json:"restart_grace_expired"` // previous records dropped at RestartGrace, not by a complete view
+	PeersChangedCalls   uint64 `json:"peers_changed_calls"`   // Watcher.PeersChanged calls
+	PeersChangedKeys    uint64 `json:"peers_changed_keys"`    // keys passed in them
 }
 
 // Status returns the current status.
@@ -88,7 +93,7 @@ func (c *Cluster) Status() Status {
 		Node: NodeStatus{
 			Name: c.cfg.NodeName, BindAddr: c.cfg.BindAddr, BindPort: c.cfg.BindPort,
 			AdvertiseAddr: c.cfg.AdvertiseAddr, AdvertisePort: c.cfg.AdvertisePort,
-			VTEP: c.cfg.VTEP, Incarnation: c.inc, Protocol: ProtocolVersion, Label: c.cfg.Label,
+			VTEP: c.local.currentVTEP(), Incarnation: c.inc, Protocol: ProtocolVersion, Label: c.cfg.Label,
 			KeyFingerprint: Fingerprint(c.cfg.Key),
 		},
 		Dropped: make(map[DropReason]uint64),
@@ -140,9 +145,12 @@ func (c *Cluster) Status() Status {
 			ms.VTEP, ms.Protocol, ms.Incarnation = m.meta.VTEP, m.meta.ProtoMax, m.meta.Incarnation
 		}
 		if ms.Self {
-			ms.Protocol, ms.Incarnation, ms.VTEP, ms.LastHeard = ProtocolVersion, c.inc, c.cfg.VTEP, time.Time{}
+			ms.Protocol, ms.Incarnation, ms.VTEP, ms.LastHeard = ProtocolVersion, c.inc, st.Node.VTEP, time.Time{}
 		} else if m.state == StateAlive && !m.suspectSince.IsZero() && now.Sub(m.suspectSince) < suspicionMax {
 			ms.State = StateSuspect
+		}
+		if m.failedGrace {
+			ms.InForceUntil = m.failedUntil
 		}
 		if m.rtt > 0 {
 			ms.RTT = m.rtt.String()
@@ -153,9 +161,6 @@ func (c *Cluster) Status() Status {
 		st.Members = append(st.Members, ms)
 	}
 	c.store.eachEffective(func(vni uint32, _ pkey, _ peerdb.Peer) { vs(vni).Remote++ })
-	for vni, del := range c.delivered {
-		vs(vni).Delivered = len(del)
-	}
 	ss := c.store.stats
 	c.mu.Unlock()
 
@@ -175,8 +180,9 @@ func (c *Cluster) Status() Status {
 		Deltas:           ss.Deltas, Snapshots: ss.Snapshots, StaleSnapshots: ss.StaleSnapshots,
 		Digests: ss.Digests, DigestMatches: ss.DigestMatches, DigestMismatches: ss.DigestMismatches,
 		StaleRecords: ss.StaleRecords, SyncRequests: ss.SyncRequests, IncarnationChanges: ss.IncarnationChanges,
-		MemberFailures:  ss.MemberFailures,
-		EventsDelivered: c.eventsOut.Load(), SinkErrors: c.sinkErrors.Load(),
+		MemberFailures: ss.MemberFailures, MemberReturns: ss.MemberReturns,
+		FailedGraceExpired: ss.FailedGraceExpired, RestartGraceExpired: ss.GraceExpired,
+		PeersChangedCalls: c.changeCalls.Load(), PeersChangedKeys: c.changedKeys.Load(),
 	}
 	return st
 }

@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"hash/fnv"
+	"net/netip"
 	"time"
 
 	"github.com/hashicorp/memberlist"
@@ -34,11 +35,16 @@ type member struct {
 	meta      nodeMeta
 	metaErr   error
 	since     time.Time // last state change
-	lastHeard time.Time // last accepted message from it
+	lastHeard time.Time // last accepted control-plane message from it
 	// suspectSince: this node's probe of it failed (memberlist then
 	// suspects it); cleared by any sign of life.
 	suspectSince time.Time
 	rtt          time.Duration // last direct probe round trip
+	// failedGrace: it was declared dead (not left) while its records were
+	// in force; they stay in force until failedUntil (FailedGrace after
+	// the death), its return, or a leave.
+	failedGrace bool
+	failedUntil time.Time
 }
 
 // rrec is a stored remote record.
@@ -60,10 +66,12 @@ type origin struct {
 	recs     map[recKey]*rrec
 	live     int    // non-deleted records
 	hash     uint64 // sum of recordHash of the live records
-	// prev: the previous incarnation's effective records, kept effective
-	// (where recs has no entry) until this incarnation's first complete
-	// view or graceUntil, so a quick restart of a node does not flap its
-	// peers on every other node.
+	// prev: the records that were in force before the origin restarted
+	// (the previous incarnation's) or changed its VTEP (the records of the
+	// former VTEP). A key of prev is in force where recs has no record of
+	// it valid under the origin's current VTEP, until this incarnation's
+	// next complete view or graceUntil, so a restart or a VTEP change does
+	// not flap the origin's peers on every other node.
 	prev        map[recKey]peerdb.Peer
 	graceUntil  time.Time
 	lastSyncReq time.Time
@@ -74,6 +82,37 @@ type origin struct {
 
 func newOrigin(inc uint64) *origin {
 	return &origin{inc: inc, recs: make(map[recKey]*rrec)}
+}
+
+// holds reports whether o stores anything (record, tombstone or previous
+// record) under k.
+func (o *origin) holds(k recKey) bool {
+	if o == nil {
+		return false
+	}
+	if _, ok := o.recs[k]; ok {
+		return true
+	}
+	_, ok := o.prev[k]
+	return ok
+}
+
+// value returns what o puts in force for k when its member advertises
+// vtep: its live record if valid under vtep, nothing if it deleted k,
+// else the previous record (restart or VTEP change) if any.
+func (o *origin) value(k recKey, vtep netip.Addr) (peerdb.Peer, bool) {
+	if r := o.recs[k]; r != nil {
+		if r.rec.Deleted {
+			return peerdb.Peer{}, false
+		}
+		if r.rec.VTEP == vtep {
+			return r.rec.peer(), true
+		}
+		// A record of a former VTEP: the previous value stands until the
+		// record of the new VTEP arrives.
+	}
+	p, ok := o.prev[k]
+	return p, ok
 }
 
 // pkey identifies a remote record within a VNI.
@@ -87,7 +126,8 @@ type storeStats struct {
 	Deltas, Snapshots, StaleSnapshots, Digests     uint64
 	DigestMatches, DigestMismatches, StaleRecords  uint64
 	SyncRequests, IncarnationChanges, GraceExpired uint64
-	MemberFailures                                 uint64
+	MemberFailures, MemberReturns                  uint64
+	FailedGraceExpired                             uint64
 }
 
 // store is the replicated remote state: membership as memberlist reports
@@ -99,8 +139,14 @@ type store struct {
 	members         map[string]*member
 	origins         map[string]*origin
 	grace           time.Duration // RestartGrace
+	failedGrace     time.Duration // FailedGrace (0: none)
 	syncMinInterval time.Duration // between two sync requests to one origin
 	stats           storeStats
+	// byVNI indexes every key the origins hold (records, tombstones,
+	// previous records) by VNI, so the records of one VNI are found
+	// without visiting the others': key (vni, k) is here iff
+	// origins[k.Origin].holds({vni, k.EndpointID}).
+	byVNI map[uint32]map[pkey]struct{}
 
 	// dirty reports that the effective value of (vni, k) may have changed.
 	dirty func(vni uint32, k pkey)
@@ -115,10 +161,69 @@ func newStore(self string) *store {
 		self:            self,
 		members:         make(map[string]*member),
 		origins:         make(map[string]*origin),
+		byVNI:           make(map[uint32]map[pkey]struct{}),
 		syncMinInterval: 500 * time.Millisecond,
 		dirty:           func(uint32, pkey) {},
 		requestSync:     func(string) {},
 		sendSnapshot:    func(string) {},
+	}
+}
+
+// index notes that the origin of k holds (vni, k).
+func (s *store) index(vni uint32, k pkey) {
+	set := s.byVNI[vni]
+	if set == nil {
+		set = make(map[pkey]struct{})
+		s.byVNI[vni] = set
+	}
+	set[k] = struct{}{}
+}
+
+// unindex removes (vni, {name, k}) from the index unless the current
+// origin of name still holds it.
+func (s *store) unindex(name string, k recKey) {
+	if s.origins[name].holds(k) {
+		return
+	}
+	if set := s.byVNI[k.VNI]; set != nil {
+		delete(set, pkey{name, k.EndpointID})
+		if len(set) == 0 {
+			delete(s.byVNI, k.VNI)
+		}
+	}
+}
+
+// setOrigin makes nu (nil: none) the origin of name in place of its
+// current one. Keys the old origin held and nu does not are marked dirty
+// and leave the index; nu's keys are indexed. A key nu holds in prev keeps
+// its value (prev is the set that was in force).
+func (s *store) setOrigin(name string, nu *origin) {
+	old := s.origins[name]
+	if nu == nil {
+		delete(s.origins, name)
+	} else {
+		s.origins[name] = nu
+		for k := range nu.recs {
+			s.index(k.VNI, pkey{name, k.EndpointID})
+		}
+		for k := range nu.prev {
+			s.index(k.VNI, pkey{name, k.EndpointID})
+		}
+	}
+	if old == nil {
+		return
+	}
+	gone := func(k recKey) {
+		if !nu.holds(k) {
+			s.dirty(k.VNI, pkey{name, k.EndpointID})
+			s.unindex(name, k)
+		}
+	}
+	for k := range old.recs {
+		gone(k)
+	}
+	for k := range old.prev {
+		gone(k)
 	}
 }
 
@@ -140,6 +245,13 @@ func recordHash(r *record) uint64 {
 	return h.Sum64()
 }
 
+// inForce reports whether the records of member m (named name) are in
+// force: it is alive with usable metadata, or dead within FailedGrace.
+func (s *store) inForce(name string, m *member) bool {
+	return m != nil && name != s.self && m.metaErr == nil &&
+		(m.state == StateAlive || m.state == StateDead && m.failedGrace)
+}
+
 // memberAlive records that memberlist considers n alive (join, update, or
 // back from dead), reading its metadata.
 func (s *store) memberAlive(n *memberlist.Node, now time.Time) {
@@ -150,6 +262,10 @@ func (s *store) memberAlive(n *memberlist.Node, now time.Time) {
 		s.members[n.Name] = m
 	}
 	wasAlive := m.state == StateAlive
+	wasInForce := s.inForce(n.Name, m)
+	if m.state == StateDead && m.failedGrace {
+		s.stats.MemberReturns++
+	}
 	oldMeta, oldErr := m.meta, m.metaErr
 	m.node = *n
 	m.node.Meta = append([]byte(nil), n.Meta...)
@@ -159,48 +275,66 @@ func (s *store) memberAlive(n *memberlist.Node, now time.Time) {
 		m.leaving = false
 	}
 	m.state = StateAlive
-	m.lastHeard = now
+	m.failedGrace, m.failedUntil = false, time.Time{}
 	m.suspectSince = time.Time{}
 	if n.Name == s.self {
 		return
 	}
 	o := s.origins[n.Name]
 	if err != nil {
-		if o != nil {
-			s.markOrigin(n.Name, o) // no longer effective
+		if o != nil && wasInForce {
+			s.markOrigin(n.Name, o) // no longer in force
 		}
 		return
 	}
+	changed := oldErr != nil || !sameMeta(oldMeta, meta)
 	switch {
 	case o == nil:
-		s.origins[n.Name] = newOrigin(meta.Incarnation)
+		s.setOrigin(n.Name, newOrigin(meta.Incarnation))
 		s.syncFrom(n.Name, nil, now)
 	case o.inc == meta.Incarnation:
-		// Same incarnation: back from dead (a false positive or a healed
-		// partition) or metadata fixed. Its stored records are effective
-		// again; ask for what changed meanwhile.
-		s.markOrigin(n.Name, o)
-		if !wasAlive || oldErr != nil || !sameMeta(oldMeta, meta) {
+		// Same incarnation: back from dead (a false detection, a healed
+		// partition), metadata fixed, or a new VTEP. Within FailedGrace
+		// with the same metadata nothing changes for the consumers.
+		switch {
+		case wasInForce && oldMeta.VTEP != meta.VTEP && s.grace > 0:
+			// New VTEP: the records of the former one stay in force until
+			// the origin's records of the new one arrive (its next
+			// complete view), at most RestartGrace.
+			o.prev = s.effectiveSet(o, oldMeta)
+			o.graceUntil = now.Add(s.grace)
+			o.complete = false
+			o.lastSyncReq = time.Time{} // ask now, whatever the rate limit
+			for k := range o.prev {
+				s.index(k.VNI, pkey{n.Name, k.EndpointID})
+			}
+		case !wasInForce || changed:
+			s.markOrigin(n.Name, o)
+		}
+		if !wasAlive || changed {
 			s.syncFrom(n.Name, o, now)
 		}
 	default:
-		// The node restarted: records of the old incarnation are void.
+		// The node restarted: records of the old incarnation are void. If
+		// they were in force (a restart seen while alive, or within
+		// FailedGrace), they stay so until the new incarnation's first
+		// complete view, at most RestartGrace.
 		s.stats.IncarnationChanges++
 		no := newOrigin(meta.Incarnation)
-		if wasAlive && oldErr == nil && o.inc == oldMeta.Incarnation && s.grace > 0 {
+		if wasInForce && o.inc == oldMeta.Incarnation && s.grace > 0 {
 			no.prev = s.effectiveSet(o, oldMeta)
 			no.graceUntil = now.Add(s.grace)
 		}
-		s.markOrigin(n.Name, o)
-		s.origins[n.Name] = no
+		s.setOrigin(n.Name, no)
 		s.syncFrom(n.Name, nil, now)
 	}
 }
 
 // memberGone records that memberlist declared the node dead, or that it
-// left. Its records stop being effective (the delivery turns them into
-// deletes). A dead node's records are kept (not effective) so a healed
-// partition restores them at once; a node that left is forgotten.
+// left. A node that left (it sent msgLeave first) is forgotten: its
+// records stop being in force at once. A dead node's records stay in force
+// for FailedGrace (its return within it changes nothing), then stop being
+// in force but are kept, so a healed partition restores them at once.
 func (s *store) memberGone(n *memberlist.Node, now time.Time) MemberState {
 	m := s.members[n.Name]
 	if m == nil {
@@ -209,6 +343,7 @@ func (s *store) memberGone(n *memberlist.Node, now time.Time) MemberState {
 		m.meta, m.metaErr = decodeMeta(n.Meta)
 		s.members[n.Name] = m
 	}
+	wasInForce := s.inForce(n.Name, m)
 	state := StateDead
 	if m.leaving {
 		state = StateLeft
@@ -217,17 +352,29 @@ func (s *store) memberGone(n *memberlist.Node, now time.Time) MemberState {
 	}
 	m.state = state
 	m.since = now
+	m.failedGrace, m.failedUntil = false, time.Time{}
 	if n.Name == s.self {
 		return state
 	}
-	if o := s.origins[n.Name]; o != nil {
+	o := s.origins[n.Name]
+	switch {
+	case state == StateLeft:
+		s.setOrigin(n.Name, nil)
+	case wasInForce && s.failedGrace > 0:
+		m.failedGrace, m.failedUntil = true, now.Add(s.failedGrace)
+	case wasInForce && o != nil:
 		s.markOrigin(n.Name, o)
-		o.prev = nil
-		if state == StateLeft {
-			delete(s.origins, n.Name)
-		}
 	}
 	return state
+}
+
+// memberLeft handles a leave announced by a member memberlist already
+// declared dead (its msgLeave arrived after the death): it is forgotten
+// at once, as if the leave had come first.
+func (s *store) memberLeft(m *member, now time.Time) {
+	m.state, m.since, m.leaving = StateLeft, now, true
+	m.failedGrace, m.failedUntil = false, time.Time{}
+	s.setOrigin(m.name, nil)
 }
 
 // markOrigin marks every key o holds or shadows dirty.
@@ -240,17 +387,17 @@ func (s *store) markOrigin(name string, o *origin) {
 	}
 }
 
-// effectiveSet returns o's currently effective peers under meta.
+// effectiveSet returns o's peers in force under meta.
 func (s *store) effectiveSet(o *origin, meta nodeMeta) map[recKey]peerdb.Peer {
 	set := make(map[recKey]peerdb.Peer, o.live+len(o.prev))
-	for k, p := range o.prev {
-		if _, ok := o.recs[k]; !ok {
+	for k := range o.prev {
+		if p, ok := o.value(k, meta.VTEP); ok {
 			set[k] = p
 		}
 	}
-	for k, r := range o.recs {
-		if !r.rec.Deleted && r.rec.VTEP == meta.VTEP {
-			set[k] = r.rec.peer()
+	for k := range o.recs {
+		if p, ok := o.value(k, meta.VTEP); ok {
+			set[k] = p
 		}
 	}
 	return set
@@ -272,28 +419,32 @@ func (s *store) syncFrom(name string, o *origin, now time.Time) {
 }
 
 // effective returns the peer that is in force for (vni, k): a live record
-// of an alive origin's current incarnation whose VTEP is the origin's, or
-// the previous incarnation's during a restart grace. Never one of ours.
+// of the current incarnation of an origin whose records are in force (see
+// inForce) and whose VTEP is the origin's, or else a previous record
+// (restart or VTEP change) during its grace. Never one of ours.
 func (s *store) effective(vni uint32, k pkey) (peerdb.Peer, bool) {
 	m := s.members[k.Origin]
-	if m == nil || m.state != StateAlive || m.metaErr != nil || k.Origin == s.self {
+	if !s.inForce(k.Origin, m) {
 		return peerdb.Peer{}, false
 	}
 	o := s.origins[k.Origin]
 	if o == nil || o.inc != m.meta.Incarnation {
 		return peerdb.Peer{}, false
 	}
-	rk := recKey{VNI: vni, EndpointID: k.EndpointID}
-	if r := o.recs[rk]; r != nil {
-		if r.rec.Deleted || r.rec.VTEP != m.meta.VTEP {
-			return peerdb.Peer{}, false
+	return o.value(recKey{VNI: vni, EndpointID: k.EndpointID}, m.meta.VTEP)
+}
+
+// peers returns every peer in force for vni (visiting only the keys of
+// vni).
+func (s *store) peers(vni uint32) map[pkey]peerdb.Peer {
+	keys := s.byVNI[vni]
+	out := make(map[pkey]peerdb.Peer, len(keys))
+	for k := range keys {
+		if p, ok := s.effective(vni, k); ok {
+			out[k] = p
 		}
-		return r.rec.peer(), true
 	}
-	if p, ok := o.prev[rk]; ok {
-		return p, true
-	}
-	return peerdb.Peer{}, false
+	return out
 }
 
 // apply validates m against the membership and merges it. It returns a
@@ -303,10 +454,12 @@ func (s *store) apply(m *message, now time.Time) (DropReason, string) {
 		return DropSelfOrigin, "message claims to come from this node"
 	}
 	mem := s.members[m.Origin]
+	// A leave may arrive after memberlist declared the member dead.
+	leaveOfDead := m.Type == msgLeave && mem != nil && mem.state == StateDead
 	switch {
 	case mem == nil:
 		return DropUnknownOrig, fmt.Sprintf("origin %q is not a member", m.Origin)
-	case mem.state != StateAlive:
+	case mem.state != StateAlive && !leaveOfDead:
 		return DropUnknownOrig, fmt.Sprintf("origin %q is %s", m.Origin, mem.state)
 	case mem.metaErr != nil:
 		return DropBadMeta, fmt.Sprintf("origin %q: %v", m.Origin, mem.metaErr)
@@ -322,24 +475,34 @@ func (s *store) apply(m *message, now time.Time) (DropReason, string) {
 		}
 	}
 	// Everything is valid: apply.
+	first := mem.lastHeard.Before(mem.since) // first message since it came alive here
 	mem.lastHeard = now
 	mem.suspectSince = time.Time{}
+	if o := s.origins[m.Origin]; first && m.Type == msgSyncRequest && o != nil && o.awaiting &&
+		now.Sub(o.lastSyncReq) >= resyncAfterLearnt {
+		// It has just learnt our incarnation, well after we asked it for
+		// its snapshot: our request reached it before it knew us (we
+		// restarted and it still had our former process), so it was
+		// refused. Ask again now rather than at the retry.
+		o.lastSyncReq = time.Time{}
+		s.syncFrom(m.Origin, o, now)
+	}
 	switch m.Type {
 	case msgSyncRequest:
 		s.sendSnapshot(m.Origin)
 		return "", ""
 	case msgLeave:
 		mem.leaving = true
+		if leaveOfDead {
+			s.memberLeft(mem, now)
+		}
 		return "", ""
 	}
 	o := s.origins[m.Origin]
 	if o == nil || o.inc != m.Incarnation {
 		// memberAlive keeps origins in step with the metadata; be safe.
-		if o != nil {
-			s.markOrigin(m.Origin, o)
-		}
 		o = newOrigin(m.Incarnation)
-		s.origins[m.Origin] = o
+		s.setOrigin(m.Origin, o)
 	}
 	switch m.Type {
 	case msgDelta:
@@ -366,6 +529,8 @@ func (s *store) mergeRecord(name string, o *origin, r *record, now time.Time, fr
 		s.stats.StaleRecords++
 		return
 	}
+	pk := pkey{name, k.EndpointID}
+	before, had := s.effective(k.VNI, pk)
 	if cur != nil && !cur.rec.Deleted {
 		o.live--
 		o.hash -= recordHash(&cur.rec)
@@ -376,7 +541,10 @@ func (s *store) mergeRecord(name string, o *origin, r *record, now time.Time, fr
 		o.hash += recordHash(r)
 	}
 	o.maxVer = max(o.maxVer, r.Version)
-	s.dirty(k.VNI, pkey{name, k.EndpointID})
+	s.index(k.VNI, pk)
+	if after, has := s.effective(k.VNI, pk); has != had || after != before {
+		s.dirty(k.VNI, pk) // a new version of the same value changes nothing
+	}
 }
 
 // applySnapshot merges the origin's complete live set as of its clock
@@ -402,12 +570,17 @@ func (s *store) applySnapshot(name string, o *origin, m *message, now time.Time)
 		if _, ok := in[k]; ok {
 			continue
 		}
+		pk := pkey{name, k.EndpointID}
+		before, had := s.effective(k.VNI, pk)
 		if !r.rec.Deleted {
 			o.live--
 			o.hash -= recordHash(&r.rec)
-			s.dirty(k.VNI, pkey{name, k.EndpointID})
 		}
 		delete(o.recs, k)
+		s.unindex(name, k)
+		if after, has := s.effective(k.VNI, pk); has != had || after != before {
+			s.dirty(k.VNI, pk)
+		}
 	}
 	o.floor = m.AsOf
 	o.maxVer = max(o.maxVer, m.AsOf)
@@ -428,7 +601,8 @@ func (s *store) applyDigest(name string, o *origin, m *message, now time.Time) {
 			o.maxVer = max(o.maxVer, m.AsOf)
 			for k, r := range o.recs {
 				if r.rec.Deleted && r.rec.Version <= o.floor {
-					delete(o.recs, k) // the floor now rejects what it guarded against
+					delete(o.recs, k)  // the floor now rejects what it guarded against
+					s.unindex(name, k) // prev may hold k: setComplete drops it below
 				}
 			}
 		}
@@ -442,29 +616,61 @@ func (s *store) applyDigest(name string, o *origin, m *message, now time.Time) {
 func (s *store) setComplete(name string, o *origin) {
 	o.complete = true
 	o.awaiting = false
-	if o.prev != nil {
-		for k := range o.prev {
+	s.dropPrev(name, o)
+}
+
+// dropPrev ends o's previous records (restart or VTEP change). Keys whose
+// value changes are marked dirty; a key whose current record has the same
+// value as the previous one is not (nothing changes for it).
+func (s *store) dropPrev(name string, o *origin) {
+	if o.prev == nil {
+		return
+	}
+	var vtep netip.Addr
+	if m := s.members[name]; m != nil {
+		vtep = m.meta.VTEP
+	}
+	prev := o.prev
+	o.prev = nil
+	for k, p := range prev {
+		if r := o.recs[k]; r == nil || r.rec.Deleted || r.rec.VTEP != vtep || r.rec.peer() != p {
 			s.dirty(k.VNI, pkey{name, k.EndpointID})
 		}
-		o.prev = nil
+		s.unindex(name, k)
 	}
 }
+
+// resyncAfterLearnt: a member whose first message is a sync request (it
+// has just learnt our incarnation) arriving this long after our own
+// request to it is asked again at once: our request most likely reached
+// it before it knew us. In a normal join both learn each other within a
+// round trip, so this does not double the snapshots of every join.
+const resyncAfterLearnt = 50 * time.Millisecond
 
 // syncRetry is how long a sync request waits for its answer (a snapshot
 // or a matching digest) before it is repeated: requests and small
 // snapshots travel as UDP packets.
 const syncRetry = time.Second
 
-// tick ends expired restart graces and repeats unanswered sync requests.
-// It is cheap (no record is visited) and runs often.
-func (s *store) tick(now time.Time) {
+// tick ends expired restart graces and failed graces, and repeats
+// unanswered sync requests. It visits no record unless a grace ends, and
+// runs often. It returns the members whose FailedGrace ended (their
+// records are no longer in force).
+func (s *store) tick(now time.Time) (expired []string) {
+	for name, m := range s.members {
+		if m.failedGrace && !now.Before(m.failedUntil) {
+			m.failedGrace, m.failedUntil = false, time.Time{}
+			s.stats.FailedGraceExpired++
+			if o := s.origins[name]; o != nil {
+				s.markOrigin(name, o)
+			}
+			expired = append(expired, name)
+		}
+	}
 	for name, o := range s.origins {
 		if o.prev != nil && !now.Before(o.graceUntil) {
 			s.stats.GraceExpired++
-			for k := range o.prev {
-				s.dirty(k.VNI, pkey{name, k.EndpointID})
-			}
-			o.prev = nil
+			s.dropPrev(name, o)
 		}
 		if o.awaiting && now.Sub(o.lastSyncReq) >= syncRetry {
 			if m := s.members[name]; m != nil && m.state == StateAlive && m.metaErr == nil {
@@ -472,41 +678,37 @@ func (s *store) tick(now time.Time) {
 			}
 		}
 	}
+	return expired
 }
 
 // reap removes tombstones older than ttl and forgets members gone for
 // longer than retention. It visits every record: the Cluster runs it a few
 // times per TombstoneTTL.
-func (s *store) reap(now time.Time, ttl, retention time.Duration) {
-	s.tick(now)
-	for _, o := range s.origins {
+func (s *store) reap(now time.Time, ttl, retention time.Duration) (expired []string) {
+	expired = s.tick(now)
+	for name, o := range s.origins {
 		for k, r := range o.recs {
-			if r.rec.Deleted && now.Sub(r.at) >= ttl {
+			if _, shadows := o.prev[k]; r.rec.Deleted && !shadows && now.Sub(r.at) >= ttl {
 				delete(o.recs, k)
+				s.unindex(name, k)
 			}
 		}
 	}
 	for name, m := range s.members {
-		if name == s.self || m.state == StateAlive || now.Sub(m.since) < retention {
+		if name == s.self || m.state == StateAlive || m.failedGrace || now.Sub(m.since) < retention {
 			continue
 		}
-		if o := s.origins[name]; o != nil {
-			s.markOrigin(name, o)
-			delete(s.origins, name)
-		}
+		s.setOrigin(name, nil)
 		delete(s.members, name)
 	}
+	return expired
 }
 
-// eachEffective calls f for every effective remote record.
+// eachEffective calls f for every remote record in force.
 func (s *store) eachEffective(f func(vni uint32, k pkey, p peerdb.Peer)) {
-	for name, o := range s.origins {
-		m := s.members[name]
-		if m == nil || m.state != StateAlive || m.metaErr != nil || o.inc != m.meta.Incarnation {
-			continue
-		}
-		for rk, p := range s.effectiveSet(o, m.meta) {
-			f(rk.VNI, pkey{name, rk.EndpointID}, p)
+	for vni := range s.byVNI {
+		for k, p := range s.peers(vni) {
+			f(vni, k, p)
 		}
 	}
 }

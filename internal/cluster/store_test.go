@@ -141,6 +141,9 @@ func TestMergeReorderDuplicate(t *testing.T) {
 			if !r.s.origins["o"].complete {
 				t.Fatalf("seed %d perm %d: final digest does not match", seed, perm)
 			}
+			checkIndex(t, r.s)
+			r.s.reap(clk.now().Add(time.Hour), time.Minute, time.Hour)
+			checkIndex(t, r.s)
 		}
 	}
 }
@@ -305,6 +308,7 @@ func TestMembershipEffect(t *testing.T) {
 	if got := r.effectiveOf(); len(got) != 0 {
 		t.Fatalf("old incarnation's records back after death: %v", got)
 	}
+	checkIndex(t, r.s)
 }
 
 // TestSyncRequestRepeated: a sync request (or its UDP answer) may be lost;
@@ -335,5 +339,219 @@ func TestSyncRequestRepeated(t *testing.T) {
 	r.s.tick(t0.Add(5 * time.Second))
 	if r.syncTo["q"] != n {
 		t.Fatal("asked a dead member")
+	}
+}
+
+// checkIndex verifies the per-VNI index against the origins: it holds
+// exactly the keys they store (records, tombstones, previous records), and
+// peers(vni) is the effective set of that VNI.
+func checkIndex(t *testing.T, s *store) {
+	t.Helper()
+	want := map[uint32]map[pkey]struct{}{}
+	add := func(vni uint32, k pkey) {
+		if want[vni] == nil {
+			want[vni] = map[pkey]struct{}{}
+		}
+		want[vni][k] = struct{}{}
+	}
+	eff := map[uint32]map[pkey]peerdb.Peer{}
+	for name, o := range s.origins {
+		for k := range o.recs {
+			add(k.VNI, pkey{name, k.EndpointID})
+		}
+		for k := range o.prev {
+			add(k.VNI, pkey{name, k.EndpointID})
+		}
+	}
+	if !reflect.DeepEqual(want, s.byVNI) {
+		t.Fatalf("index %v, origins hold %v", s.byVNI, want)
+	}
+	for vni, keys := range want {
+		for k := range keys {
+			if p, ok := s.effective(vni, k); ok {
+				if eff[vni] == nil {
+					eff[vni] = map[pkey]peerdb.Peer{}
+				}
+				eff[vni][k] = p
+			}
+		}
+		got := s.peers(vni)
+		if len(got) == 0 && len(eff[vni]) == 0 {
+			continue
+		}
+		if !reflect.DeepEqual(got, eff[vni]) {
+			t.Fatalf("peers(%d) = %v, effective %v", vni, got, eff[vni])
+		}
+	}
+}
+
+// TestFailedGrace: a dead member's records stay in force for FailedGrace
+// with nothing marked; a return with the same incarnation changes nothing;
+// without a return they go at the grace's end; a return with a new
+// incarnation keeps the old ones until its first complete view, and only
+// keys whose value changes are marked; a leave (before or after the death)
+// takes them out at once.
+func TestFailedGrace(t *testing.T) {
+	r := newReceiver(5, "10.0.0.1")
+	r.s.failedGrace = 10 * time.Second
+	dirty := map[recKey]int{}
+	r.s.dirty = func(vni uint32, k pkey) { dirty[recKey{vni, k.EndpointID}]++ }
+	a := liveRec(5, "a", "10.1.0.2", "10.0.0.1", 10)
+	b := liveRec(6, "b", "10.1.0.3", "10.0.0.1", 11)
+	t0 := time.Unix(1000, 0)
+	r.s.apply(&message{Type: msgDelta, Origin: "o", Incarnation: 5, Records: []record{a, b}}, t0)
+	want := r.effectiveOf()
+	if len(want) != 2 {
+		t.Fatalf("records not in force: %v", want)
+	}
+	checkIndex(t, r.s)
+	same := func(step string) {
+		t.Helper()
+		if got := r.effectiveOf(); !reflect.DeepEqual(got, want) {
+			t.Fatalf("%s: in force %v, want %v", step, got, want)
+		}
+		checkIndex(t, r.s)
+	}
+
+	clear(dirty)
+	r.s.memberGone(mlNode("o", 5, "10.0.0.1"), t0)
+	same("dead")
+	if exp := r.s.tick(t0.Add(9 * time.Second)); len(exp) != 0 {
+		t.Fatalf("grace ended early: %v", exp)
+	}
+	same("dead, within the grace")
+	syncs := r.syncs
+	r.s.memberAlive(mlNode("o", 5, "10.0.0.1"), t0.Add(9*time.Second))
+	same("back, same incarnation")
+	if len(dirty) != 0 || r.s.stats.MemberReturns != 1 || r.syncs != syncs+1 {
+		t.Fatalf("a return within the grace marked %v (returns %d, syncs %d)", dirty, r.s.stats.MemberReturns, r.syncs-syncs)
+	}
+
+	t1 := t0.Add(20 * time.Second)
+	r.s.memberGone(mlNode("o", 5, "10.0.0.1"), t1)
+	if exp := r.s.tick(t1.Add(10 * time.Second)); len(exp) != 1 || exp[0] != "o" {
+		t.Fatalf("grace did not end: %v", exp)
+	}
+	if got := r.effectiveOf(); len(got) != 0 || dirty[a.key()] != 1 || dirty[b.key()] != 1 || r.s.stats.FailedGraceExpired != 1 {
+		t.Fatalf("after the grace: in force %v, marked %v", got, dirty)
+	}
+	checkIndex(t, r.s)
+	clear(dirty)
+	r.s.memberAlive(mlNode("o", 5, "10.0.0.1"), t1.Add(time.Minute))
+	same("back after the grace, same incarnation")
+	if dirty[a.key()] == 0 || dirty[b.key()] == 0 {
+		t.Fatalf("records back in force not marked: %v", dirty)
+	}
+
+	// A restart within the grace: incarnation 6.
+	t2 := t1.Add(2 * time.Minute)
+	r.s.memberGone(mlNode("o", 5, "10.0.0.1"), t2)
+	clear(dirty)
+	r.s.memberAlive(mlNode("o", 6, "10.0.0.1"), t2.Add(time.Second))
+	same("restarted, before its snapshot")
+	if len(dirty) != 0 {
+		t.Fatalf("a restart within the grace marked %v", dirty)
+	}
+	a6 := liveRec(5, "a", "10.1.0.2", "10.0.0.1", 3) // same value, new version
+	c6 := liveRec(5, "c", "10.1.0.4", "10.0.0.1", 4)
+	r.s.apply(&message{Type: msgSnapshot, Origin: "o", Incarnation: 6, AsOf: 5, Records: []record{a6, c6}}, t2.Add(time.Second))
+	want = map[recKey]peerdb.Peer{a.key(): a.peer(), c6.key(): c6.peer()}
+	same("restarted, after its snapshot")
+	if dirty[a.key()] != 0 || dirty[b.key()] != 1 || dirty[c6.key()] != 1 {
+		t.Fatalf("marked %v: want b and c only", dirty)
+	}
+
+	// A leave that arrives after memberlist declared the death: out at once.
+	r.s.memberGone(mlNode("o", 6, "10.0.0.1"), t2.Add(2*time.Second))
+	same("dead again")
+	if reason, d := r.s.apply(&message{Type: msgLeave, Origin: "o", Incarnation: 6}, t2.Add(2*time.Second)); reason != "" {
+		t.Fatalf("leave of a dead member refused: %s %s", reason, d)
+	}
+	if got := r.effectiveOf(); len(got) != 0 || r.s.members["o"].state != StateLeft || r.s.origins["o"] != nil {
+		t.Fatalf("after a leave: in force %v, state %s", got, r.s.members["o"].state)
+	}
+	checkIndex(t, r.s)
+
+	// A leave announced first: the death that follows is a leave.
+	r.s.memberAlive(mlNode("p", 3, "10.0.0.2"), t2)
+	r.s.apply(&message{Type: msgDelta, Origin: "p", Incarnation: 3, Records: []record{liveRec(5, "pa", "10.1.0.9", "10.0.0.2", 1)}}, t2)
+	if len(r.effectiveOf()) != 1 {
+		t.Fatal("p's record not in force")
+	}
+	r.s.apply(&message{Type: msgLeave, Origin: "p", Incarnation: 3}, t2)
+	if st := r.s.memberGone(mlNode("p", 3, "10.0.0.2"), t2); st != StateLeft || len(r.effectiveOf()) != 0 {
+		t.Fatalf("left member: state %s, in force %v", st, r.effectiveOf())
+	}
+	checkIndex(t, r.s)
+}
+
+// TestVTEPChange: a member that advertises a new VTEP keeps its records
+// of the former one in force until its records of the new one arrive (a
+// delta replaces one, its snapshot the rest), or until RestartGrace ends.
+func TestVTEPChange(t *testing.T) {
+	r := newReceiver(5, "10.0.0.1")
+	dirty := map[recKey]int{}
+	r.s.dirty = func(vni uint32, k pkey) { dirty[recKey{vni, k.EndpointID}]++ }
+	now := time.Unix(1000, 0)
+	a := liveRec(5, "a", "10.1.0.2", "10.0.0.1", 10)
+	b := liveRec(5, "b", "10.1.0.3", "10.0.0.1", 11)
+	r.s.apply(&message{Type: msgDelta, Origin: "o", Incarnation: 5, Records: []record{a, b}}, now)
+	old := r.effectiveOf()
+	clear(dirty)
+	syncs := r.syncs
+	r.s.memberAlive(mlNode("o", 5, "10.0.0.9"), now)
+	if got := r.effectiveOf(); !reflect.DeepEqual(got, old) || len(dirty) != 0 || r.syncs != syncs+1 {
+		t.Fatalf("after the new VTEP: in force %v, marked %v, syncs %d", got, dirty, r.syncs-syncs)
+	}
+	checkIndex(t, r.s)
+	if reason, _ := r.s.apply(&message{Type: msgDelta, Origin: "o", Incarnation: 5, Records: []record{liveRec(5, "a", "10.1.0.2", "10.0.0.1", 20)}}, now); reason != DropVTEPMatch {
+		t.Fatalf("record of the former VTEP accepted: %q", reason)
+	}
+	a2 := liveRec(5, "a", "10.1.0.2", "10.0.0.9", 21)
+	r.s.apply(&message{Type: msgDelta, Origin: "o", Incarnation: 5, Records: []record{a2}}, now)
+	if got := r.effectiveOf(); got[a.key()] != a2.peer() || got[b.key()] != b.peer() {
+		t.Fatalf("after a delta: %v", got)
+	}
+	b2 := liveRec(5, "b", "10.1.0.3", "10.0.0.9", 22)
+	r.s.apply(&message{Type: msgSnapshot, Origin: "o", Incarnation: 5, AsOf: 22, Records: []record{a2, b2}}, now)
+	if got := r.effectiveOf(); len(got) != 2 || got[b.key()] != b2.peer() || r.s.origins["o"].prev != nil {
+		t.Fatalf("after the snapshot: %v", got)
+	}
+	checkIndex(t, r.s)
+
+	// Another VTEP, and no records of it within RestartGrace.
+	r.s.memberAlive(mlNode("o", 5, "10.0.0.10"), now)
+	if len(r.effectiveOf()) != 2 {
+		t.Fatal("records of the former VTEP left force at once")
+	}
+	r.s.tick(now.Add(r.s.grace))
+	if got := r.effectiveOf(); len(got) != 0 {
+		t.Fatalf("records of the former VTEP in force after the grace: %v", got)
+	}
+	checkIndex(t, r.s)
+}
+
+// BenchmarkPeersSmallVNI: Peers of a VNI with 10 records costs the same
+// whether the store holds 10 or 100,000 records of another VNI (the
+// per-VNI index).
+func BenchmarkPeersSmallVNI(b *testing.B) {
+	for _, other := range []int{10, 100_000} {
+		b.Run(fmt.Sprintf("other=%d", other), func(b *testing.B) {
+			r := newReceiver(5, "10.0.0.1")
+			var recs []record
+			for i := range other {
+				recs = append(recs, liveRec(1, fmt.Sprintf("big%d", i), fmt.Sprintf("10.%d.%d.%d", 1+i>>16, i>>8&255, 1+i&127), "10.0.0.1", uint64(i+1)))
+			}
+			for i := range 10 {
+				recs = append(recs, liveRec(2, fmt.Sprintf("small%d", i), fmt.Sprintf("10.200.0.%d", 2+i), "10.0.0.1", uint64(other+i+1)))
+			}
+			r.s.apply(&message{Type: msgDelta, Origin: "o", Incarnation: 5, Records: recs}, time.Now())
+			b.ResetTimer()
+			for b.Loop() {
+				if len(r.s.peers(2)) != 10 {
+					b.Fatal("wrong count")
+				}
+			}
+		})
 	}
 }
