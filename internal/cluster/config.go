@@ -29,7 +29,9 @@ const DefaultLabel = "overlayd"
 // endpoint id, all of VNI vni and never of this node; a key may be
 // reported although its record did not change. keys == nil means: any
 // record of vni may have changed (pull them all); this package does not
-// send nil today, but a Watcher must accept it.
+// send nil today, but a Watcher must accept it. The first calls may come
+// before New has returned (a member may join at once): a Watcher that
+// needs the *Cluster must wait for it, not fail.
 type Watcher interface {
 	PeersChanged(vni uint32, keys []peerdb.Key)
 }

@@ -115,11 +115,13 @@ func (c *Cluster) Peer(k peerdb.Key) (peerdb.Peer, bool) {
 // cluster holds for vni (a per-VNI index), not to all records.
 func (c *Cluster) Peers(vni uint32) map[peerdb.Key]peerdb.Peer {
 	c.mu.Lock()
-	ps := c.store.peers(vni)
-	c.mu.Unlock()
-	out := make(map[peerdb.Key]peerdb.Peer, len(ps))
-	for k, p := range ps {
-		out[peerdb.Key{VNI: vni, Origin: k.Origin, EndpointID: k.EndpointID}] = p
+	defer c.mu.Unlock()
+	keys := c.store.byVNI[vni]
+	out := make(map[peerdb.Key]peerdb.Peer, len(keys))
+	for k := range keys {
+		if p, ok := c.store.effective(vni, k); ok {
+			out[peerdb.Key{VNI: vni, Origin: k.Origin, EndpointID: k.EndpointID}] = p
+		}
 	}
 	return out
 }

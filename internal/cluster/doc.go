@@ -108,7 +108,7 @@
 // it asks for its snapshot at once) once a second, for up to 30 s after
 // joining. In the tests (3 nodes on loopback, the old
 // process stopped just before the new one starts) the node is alive again
-// at its new address everywhere 1.6-1.8 s after its new process started.
+// at its new address everywhere 1.6-2 s after its new process started.
 //
 // Memberlist does not probe dead nodes, so a background joiner re-joins a
 // random failed member every ReconnectInterval (this heals partitions),

@@ -346,8 +346,11 @@ func TestRestartAtNewAddress(t *testing.T) {
 	samples, misses := smp.finish()
 	t.Logf("restarted at %s (was %s): old address declared dead ~%v after the new process started, alive at the new address everywhere after %v, records with the new VTEP after %v more (%d samples)",
 		v.host, oldHost, firstDead, alive, conv, samples)
-	if alive > 8*time.Second {
-		t.Errorf("the node took %v to be accepted at its new address", alive)
+	// Failure detection of the old address takes 1.4-5 s here (more on a
+	// loaded machine); acceptance at the new one must follow at once
+	// (memberlist's former 30 s DeadNodeReclaimTime made it 30 s).
+	if firstDead == 0 || alive-firstDead > 3*time.Second || alive > 15*time.Second {
+		t.Errorf("the node took %v to be accepted at its new address (old address declared dead after %v)", alive, firstDead)
 	}
 	if len(misses) != 0 {
 		t.Errorf("records out of force during the move: %v", misses)
