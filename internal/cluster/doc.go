@@ -60,8 +60,9 @@
 // a false death missed our changes meanwhile), and answers such requests
 // from others: a joining or restarted node converges in one round trip. A
 // restarted node's own requests may reach members before they know its new
-// incarnation (refused); the first message it then gets from such a member
-// makes it ask again at once.
+// incarnation (refused): when a member's first message is its own sync
+// request (it has just learnt us) and ours to it is older than 50 ms, it
+// is asked again at once rather than at the 1 s retry.
 //
 // # Membership
 //
@@ -103,19 +104,21 @@
 // (200 ms). Members that refused such a message (NotifyConflict) remember
 // the new address, and once the old one is declared dead they join the
 // new one, so the host is accepted there about deadNodeReclaimTime after
-// its old address is declared dead; the restarted node also pushes its
-// state to a member that has sent it nothing yet (each member that accepts
-// it asks for its snapshot at once) once a second, for up to 30 s after
-// joining. In the tests (3 nodes on loopback, the old
-// process stopped just before the new one starts) the node is alive again
-// at its new address everywhere 1.6-2 s after its new process started.
+// its old address is declared dead (the restarted node's follow-up
+// push/pulls, below, are the fallback). In the tests (3 nodes on
+// loopback, the old process stopped just before the new one starts) the
+// node is alive again at its new address everywhere 1.6-2 s after its new
+// process started, about 250 ms after the old address was declared dead.
 //
 // Memberlist does not probe dead nodes, so a background joiner re-joins a
 // random failed member every ReconnectInterval (this heals partitions),
 // and retries seeds with backoff (0.5 s doubling to 30 s) until one
 // answers, and again whenever the node finds itself alone. After a join it
-// does two more push/pulls with random members, catching alive broadcasts
-// that raced with the join. New never waits for joining.
+// pushes/pulls state once a second, for up to 30 s, with a member that has
+// sent this process nothing yet (each member that accepts this incarnation
+// asks for its snapshot at once, so the others have not accepted it); the
+// first two go to a random member if every member has, catching alive
+// broadcasts that raced with the join. New never waits for joining.
 //
 // # Delivery
 //
@@ -159,8 +162,8 @@
 // # Locks
 //
 // Every lock is a *lockorder.Mutex made with its level; a goroutine takes
-// a lock only while holding locks of strictly lower levels (the lockcheck
-// build panics otherwise):
+// a lock only while every lock it holds has a strictly lower level (is
+// higher in the hierarchy; the lockcheck build panics otherwise):
 //
 //   - Cluster.mu (LevelCluster): the replicated store, the senders map and
 //     the shards' dirty sets. Taken by memberlist callbacks, the

@@ -26,8 +26,8 @@ import (
 // it for its snapshot at once): a member that refused this node's alive
 // message because it still had this node's former process alive at
 // another address accepts it at the first push/pull after that address is
-// declared dead. The first two of these go to random members in any case,
-// catching alive broadcasts that raced with the join.
+// declared dead. The first two go to a random member if every member has
+// sent something, catching alive broadcasts that raced with the join.
 //
 // The other side of a restart at a new address: when memberlist refuses a
 // member's alive message for its different address (NotifyConflict), the
