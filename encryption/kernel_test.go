@@ -112,8 +112,8 @@ func remotePolicies(pols []netlink.XfrmPolicy) (remote []netlink.XfrmPolicy, cle
 // nftView is what the nftables dump shows of our table.
 type nftView struct {
 	exists bool
-	vnis   map[uint32]bool // encrypted_vnis
-	clear  map[uint32]bool // clear_vnis
+	vnis   map[uint32]bool     // encrypted_vnis
+	clear  map[uint32]bool     // clear_vnis
 	rules  map[string][]string // chain -> rule comments
 	count  map[string]uint64   // chain -> counter packets
 }
