@@ -3,6 +3,7 @@ package encryption
 import (
 	"errors"
 	"fmt"
+	"maps"
 	"net"
 	"net/netip"
 	"slices"
@@ -18,54 +19,81 @@ const (
 	// that is not desired is removed.
 	ReqID = 0x6f766c64
 
-	// DefaultMark and DefaultMarkMask are the firewall mark nftables puts on
-	// outbound VXLAN packets of encrypted VNIs and that selects the outbound
-	// policies ("ovld" again; Docker's overlay uses 0xd0c4e3, so both can
-	// coexist). The mark only selects the policy: the fail-closed drop does
-	// not depend on it, so another program rewriting marks can break
-	// encryption (traffic is then dropped) but never leak clear text.
-	DefaultMark     = 0x6f766c64
-	DefaultMarkMask = 0xffffffff
+	// ClearMark and ClearMarkMask are the firewall mark nftables puts on
+	// outbound VXLAN packets of UNencrypted VNIs ("ovlc"), and that selects
+	// the clear policy: the one way a VXLAN packet to a remote that shares
+	// an encrypted network leaves without ESP. Whatever removes the mark
+	// (the table flushed, the rule or a set element gone, another program
+	// rewriting marks) makes such packets encrypted or dropped, never
+	// clear. The whole 32 bits are compared, so a foreign mark matches only
+	// if it is exactly this value. Docker's overlay uses 0xd0c4e3, so both
+	// can coexist.
+	ClearMark     = 0x6f766c63
+	ClearMarkMask = 0xffffffff
 
 	// ReplayWindow is the anti-replay window of inbound SAs, in packets.
 	// SAs use extended (64-bit) sequence numbers, so a busy SA does not
 	// exhaust its 32-bit sequence space between rotations.
 	ReplayWindow = 128
 
-	// PolicyPriority is the priority of overlayd's outbound policies (lower
-	// wins). Their selectors are host-to-host and port-specific.
-	PolicyPriority = 1000
+	// PolicyPriority is the priority of the per-remote outbound policies
+	// and ClearPolicyPriority that of the clear policy (lower wins, so a
+	// packet marked ClearMark takes the clear policy).
+	PolicyPriority      = 1000
+	ClearPolicyPriority = 900
+
+	// blockSPI is the template SPI of a remote's policy while no key is
+	// established (Send 0): in the reserved range, so no SA ever has it and
+	// the policy drops everything it selects.
+	blockSPI = 0xff
 )
 
 // Desired is the whole encryption state one host wants in its host
 // namespace (where the VXLAN UDP socket lives). It is a pure description;
-// Programmer.Apply makes the kernel match it.
+// Programmer.Apply makes the kernel match it. Owner builds it; tests may
+// build it directly.
 type Desired struct {
-	Local    netip.Addr   // local VTEP address
-	Port     int          // VXLAN UDP destination port
-	Mark     uint32       // firewall mark of encrypted VXLAN packets (0: DefaultMark)
-	MarkMask uint32       // bits of the mark overlayd owns (0: DefaultMarkMask)
-	VNIs     []uint32     // VNIs of encrypted networks
-	Remotes  []netip.Addr // remote VTEPs that share at least one encrypted network
-	Accept   []uint32     // epochs accepted inbound (NodeKeys.Accept)
-	Send     uint32       // epoch used outbound (NodeKeys.Send)
-	Secret   []byte       // cluster secret that keys and SPIs derive from
+	Local netip.Addr // local VTEP address
+	Port  int        // VXLAN UDP destination port
+	// VNIs are the encrypted VNIs: dropped by nftables when they would
+	// leave or arrive without ESP.
+	VNIs []uint32
+	// ClearVNIs are the host's unencrypted VNIs: nftables marks their
+	// packets ClearMark so the clear policy lets them out in clear. A VNI
+	// may not be in both.
+	ClearVNIs []uint32
+	// Remotes share at least one encrypted network with this host: each
+	// gets an outbound policy (no mark: every VXLAN packet to it is
+	// encrypted unless marked clear), an outbound SA for Send and inbound
+	// SAs for every accepted epoch under its RemoteGens generation.
+	Remotes []netip.Addr
+	// RemoteGens are the remotes' advertised send generations; a remote
+	// without one (or 0) gets no inbound SA yet.
+	RemoteGens map[netip.Addr]uint64
+	// KeepOutbound are remotes no longer needed whose outbound SA for
+	// (Send, Gen) stays installed (no policy, no inbound SA), so that a
+	// remote coming back reuses it instead of a second SA with its key.
+	KeepOutbound []netip.Addr
+	// Blocked are remotes (of Remotes) whose outbound SA must not be
+	// installed now (its reservation could not be persisted): their policy
+	// points at no SA, so their traffic is dropped.
+	Blocked []netip.Addr
+	Accept  []uint32 // epochs accepted inbound (NodeKeys.Accept)
+	// Send is the epoch used outbound (NodeKeys.Send); 0 while keys are not
+	// established: policies are installed but point at no SA (drop).
+	Send uint32
+	// Gen is this host's send generation (Advert.Gen), part of the key and
+	// SPI of every outbound SA.
+	Gen    uint64
+	Secret []byte // cluster secret that keys and SPIs derive from
+	// NoSAs leaves SAs out (the kernel cannot install them): rules and
+	// policies only, which drops every encrypted VNI's packet.
+	NoSAs bool
 }
 
 // Empty reports whether d wants nothing at all in the kernel (no encrypted
 // VNI): then Apply removes everything overlayd installed.
 func (d *Desired) Empty() bool { return len(d.VNIs) == 0 }
-
-func (d *Desired) mark() (uint32, uint32) {
-	m, mask := d.Mark, d.MarkMask
-	if mask == 0 {
-		mask = DefaultMarkMask
-	}
-	if m == 0 {
-		m = DefaultMark
-	}
-	return m, mask
-}
 
 // Validate checks d. A Desired with no VNI is valid whatever else it holds
 // (it means "remove everything").
@@ -80,17 +108,18 @@ func (d *Desired) Validate() error {
 	if d.Port <= 0 || d.Port > 65535 {
 		errs = append(errs, fmt.Errorf("invalid VXLAN port %d", d.Port))
 	}
-	m, mask := d.mark()
-	if m&^mask != 0 {
-		errs = append(errs, fmt.Errorf("mark %#x has bits outside mask %#x", m, mask))
-	}
-	for _, v := range d.VNIs {
+	for _, v := range slices.Concat(d.VNIs, d.ClearVNIs) {
 		if v == 0 || v > 1<<24-1 {
 			errs = append(errs, fmt.Errorf("invalid VNI %d", v))
 		}
 	}
+	for _, v := range d.ClearVNIs {
+		if slices.Contains(d.VNIs, v) {
+			errs = append(errs, fmt.Errorf("VNI %d is both encrypted and clear", v))
+		}
+	}
 	local := d.Local.Unmap()
-	for _, r := range d.Remotes {
+	for _, r := range slices.Concat(d.Remotes, d.KeepOutbound) {
 		switch {
 		case !r.IsValid() || r.IsUnspecified() || r.Zone() != "":
 			errs = append(errs, fmt.Errorf("invalid remote VTEP address %v", r))
@@ -100,12 +129,12 @@ func (d *Desired) Validate() error {
 			errs = append(errs, fmt.Errorf("remote VTEP %v is not of the local VTEP's (%v) address family", r, d.Local))
 		}
 	}
-	if len(d.Remotes) > 0 {
+	if len(d.Remotes)+len(d.KeepOutbound) > 0 && d.Send != 0 {
 		if len(d.Secret) < MinSecretLen {
 			errs = append(errs, ErrBadSecret)
 		}
-		if d.Send == 0 {
-			errs = append(errs, errors.New("no send epoch"))
+		if d.Gen == 0 {
+			errs = append(errs, errors.New("no send generation"))
 		}
 		if !slices.Contains(d.Accept, d.Send) {
 			errs = append(errs, fmt.Errorf("send epoch %d is not accepted (accept %v)", d.Send, d.Accept))
@@ -133,20 +162,30 @@ type wantState struct {
 	key      stateKey
 	src      netip.Addr
 	epoch    uint32
-	remote   netip.Addr // the other end
+	gen      uint64 // the sender's send generation
+	remote   netip.Addr
 	outbound bool
 	aeadKey  []byte
 }
 
-// wantPolicy is the outbound policy for one remote.
+func (w *wantState) dir() string {
+	if w.outbound {
+		return "outbound"
+	}
+	return "inbound"
+}
+
+// wantPolicy is one outbound policy overlayd wants: a remote's (template
+// to the outbound SA) or the clear policy (no template).
 type wantPolicy struct {
-	remote netip.Addr
-	spi    uint32 // template SPI: the outbound SA of the Send epoch
+	remote netip.Addr // invalid for the clear policy
+	spi    uint32     // template SPI: the outbound SA of the Send epoch
 	epoch  uint32
+	clear  bool
 }
 
 // polKey identifies an outbound policy: its selector and mark (direction is
-// always out).
+// always out, protocol always UDP).
 type polKey struct {
 	src, dst netip.Prefix
 	dport    int
@@ -155,7 +194,10 @@ type polKey struct {
 }
 
 func (k polKey) String() string {
-	return fmt.Sprintf("policy out src %v dst %v udp dport %d mark %#x/%#x", k.src, k.dst, k.dport, k.mark, k.mask)
+	if k.mark == ClearMark && k.mask == ClearMarkMask {
+		return fmt.Sprintf("clear policy out src %v dst %v udp dport %d mark %#x/%#x", k.src, k.dst, k.dport, k.mark, k.mask)
+	}
+	return fmt.Sprintf("policy out src %v dst %v udp dport %d", k.src, k.dst, k.dport)
 }
 
 // desiredXfrm is the xfrm part of a Desired, with SPIs and keys derived.
@@ -172,21 +214,45 @@ func hostPrefix(a netip.Addr) netip.Prefix {
 	return netip.PrefixFrom(a, a.BitLen())
 }
 
+// anyPrefix is 0.0.0.0/0 or ::/0, of a's family.
+func anyPrefix(a netip.Addr) netip.Prefix {
+	if a.Unmap().Is4() {
+		return netip.PrefixFrom(netip.IPv4Unspecified(), 0)
+	}
+	return netip.PrefixFrom(netip.IPv6Unspecified(), 0)
+}
+
+func remoteKey(local, r netip.Addr, port int) polKey {
+	return polKey{src: anyPrefix(local), dst: hostPrefix(r), dport: port}
+}
+
+func clearKey(local netip.Addr, port int) polKey {
+	return polKey{src: anyPrefix(local), dst: anyPrefix(local), dport: port, mark: ClearMark, mask: ClearMarkMask}
+}
+
+func sortedAddrs(in []netip.Addr) []netip.Addr {
+	out := make([]netip.Addr, 0, len(in))
+	for _, a := range in {
+		out = append(out, a.Unmap())
+	}
+	slices.SortFunc(out, netip.Addr.Compare)
+	return slices.Compact(out)
+}
+
 // xfrmOf derives the SAs and policies d asks for.
 func xfrmOf(d *Desired) (*desiredXfrm, error) {
 	x := &desiredXfrm{states: map[stateKey]*wantState{}, policies: map[polKey]*wantPolicy{}}
-	if d.Empty() || len(d.Remotes) == 0 {
+	if d.Empty() {
 		return x, nil
 	}
 	local := d.Local.Unmap()
-	mark, mask := d.mark()
-	remotes := slices.Clone(d.Remotes)
-	for i := range remotes {
-		remotes[i] = remotes[i].Unmap()
-	}
-	slices.SortFunc(remotes, func(a, b netip.Addr) int { return a.Compare(b) })
-	remotes = slices.Compact(remotes)
+	x.policies[clearKey(local, d.Port)] = &wantPolicy{clear: true}
+	remotes := sortedAddrs(d.Remotes)
 	accept := normAccept(d.Accept)
+	gens := map[netip.Addr]uint64{}
+	for a, g := range d.RemoteGens {
+		gens[a.Unmap()] = g
+	}
 
 	add := func(w *wantState) {
 		if prev, ok := x.states[w.key]; ok {
@@ -196,37 +262,72 @@ func xfrmOf(d *Desired) (*desiredXfrm, error) {
 				keep, drop = w, prev
 			}
 			x.states[w.key] = keep
-			x.collisions = append(x.collisions, fmt.Errorf("SPI collision: SA src %v dst %v epoch %d has spi 0x%08x like SA src %v epoch %d; it is not installed (traffic of that pair and epoch is dropped, never sent in clear; the next key rotation re-derives every SPI)",
+			x.collisions = append(x.collisions, fmt.Errorf("SPI collision: SA src %v dst %v epoch %d has spi 0x%08x like SA src %v epoch %d; it is not installed (traffic of that pair and epoch is dropped, never sent in clear; the next key rotation or send generation re-derives the SPIs)",
 				drop.src, drop.key.dst, drop.epoch, drop.key.spi, keep.src, keep.epoch))
 			return
 		}
 		x.states[w.key] = w
 	}
+	derive := func(src, dst, remote netip.Addr, e uint32, gen uint64, outbound bool) (*wantState, error) {
+		spi, err := SPI(d.Secret, src, dst, e, gen)
+		if err != nil {
+			return nil, err
+		}
+		k, err := SAKey(d.Secret, src, dst, e, gen)
+		if err != nil {
+			return nil, err
+		}
+		return &wantState{key: stateKey{dst, spi}, src: src, epoch: e, gen: gen, remote: remote, outbound: outbound, aeadKey: k}, nil
+	}
 	for _, r := range remotes {
-		for _, e := range accept {
-			spi, err := SPI(d.Secret, r, local, e)
+		if d.Send != 0 && !d.NoSAs {
+			if g := gens[r]; g != 0 {
+				for _, e := range accept {
+					w, err := derive(r, local, r, e, g, false)
+					if err != nil {
+						return nil, err
+					}
+					add(w)
+				}
+			}
+		}
+		wp := &wantPolicy{remote: r, spi: blockSPI}
+		if d.Send != 0 && !slices.Contains(d.Blocked, r) {
+			w, err := derive(local, r, r, d.Send, d.Gen, true)
 			if err != nil {
 				return nil, err
 			}
-			k, err := SAKey(d.Secret, r, local, e)
+			if !d.NoSAs {
+				add(w)
+			}
+			wp.spi, wp.epoch = w.key.spi, d.Send
+		}
+		x.policies[remoteKey(local, r, d.Port)] = wp
+	}
+	if d.Send != 0 && !d.NoSAs {
+		for _, r := range sortedAddrs(d.KeepOutbound) {
+			if _, ok := slices.BinarySearchFunc(remotes, r, netip.Addr.Compare); ok {
+				continue
+			}
+			w, err := derive(local, r, r, d.Send, d.Gen, true)
 			if err != nil {
 				return nil, err
 			}
-			add(&wantState{key: stateKey{local, spi}, src: r, epoch: e, remote: r, aeadKey: k})
+			add(w)
 		}
-		spi, err := SPI(d.Secret, local, r, d.Send)
-		if err != nil {
-			return nil, err
-		}
-		k, err := SAKey(d.Secret, local, r, d.Send)
-		if err != nil {
-			return nil, err
-		}
-		add(&wantState{key: stateKey{r, spi}, src: local, epoch: d.Send, remote: r, outbound: true, aeadKey: k})
-		pk := polKey{src: hostPrefix(local), dst: hostPrefix(r), dport: d.Port, mark: mark, mask: mask}
-		x.policies[pk] = &wantPolicy{remote: r, spi: spi, epoch: d.Send}
 	}
 	return x, nil
+}
+
+// fingerprint identifies d without its secret: two Desireds with the same
+// fingerprint want the same kernel state (given the same secret).
+func (d *Desired) fingerprint() string {
+	gens := slices.SortedFunc(maps.Keys(d.RemoteGens), netip.Addr.Compare)
+	g := make([]string, 0, len(gens))
+	for _, a := range gens {
+		g = append(g, fmt.Sprintf("%v=%x", a, d.RemoteGens[a]))
+	}
+	return fmt.Sprintf("%v|%d|%v|%v|%v|%v|%v|%v|%v|%d|%x|%v", d.Local, d.Port, d.VNIs, d.ClearVNIs, d.Remotes, g, d.KeepOutbound, d.Blocked, d.Accept, d.Send, d.Gen, d.NoSAs)
 }
 
 // netlink object construction.
@@ -249,7 +350,9 @@ func (w *wantState) netlink(port int) *netlink.XfrmState {
 		Aead:         &netlink.XfrmStateAlgo{Name: AEADName, Key: w.aeadKey, ICVLen: ICVBits},
 		// The selector restricts what the SA may carry: VXLAN from src to
 		// dst. For inbound SAs the kernel checks it on every decrypted
-		// packet, so an SA cannot deliver anything else.
+		// packet, so an SA cannot deliver anything else; for outbound SAs
+		// it keeps packets from another source address (the policy
+		// selects any source) from using it.
 		Selector: &netlink.XfrmPolicy{
 			Src:     ipNet(hostPrefix(src)),
 			Dst:     ipNet(hostPrefix(dst)),
@@ -259,22 +362,30 @@ func (w *wantState) netlink(port int) *netlink.XfrmState {
 	}
 }
 
-func (k polKey) netlink(spi uint32) *netlink.XfrmPolicy {
-	return &netlink.XfrmPolicy{
+// netlink returns the kernel policy for k; local is the local VTEP (the
+// template's source).
+func (k polKey) netlink(w *wantPolicy, local netip.Addr) *netlink.XfrmPolicy {
+	pol := &netlink.XfrmPolicy{
 		Src:      ipNet(k.src),
 		Dst:      ipNet(k.dst),
 		Proto:    netlink.Proto(17),
 		DstPort:  k.dport,
 		Dir:      netlink.XFRM_DIR_OUT,
 		Priority: PolicyPriority,
-		Mark:     &netlink.XfrmMark{Value: k.mark, Mask: k.mask},
-		Tmpls: []netlink.XfrmPolicyTmpl{{
-			Src:   k.src.Addr().AsSlice(),
-			Dst:   k.dst.Addr().AsSlice(),
-			Proto: netlink.XFRM_PROTO_ESP,
-			Mode:  netlink.XFRM_MODE_TRANSPORT,
-			Spi:   int(spi),
-			Reqid: ReqID,
-		}},
+		Action:   netlink.XFRM_POLICY_ALLOW,
 	}
+	if w.clear {
+		pol.Priority = ClearPolicyPriority
+		pol.Mark = &netlink.XfrmMark{Value: k.mark, Mask: k.mask}
+		return pol
+	}
+	pol.Tmpls = []netlink.XfrmPolicyTmpl{{
+		Src:   local.Unmap().AsSlice(),
+		Dst:   k.dst.Addr().AsSlice(),
+		Proto: netlink.XFRM_PROTO_ESP,
+		Mode:  netlink.XFRM_MODE_TRANSPORT,
+		Spi:   int(w.spi),
+		Reqid: ReqID,
+	}}
+	return pol
 }

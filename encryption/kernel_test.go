@@ -78,23 +78,42 @@ func dumpOurs(t *testing.T, ns *nstest.NS) ([]netlink.XfrmState, []netlink.XfrmP
 			states = append(states, s)
 		}
 	}
-	ps, err := h.XfrmPolicyList(netlink.FAMILY_ALL)
-	if err != nil {
-		t.Fatal(err)
+	// Per family: a dump of all families cannot tell 0.0.0.0/0 from ::/0.
+	var ps []netlink.XfrmPolicy
+	for _, fam := range []int{netlink.FAMILY_V4, netlink.FAMILY_V6} {
+		p, err := h.XfrmPolicyList(fam)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ps = append(ps, p...)
 	}
 	var pols []netlink.XfrmPolicy
 	for _, p := range ps {
-		if len(p.Tmpls) == 1 && p.Tmpls[0].Reqid == ReqID {
+		if ours(&p) {
 			pols = append(pols, p)
 		}
 	}
 	return states, pols
 }
 
+// remotePolicies returns the policies of pols that have a template (the
+// per-remote ones), and whether the clear policy is among them.
+func remotePolicies(pols []netlink.XfrmPolicy) (remote []netlink.XfrmPolicy, clear bool) {
+	for _, p := range pols {
+		if len(p.Tmpls) > 0 {
+			remote = append(remote, p)
+		} else if p.Mark != nil && p.Mark.Value == ClearMark {
+			clear = true
+		}
+	}
+	return remote, clear
+}
+
 // nftView is what the nftables dump shows of our table.
 type nftView struct {
 	exists bool
-	vnis   map[uint32]bool
+	vnis   map[uint32]bool     // encrypted_vnis
+	clear  map[uint32]bool     // clear_vnis
 	rules  map[string][]string // chain -> rule comments
 	count  map[string]uint64   // chain -> counter packets
 }
@@ -105,7 +124,7 @@ func nftDumpView(t *testing.T, ns *nstest.NS) nftView {
 	if err != nil {
 		t.Fatal(err)
 	}
-	v := nftView{vnis: map[uint32]bool{}, rules: map[string][]string{}, count: map[string]uint64{}}
+	v := nftView{vnis: map[uint32]bool{}, clear: map[uint32]bool{}, rules: map[string][]string{}, count: map[string]uint64{}}
 	tables, err := c.ListTablesOfFamily(nftables.TableFamilyINet)
 	if err != nil {
 		t.Fatal(err)
@@ -118,17 +137,19 @@ func nftDumpView(t *testing.T, ns *nstest.NS) nftView {
 	if !v.exists {
 		return v
 	}
-	set, err := c.GetSetByName(table, SetName)
-	if err != nil {
-		t.Fatal(err)
-	}
-	elems, err := c.GetSetElements(set)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, e := range elems {
-		x, _ := vniFromKey(e.Key)
-		v.vnis[x] = true
+	for name, m := range map[string]map[uint32]bool{SetName: v.vnis, ClearSetName: v.clear} {
+		set, err := c.GetSetByName(table, name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		elems, err := c.GetSetElements(set)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, e := range elems {
+			x, _ := vniFromKey(e.Key)
+			m[x] = true
+		}
 	}
 	chains, err := c.ListChainsOfTableFamily(nftables.TableFamilyINet)
 	if err != nil {
@@ -187,9 +208,10 @@ func TestApplyProgramsAndRemoves(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	d := testDesired(2)
-	d.Local = netip.MustParseAddr("192.0.2.10")
+	d := testDesired(0)
+	d.Local = hostA
 	d.Remotes = []netip.Addr{hostB, hostC}
+	d.RemoteGens = map[netip.Addr]uint64{hostB: 11, hostC: 12}
 	checkApply := func(what string) {
 		t.Helper()
 		err := p.Apply(d)
@@ -213,15 +235,16 @@ func TestApplyProgramsAndRemoves(t *testing.T) {
 		}
 	}
 	checkApply("initial")
-	states, pols := dumpOurs(t, ns)
-	if len(pols) != 2 {
-		t.Fatalf("%d policies, want 2", len(pols))
+	states, all := dumpOurs(t, ns)
+	pols, clear := remotePolicies(all)
+	if len(pols) != 2 || !clear || len(all) != 3 {
+		t.Fatalf("%d policies (%d per remote, clear policy %v), want 2 per remote and the clear policy", len(all), len(pols), clear)
 	}
 	for _, pol := range pols {
 		r := addrOf(pol.Dst.IP)
-		spi, _ := SPI(testSecret, d.Local, r, 1)
-		if pol.Dir != netlink.XFRM_DIR_OUT || pol.Mark == nil || pol.Mark.Value != DefaultMark || pol.DstPort != 4799 || pol.Proto != netlink.Proto(unix.IPPROTO_UDP) ||
-			uint32(pol.Tmpls[0].Spi) != spi || pol.Tmpls[0].Mode != netlink.XFRM_MODE_TRANSPORT || addrOf(pol.Src.IP) != d.Local {
+		spi, _ := SPI(testSecret, d.Local, r, 1, testGen)
+		if pol.Dir != netlink.XFRM_DIR_OUT || pol.Mark != nil || pol.DstPort != 4799 || pol.Proto != netlink.Proto(unix.IPPROTO_UDP) ||
+			uint32(pol.Tmpls[0].Spi) != spi || pol.Tmpls[0].Mode != netlink.XFRM_MODE_TRANSPORT || pol.Src.String() != "0.0.0.0/0" || addrOf(pol.Tmpls[0].Src) != d.Local {
 			t.Fatalf("policy for %v: %v", r, pol)
 		}
 	}
@@ -233,11 +256,11 @@ func TestApplyProgramsAndRemoves(t *testing.T) {
 		t.Fatalf("%d SAs, want %d", len(states), wantStates)
 	}
 	v := nftDumpView(t, ns)
-	if !v.exists || len(v.vnis) != 2 || !v.vnis[100] || !v.vnis[200] {
+	if !v.exists || len(v.vnis) != 2 || !v.vnis[100] || !v.vnis[200] || len(v.clear) != 1 || !v.clear[300] {
 		t.Fatalf("nft: %+v", v)
 	}
 	for _, c := range []string{ChainMark, ChainOutDrop, ChainInDrop} {
-		if len(v.rules[c]) != 1 || !strings.HasPrefix(v.rules[c][0], "overlayd v1 ") {
+		if len(v.rules[c]) != 1 || !strings.HasPrefix(v.rules[c][0], "overlayd v2 ") {
 			t.Fatalf("nft chain %s: rules %q", c, v.rules[c])
 		}
 	}
@@ -257,17 +280,19 @@ func TestApplyProgramsAndRemoves(t *testing.T) {
 	d.Accept = []uint32{2}
 	d.Remotes = []netip.Addr{hostC}
 	d.VNIs = []uint32{100}
-	checkApply("retire 1, drop a remote and a VNI")
-	states, pols = dumpOurs(t, ns)
-	spi, _ := SPI(testSecret, d.Local, hostC, 2)
-	if len(pols) != 1 || addrOf(pols[0].Dst.IP) != hostC || uint32(pols[0].Tmpls[0].Spi) != spi {
-		t.Fatalf("policies after the change: %v", pols)
+	d.ClearVNIs = []uint32{200}
+	checkApply("retire 1, drop a remote, VNI 200 becomes clear, VNI 300 goes")
+	states, all = dumpOurs(t, ns)
+	pols, clear = remotePolicies(all)
+	spi, _ := SPI(testSecret, d.Local, hostC, 2, testGen)
+	if len(pols) != 1 || !clear || addrOf(pols[0].Dst.IP) != hostC || uint32(pols[0].Tmpls[0].Spi) != spi {
+		t.Fatalf("policies after the change: %v", all)
 	}
 	if supported && len(states) != 2 {
 		t.Fatalf("%d SAs after the change, want 2", len(states))
 	}
-	if v := nftDumpView(t, ns); len(v.vnis) != 1 || !v.vnis[100] {
-		t.Fatalf("VNI set after the change: %v", v.vnis)
+	if v := nftDumpView(t, ns); len(v.vnis) != 1 || !v.vnis[100] || len(v.clear) != 1 || !v.clear[200] {
+		t.Fatalf("VNI sets after the change: encrypted %v, clear %v", v.vnis, v.clear)
 	}
 
 	// Drift: someone deletes our policy and our table; a stray policy with
@@ -286,21 +311,21 @@ func TestApplyProgramsAndRemoves(t *testing.T) {
 		t.Fatal(err)
 	}
 	audit := strings.Join(p.Audit(d), "\n")
-	for _, want := range []string{"table inet overlayd missing", "policy out src 192.0.2.10/32 dst 192.0.2.12/32", "not one we install"} {
+	for _, want := range []string{"table inet overlayd missing", "policy out src 0.0.0.0/0 dst 192.0.2.12/32 udp dport 4799 missing", "not one we install"} {
 		if !strings.Contains(audit, want) {
 			t.Fatalf("audit misses %q:\n%s", want, audit)
 		}
 	}
 	checkApply("repair")
 
-	// A new VXLAN port and mark: the table is rebuilt in one transaction
-	// (delete and re-add), policies move to the new selector.
-	d.Port, d.Mark = 4800, 0x1234
-	checkApply("new port and mark")
-	if _, pols = dumpOurs(t, ns); len(pols) != 1 || pols[0].DstPort != 4800 || pols[0].Mark.Value != 0x1234 {
-		t.Fatalf("policies after the port change: %v", pols)
+	// A new VXLAN port: the table is rebuilt in one transaction (delete
+	// and re-add), policies move to the new selector.
+	d.Port = 4800
+	checkApply("new port")
+	if _, all = dumpOurs(t, ns); len(all) != 2 || all[0].DstPort != 4800 || all[1].DstPort != 4800 {
+		t.Fatalf("policies after the port change: %v", all)
 	}
-	if v := nftDumpView(t, ns); !strings.Contains(v.rules[ChainInDrop][0], "port=4800 mark=0x1234/") {
+	if v := nftDumpView(t, ns); !strings.Contains(v.rules[ChainInDrop][0], "port=4800 ") {
 		t.Fatalf("rules after the port change: %v", v.rules)
 	}
 
@@ -490,7 +515,7 @@ func TestFailClosedDatapath(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer pb.Close()
-	db := Desired{Local: addrs[1], Port: 4799, VNIs: []uint32{100}, Remotes: []netip.Addr{addrs[0]}, Accept: []uint32{1}, Send: 1, Secret: testSecret}
+	db := Desired{Local: addrs[1], Port: 4799, VNIs: []uint32{100}, ClearVNIs: []uint32{200}, Remotes: []netip.Addr{addrs[0]}, RemoteGens: map[netip.Addr]uint64{addrs[0]: 1}, Accept: []uint32{1}, Send: 1, Gen: 2, Secret: testSecret}
 	if err := pb.Apply(db); err != nil && !errors.Is(err, ErrKernelUnsupported) {
 		t.Fatal(err)
 	}
@@ -557,18 +582,25 @@ func TestFailClosedDatapath(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer pa.Close()
-		da := Desired{Local: addrs[0], Port: 4799, VNIs: []uint32{100}, Remotes: []netip.Addr{addrs[1]}, Accept: []uint32{1}, Send: 1, Secret: testSecret}
+		da := Desired{Local: addrs[0], Port: 4799, VNIs: []uint32{100}, ClearVNIs: []uint32{200}, Remotes: []netip.Addr{addrs[1]}, RemoteGens: map[netip.Addr]uint64{addrs[1]: 2}, Accept: []uint32{1}, Send: 1, Gen: 1, Secret: testSecret}
 		if err := pa.Apply(da); err != nil && !errors.Is(err, ErrKernelUnsupported) {
 			t.Fatal(err)
 		}
-		addVXLAN(t, a, "vx100", 100, addrs[0], "10.98.0.1/24", addrs[1])
-		addVXLAN(t, a, "vx200", 200, addrs[0], "10.97.0.1/24", addrs[1])
+		addVXLAN(t, a, "vx100", 100, addrs[0], "198.51.100.1/24", addrs[1])
+		addVXLAN(t, a, "vx200", 200, addrs[0], "203.0.113.1/24", addrs[1])
 		capt := captureOn(t, b, "eth0")
 		time.Sleep(50 * time.Millisecond)
 		try := func() {
-			// ARP requests for these addresses are flooded to B as VXLAN.
-			nstest.Ping(a, netip.MustParseAddr("10.98.0.2"), 300*time.Millisecond)
-			nstest.Ping(a, netip.MustParseAddr("10.97.0.2"), 300*time.Millisecond)
+			// ARP requests for these addresses are flooded to B as VXLAN;
+			// forget the (failed) neighbours first, so that each try sends
+			// an ARP request at once.
+			for name, ip := range map[string]string{"vx100": "198.51.100.2", "vx200": "203.0.113.2"} {
+				if l, err := a.NL.LinkByName(name); err == nil {
+					a.NL.NeighDel(&netlink.Neigh{LinkIndex: l.Attrs().Index, IP: net.ParseIP(ip)})
+				}
+			}
+			nstest.Ping(a, netip.MustParseAddr("198.51.100.2"), 300*time.Millisecond)
+			nstest.Ping(a, netip.MustParseAddr("203.0.113.2"), 300*time.Millisecond)
 			time.Sleep(100 * time.Millisecond)
 		}
 
@@ -584,8 +616,36 @@ func TestFailClosedDatapath(t *testing.T) {
 		}
 		t.Logf("with policy: VNI 100 in clear: 0, ESP: %d; VNI 200 in clear: %d", capt.esp.Load(), capt.clearOf(200))
 
-		// Without a policy (remote removed) the marked packets have no
-		// transform: the postrouting rule drops them.
+		// Without the nftables table (nft flush ruleset, a firewall
+		// reload) nothing is marked clear: every VXLAN packet to B takes
+		// B's policy (no mark), so it is encrypted, or, without an SA,
+		// dropped — the clear VNI 200 too, never anything in clear.
+		fc, _ := nftables.New(nftables.WithNetNSFd(int(a.Handle)))
+		fc.FlushRuleset()
+		if err := fc.Flush(); err != nil {
+			t.Fatal(err)
+		}
+		clear100, clear200 := capt.clearOf(100), capt.clearOf(200)
+		try()
+		if capt.clearOf(100) != clear100 {
+			t.Fatalf("encrypted VNI 100 left in clear with the ruleset flushed (%d packets)", capt.clearOf(100)-clear100)
+		}
+		if !supported && capt.clearOf(200) != clear200 {
+			t.Fatalf("with the ruleset flushed, VXLAN to B left in clear although B's policy selects it (%d packets of VNI 200)", capt.clearOf(200)-clear200)
+		}
+		t.Logf("ruleset flushed: VNI 100 in clear +%d, VNI 200 in clear +%d (its packets took B's policy: %s)", capt.clearOf(100)-clear100, capt.clearOf(200)-clear200,
+			map[bool]string{true: "encrypted", false: "no SA here, dropped"}[supported])
+		if err := pa.Apply(da); err != nil && !errors.Is(err, ErrKernelUnsupported) {
+			t.Fatal(err)
+		}
+		clear200 = capt.clearOf(200)
+		try()
+		if capt.clearOf(200) == clear200 {
+			t.Fatal("the clear VNI 200 did not cross again once the rules were back")
+		}
+
+		// Without a policy (remote removed) the encrypted VNI's packets
+		// have no transform: the postrouting rule drops them.
 		da.Remotes = nil
 		if err := pa.Apply(da); err != nil {
 			t.Fatal(err)
@@ -597,9 +657,9 @@ func TestFailClosedDatapath(t *testing.T) {
 			t.Fatalf("encrypted VNI 100 left in clear without a policy (%d packets)", capt.clearOf(100))
 		}
 		if c1[ChainOutDrop] <= c0[ChainOutDrop] || c1[ChainMark] <= c0[ChainMark] {
-			t.Fatalf("counters: marked %d -> %d, dropped %d -> %d", c0[ChainMark], c1[ChainMark], c0[ChainOutDrop], c1[ChainOutDrop])
+			t.Fatalf("counters: clear VNI marked %d -> %d, encrypted VNI dropped %d -> %d", c0[ChainMark], c1[ChainMark], c0[ChainOutDrop], c1[ChainOutDrop])
 		}
-		t.Logf("without policy: VNI 100 marked +%d, dropped by %s +%d, in clear 0", c1[ChainMark]-c0[ChainMark], ChainOutDrop, c1[ChainOutDrop]-c0[ChainOutDrop])
+		t.Logf("without policy: VNI 100 dropped by %s +%d, in clear 0; VNI 200 marked clear +%d", ChainOutDrop, c1[ChainOutDrop]-c0[ChainOutDrop], c1[ChainMark]-c0[ChainMark])
 		if err := pa.Apply(Desired{}); err != nil {
 			t.Fatal(err)
 		}
@@ -629,7 +689,7 @@ func TestApplyUnsupportedFailsClosed(t *testing.T) {
 		t.Fatalf("want ErrKernelUnsupported, got %v", err)
 	}
 	msg := err.Error()
-	if !strings.Contains(msg, "failed to add inbound SA spi 0x") || !strings.Contains(msg, " dst 198.18.0.1 (epoch 1)") {
+	if !strings.Contains(msg, "failed to add inbound SA spi 0x") || !strings.Contains(msg, " dst 203.0.113.1 (epoch 1, generation ") {
 		t.Fatalf("error does not name the SA: %v", err)
 	}
 	if st := p.Stats(); st.StateAdds != 1 {
@@ -637,8 +697,8 @@ func TestApplyUnsupportedFailsClosed(t *testing.T) {
 	}
 	t.Logf("Apply: %v", err)
 	states, pols := dumpOurs(t, ns)
-	if len(states) != 0 || len(pols) != 3 || !nftDumpView(t, ns).exists {
-		t.Fatalf("want the fail-closed state (3 policies, rules, no SA): %d SAs, %d policies", len(states), len(pols))
+	if len(states) != 0 || len(pols) != 4 || !nftDumpView(t, ns).exists {
+		t.Fatalf("want the fail-closed state (3 policies and the clear policy, rules, no SA): %d SAs, %d policies", len(states), len(pols))
 	}
 	before := p.Stats()
 	if err := p.Apply(d); !errors.Is(err, ErrKernelUnsupported) {
@@ -690,7 +750,8 @@ func TestApplyIPv6(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer p.Close()
-	d := Desired{Local: netip.MustParseAddr("2001:db8::10"), Port: 4799, VNIs: []uint32{7}, Remotes: []netip.Addr{netip.MustParseAddr("2001:db8::11")}, Accept: []uint32{3}, Send: 3, Secret: testSecret}
+	r := netip.MustParseAddr("2001:db8::11")
+	d := Desired{Local: netip.MustParseAddr("2001:db8::10"), Port: 4799, VNIs: []uint32{7}, ClearVNIs: []uint32{8}, Remotes: []netip.Addr{r}, RemoteGens: map[netip.Addr]uint64{r: 5}, Accept: []uint32{3}, Send: 3, Gen: 9, Secret: testSecret}
 	err = p.Apply(d)
 	if supported {
 		if err != nil {
@@ -702,9 +763,10 @@ func TestApplyIPv6(t *testing.T) {
 	} else if !errors.Is(err, ErrKernelUnsupported) {
 		t.Fatalf("want ErrKernelUnsupported, got %v", err)
 	}
-	states, pols := dumpOurs(t, ns)
-	if len(pols) != 1 || pols[0].Src.String() != "2001:db8::10/128" || pols[0].Dst.String() != "2001:db8::11/128" {
-		t.Fatalf("policies: %v", pols)
+	states, all := dumpOurs(t, ns)
+	pols, clear := remotePolicies(all)
+	if len(pols) != 1 || !clear || pols[0].Src.String() != "::/0" || pols[0].Dst.String() != "2001:db8::11/128" || addrOf(pols[0].Tmpls[0].Src) != d.Local {
+		t.Fatalf("policies: %v", all)
 	}
 	if supported && len(states) != 2 {
 		t.Fatalf("%d SAs, want 2", len(states))

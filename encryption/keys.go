@@ -38,7 +38,7 @@ const (
 // Domain-separation labels. Changing any of them changes every key and SPI,
 // so they are versioned.
 const (
-	hkdfSalt = "overlayd ipsec v1"
+	hkdfSalt = "overlayd ipsec v2"
 	infoKey  = "esp key"
 	infoSPI  = "esp spi"
 )
@@ -47,35 +47,37 @@ const (
 var ErrBadSecret = errors.New("cluster secret must be at least 16 bytes")
 
 // SAKey derives the ESP key material (16-byte AES key then 4-byte salt) of
-// the SA that carries traffic from src to dst with epoch's key. Both ends
+// the SA that carries traffic from src to dst with epoch's key, created by
+// src under its send generation gen (see Advert.Gen and doc.go). Both ends
 // compute it from the cluster secret; keys are never sent anywhere. Each
-// direction of each pair of hosts and each epoch gets its own key, so no
-// two SAs ever share a (key, nonce) space.
-func SAKey(secret []byte, src, dst netip.Addr, epoch uint32) ([]byte, error) {
+// direction of each pair of hosts, each epoch and each send generation gets
+// its own key, so no two SA instances ever share a (key, nonce) space.
+func SAKey(secret []byte, src, dst netip.Addr, epoch uint32, gen uint64) ([]byte, error) {
 	if len(secret) < MinSecretLen {
 		return nil, ErrBadSecret
 	}
 	if !src.IsValid() || !dst.IsValid() {
 		return nil, fmt.Errorf("invalid address in key derivation: src %v dst %v", src, dst)
 	}
-	return hkdf.Key(sha256.New, secret, []byte(hkdfSalt), string(saInfo(infoKey, src, dst, epoch, 0)), KeyLen)
+	return hkdf.Key(sha256.New, secret, []byte(hkdfSalt), string(saInfo(infoKey, src, dst, epoch, gen, 0)), KeyLen)
 }
 
 // SPI derives the Security Parameter Index of the SA from src to dst for
-// epoch. It is keyed by the cluster secret (an HKDF output, like the key), so
-// SPIs are not predictable without the secret and change when the secret
-// does. The result is never in the reserved range 0..255: an output below
-// 256 is re-derived with a counter appended, deterministically, so both ends
-// agree.
+// epoch and src's send generation gen. It is keyed by the cluster secret
+// (an HKDF output, like the key), so SPIs are not predictable without the
+// secret and change when the secret does. The result is never in the
+// reserved range 0..255: an output below 256 is re-derived with a counter
+// appended, deterministically, so both ends agree.
 //
 // Collisions: the kernel identifies an SA by (destination, SPI, protocol),
 // so two SPIs only conflict when they are inbound SAs of the same host (same
 // destination), or two epochs of one direction of one pair. Programmer
 // detects such a conflict before touching the kernel, installs the SA of the
 // lower (source, epoch) and reports the other as an error; the affected pair
-// then drops (never leaks) traffic in that epoch until the next rotation,
-// which re-derives every SPI (a repeat collision has probability 2^-32).
-func SPI(secret []byte, src, dst netip.Addr, epoch uint32) (uint32, error) {
+// then drops (never leaks) traffic in that epoch until the next rotation or
+// generation, which re-derives the SPIs (a repeat collision has probability
+// 2^-32).
+func SPI(secret []byte, src, dst netip.Addr, epoch uint32, gen uint64) (uint32, error) {
 	if len(secret) < MinSecretLen {
 		return 0, ErrBadSecret
 	}
@@ -83,7 +85,7 @@ func SPI(secret []byte, src, dst netip.Addr, epoch uint32) (uint32, error) {
 		return 0, fmt.Errorf("invalid address in SPI derivation: src %v dst %v", src, dst)
 	}
 	for i := uint32(0); ; i++ {
-		b, err := hkdf.Key(sha256.New, secret, []byte(hkdfSalt), string(saInfo(infoSPI, src, dst, epoch, i)), 4)
+		b, err := hkdf.Key(sha256.New, secret, []byte(hkdfSalt), string(saInfo(infoSPI, src, dst, epoch, gen, i)), 4)
 		if err != nil {
 			return 0, err
 		}
@@ -94,15 +96,17 @@ func SPI(secret []byte, src, dst netip.Addr, epoch uint32) (uint32, error) {
 }
 
 // saInfo is the HKDF info: label, epoch, both addresses as 16 bytes (IPv4 in
-// its IPv6-mapped form, so an address has one encoding) and a counter.
-func saInfo(label string, src, dst netip.Addr, epoch, counter uint32) []byte {
-	b := make([]byte, 0, len(label)+1+4+16+16+4)
+// its IPv6-mapped form, so an address has one encoding), the sender's send
+// generation and a counter.
+func saInfo(label string, src, dst netip.Addr, epoch uint32, gen uint64, counter uint32) []byte {
+	b := make([]byte, 0, len(label)+1+4+16+16+8+4)
 	b = append(b, label...)
 	b = append(b, 0)
 	b = binary.BigEndian.AppendUint32(b, epoch)
 	s, d := src.Unmap().As16(), dst.Unmap().As16()
 	b = append(b, s[:]...)
 	b = append(b, d[:]...)
+	b = binary.BigEndian.AppendUint64(b, gen)
 	b = binary.BigEndian.AppendUint32(b, counter)
 	return b
 }

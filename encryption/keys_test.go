@@ -14,6 +14,7 @@ var (
 	hostA      = netip.MustParseAddr("192.0.2.10")
 	hostB      = netip.MustParseAddr("192.0.2.11")
 	hostC      = netip.MustParseAddr("192.0.2.12")
+	testGen    = uint64(0x0123456789abcdef)
 )
 
 // TestHKDFVector pins the stdlib HKDF to RFC 5869's test case 1, so a
@@ -37,37 +38,39 @@ func TestHKDFVector(t *testing.T) {
 // builds must derive the same keys and SPIs, so any change to labels or
 // encoding must be deliberate (and versioned).
 func TestDerivationPinned(t *testing.T) {
-	k, err := SAKey(testSecret, hostA, hostB, 1)
+	k, err := SAKey(testSecret, hostA, hostB, 1, testGen)
 	if err != nil {
 		t.Fatal(err)
 	}
-	spi, err := SPI(testSecret, hostA, hostB, 1)
+	spi, err := SPI(testSecret, hostA, hostB, 1, testGen)
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Logf("key(A->B, 1) = %x, spi = 0x%08x", k, spi)
+	t.Logf("key(A->B, 1, gen) = %x, spi = 0x%08x", k, spi)
 	if got, want := hex.EncodeToString(k), pinnedKey; got != want {
-		t.Errorf("key(A->B, epoch 1) = %s, want %s", got, want)
+		t.Errorf("key(A->B, epoch 1, testGen) = %s, want %s", got, want)
 	}
 	if spi != pinnedSPI {
-		t.Errorf("spi(A->B, epoch 1) = 0x%08x, want 0x%08x", spi, pinnedSPI)
+		t.Errorf("spi(A->B, epoch 1, testGen) = 0x%08x, want 0x%08x", spi, pinnedSPI)
 	}
 }
 
 func TestKeysAgreeAndDiffer(t *testing.T) {
 	// Both ends compute the same values: derivation is a function of
-	// (secret, src, dst, epoch) only; IPv4-mapped IPv6 is the same host.
-	k1, _ := SAKey(testSecret, hostA, hostB, 7)
-	k2, _ := SAKey(bytes.Clone(testSecret), netip.AddrFrom16(hostA.As16()), hostB, 7)
+	// (secret, src, dst, epoch, gen) only; IPv4-mapped IPv6 is the same
+	// host.
+	k1, _ := SAKey(testSecret, hostA, hostB, 7, testGen)
+	k2, _ := SAKey(bytes.Clone(testSecret), netip.AddrFrom16(hostA.As16()), hostB, 7, testGen)
 	if !bytes.Equal(k1, k2) || len(k1) != KeyLen {
 		t.Fatalf("the two ends disagree: %x vs %x", k1, k2)
 	}
-	s1, _ := SPI(testSecret, hostA, hostB, 7)
-	s2, _ := SPI(testSecret, netip.AddrFrom16(hostA.As16()), hostB, 7)
+	s1, _ := SPI(testSecret, hostA, hostB, 7, testGen)
+	s2, _ := SPI(testSecret, netip.AddrFrom16(hostA.As16()), hostB, 7, testGen)
 	if s1 != s2 {
 		t.Fatalf("SPIs disagree: %x vs %x", s1, s2)
 	}
-	// Distinct per direction, per epoch, per pair and per secret.
+	// Distinct per direction, per epoch, per pair, per generation and per
+	// secret.
 	type v struct {
 		key []byte
 		spi uint32
@@ -80,19 +83,22 @@ func TestKeysAgreeAndDiffer(t *testing.T) {
 		secret   []byte
 		src, dst netip.Addr
 		epoch    uint32
+		gen      uint64
 	}{
-		{"A->B 1", testSecret, hostA, hostB, 1},
-		{"B->A 1", testSecret, hostB, hostA, 1},
-		{"A->B 2", testSecret, hostA, hostB, 2},
-		{"A->C 1", testSecret, hostA, hostC, 1},
-		{"C->B 1", testSecret, hostC, hostB, 1},
-		{"A->B 1 other secret", other, hostA, hostB, 1},
+		{"A->B 1", testSecret, hostA, hostB, 1, testGen},
+		{"B->A 1", testSecret, hostB, hostA, 1, testGen},
+		{"A->B 2", testSecret, hostA, hostB, 2, testGen},
+		{"A->C 1", testSecret, hostA, hostC, 1, testGen},
+		{"C->B 1", testSecret, hostC, hostB, 1, testGen},
+		{"A->B 1 next generation", testSecret, hostA, hostB, 1, testGen + 1},
+		{"A->B 1 generation 1", testSecret, hostA, hostB, 1, 1},
+		{"A->B 1 other secret", other, hostA, hostB, 1, testGen},
 	} {
-		k, err := SAKey(c.secret, c.src, c.dst, c.epoch)
+		k, err := SAKey(c.secret, c.src, c.dst, c.epoch, c.gen)
 		if err != nil {
 			t.Fatal(err)
 		}
-		s, err := SPI(c.secret, c.src, c.dst, c.epoch)
+		s, err := SPI(c.secret, c.src, c.dst, c.epoch, c.gen)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -114,16 +120,16 @@ func TestKeysAgreeAndDiffer(t *testing.T) {
 }
 
 func TestDerivationRejectsBadInput(t *testing.T) {
-	if _, err := SAKey([]byte("short"), hostA, hostB, 1); err == nil {
+	if _, err := SAKey([]byte("short"), hostA, hostB, 1, 1); err == nil {
 		t.Error("short secret accepted")
 	}
-	if _, err := SPI(nil, hostA, hostB, 1); err == nil {
+	if _, err := SPI(nil, hostA, hostB, 1, 1); err == nil {
 		t.Error("nil secret accepted")
 	}
-	if _, err := SAKey(testSecret, netip.Addr{}, hostB, 1); err == nil {
+	if _, err := SAKey(testSecret, netip.Addr{}, hostB, 1, 1); err == nil {
 		t.Error("invalid address accepted")
 	}
-	if _, err := SPI(testSecret, hostA, netip.Addr{}, 1); err == nil {
+	if _, err := SPI(testSecret, hostA, netip.Addr{}, 1, 1); err == nil {
 		t.Error("invalid address accepted")
 	}
 }
@@ -133,7 +139,7 @@ func TestDerivationRejectsBadInput(t *testing.T) {
 func TestSPIReservedRange(t *testing.T) {
 	seen := map[uint32]bool{}
 	for e := uint32(1); e <= 5000; e++ {
-		s, err := SPI(testSecret, hostA, hostB, e)
+		s, err := SPI(testSecret, hostA, hostB, e, testGen)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -183,6 +189,6 @@ func TestInnerMTU(t *testing.T) {
 }
 
 const (
-	pinnedKey = "3f924c5a9e9867591a9a350650634fbd540aec72"
-	pinnedSPI = 0xf1140bf6
+	pinnedKey = "fa8c7a21da756d47d58f8e4f4df07a2045aebcce"
+	pinnedSPI = 0xc076a071
 )

@@ -17,11 +17,12 @@ import (
 // underlays alike), created only while some VNI is encrypted.
 const (
 	TableName     = "overlayd"
-	SetName       = "encrypted_vnis"
-	ChainMark     = "encrypt_mark" // type route, hook output: mark encrypted VXLAN
-	ChainOutDrop  = "encrypt_out"  // hook postrouting: drop encrypted VXLAN that xfrm did not transform
-	ChainInDrop   = "encrypt_in"   // hook input: drop encrypted VXLAN that did not arrive through ESP
-	rulePrefixTag = "overlayd v1 "
+	SetName       = "encrypted_vnis" // VNIs dropped when they would cross without ESP
+	ClearSetName  = "clear_vnis"     // VNIs marked ClearMark: let out in clear by the clear policy
+	ChainMark     = "clear_mark"     // type route, hook output: mark unencrypted VXLAN
+	ChainOutDrop  = "encrypt_out"    // hook postrouting: drop encrypted VXLAN that xfrm did not transform
+	ChainInDrop   = "encrypt_in"     // hook input: drop encrypted VXLAN that did not arrive through ESP
+	rulePrefixTag = "overlayd v2 "
 )
 
 // Kernel constants golang.org/x/sys does not name.
@@ -48,19 +49,22 @@ func vniFromKey(b []byte) (uint32, bool) {
 
 // nftDesired is the nftables part of a Desired.
 type nftDesired struct {
-	port       int
-	mark, mask uint32
-	vnis       []uint32 // sorted, unique
+	port  int
+	vnis  []uint32 // encrypted, sorted, unique
+	clear []uint32 // unencrypted, sorted, unique, none in vnis
+}
+
+func sortedVNIs(in []uint32) []uint32 {
+	v := slices.Clone(in)
+	slices.Sort(v)
+	return slices.Compact(v)
 }
 
 func nftOf(d *Desired) *nftDesired {
 	if d.Empty() {
 		return nil
 	}
-	m, mask := d.mark()
-	v := slices.Clone(d.VNIs)
-	slices.Sort(v)
-	return &nftDesired{port: d.Port, mark: m, mask: mask, vnis: slices.Compact(v)}
+	return &nftDesired{port: d.Port, vnis: sortedVNIs(d.VNIs), clear: sortedVNIs(d.ClearVNIs)}
 }
 
 var table = &nftables.Table{Name: TableName, Family: nftables.TableFamilyINet}
@@ -84,12 +88,12 @@ func matchVXLAN(port int) []expr.Any {
 	}
 }
 
-// matchEncryptedVNI: "@th,96,24 @encrypted_vnis" — the VNI is bytes 4..6 of
-// the VXLAN header, which follows the 8-byte UDP header.
-func matchEncryptedVNI() []expr.Any {
+// matchVNIIn: "@th,96,24 @set" — the VNI is bytes 4..6 of the VXLAN
+// header, which follows the 8-byte UDP header.
+func matchVNIIn(set string) []expr.Any {
 	return []expr.Any{
 		&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseTransportHeader, Offset: 8 + 4, Len: 3},
-		&expr.Lookup{SourceRegister: 1, SetName: SetName},
+		&expr.Lookup{SourceRegister: 1, SetName: set},
 	}
 }
 
@@ -97,27 +101,19 @@ var chains = []chainSpec{
 	{
 		// Marking must happen in a route chain: the kernel re-routes the
 		// packet when the chain changed its mark, and that route lookup is
-		// where the xfrm policy (selected by the mark) applies.
+		// where the clear policy (selected by the mark) applies. Only
+		// clear VNIs are marked; without the mark a packet to a remote with
+		// a policy is encrypted.
 		name: ChainMark, typ: nftables.ChainTypeRoute, hook: nftables.ChainHookOutput, prio: nftables.ChainPriorityMangle,
-		role: "mark",
+		role: "clear-mark",
 		exprs: func(n *nftDesired) []expr.Any {
 			e := matchVXLAN(n.port)
-			e = append(e, matchEncryptedVNI()...)
+			e = append(e, matchVNIIn(ClearSetName)...)
 			val := make([]byte, 4)
-			binary.NativeEndian.PutUint32(val, n.mark)
-			if n.mask == 0xffffffff {
-				// meta mark set MARK
-				e = append(e, &expr.Immediate{Register: 1, Data: val})
-			} else {
-				// meta mark set meta mark & ~MASK | MARK
-				mask := make([]byte, 4)
-				binary.NativeEndian.PutUint32(mask, ^n.mask)
-				e = append(e,
-					&expr.Meta{Key: expr.MetaKeyMARK, Register: 1},
-					&expr.Bitwise{SourceRegister: 1, DestRegister: 1, Len: 4, Mask: mask, Xor: val},
-				)
-			}
+			binary.NativeEndian.PutUint32(val, ClearMark)
+			// meta mark set CLEAR (the mask is the whole mark)
 			return append(e,
+				&expr.Immediate{Register: 1, Data: val},
 				&expr.Meta{Key: expr.MetaKeyMARK, SourceRegister: true, Register: 1},
 				&expr.Counter{},
 			)
@@ -125,14 +121,14 @@ var chains = []chainSpec{
 	},
 	{
 		// Fail closed on the way out: encrypted VXLAN whose route carries no
-		// xfrm transform is dropped, whatever its mark (a missing policy or
-		// SA, a mark rewritten by someone else, a rule missing). Transformed
-		// packets pass here in clear with the xfrm route and leave as ESP.
+		// xfrm transform is dropped, whatever its mark (a missing SA, a
+		// mark set by someone else). Transformed packets pass here in clear
+		// with the xfrm route and leave as ESP.
 		name: ChainOutDrop, typ: nftables.ChainTypeFilter, hook: nftables.ChainHookPostrouting, prio: nftables.ChainPriorityFilter,
 		role: "out-drop",
 		exprs: func(n *nftDesired) []expr.Any {
 			e := matchVXLAN(n.port)
-			e = append(e, matchEncryptedVNI()...)
+			e = append(e, matchVNIIn(SetName)...)
 			return append(e,
 				&expr.Rt{Register: 1, Key: expr.RtKey(nftRtXfrm)},
 				&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: []byte{0}},
@@ -148,7 +144,7 @@ var chains = []chainSpec{
 		role: "in-drop",
 		exprs: func(n *nftDesired) []expr.Any {
 			e := matchVXLAN(n.port)
-			e = append(e, matchEncryptedVNI()...)
+			e = append(e, matchVNIIn(SetName)...)
 			return append(e,
 				&expr.Meta{Key: expr.MetaKey(nftMetaSecpath), Register: 1},
 				&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: []byte{0}},
@@ -162,13 +158,13 @@ var chains = []chainSpec{
 // ruleTag identifies one of our rules and everything it depends on; it is
 // stored as the rule's comment, so `nft list` shows it.
 func ruleTag(role string, n *nftDesired) string {
-	return fmt.Sprintf("%s%s port=%d mark=%#x/%#x", rulePrefixTag, role, n.port, n.mark, n.mask)
+	return fmt.Sprintf("%s%s port=%d clear-mark=%#x", rulePrefixTag, role, n.port, ClearMark)
 }
 
-func vniSet() *nftables.Set {
+func vniSet(name string) *nftables.Set {
 	return &nftables.Set{
 		Table:        table,
-		Name:         SetName,
+		Name:         name,
 		KeyType:      vniType,
 		KeyByteOrder: binaryutil.BigEndian,
 	}
@@ -177,12 +173,13 @@ func vniSet() *nftables.Set {
 // nftActual is what the kernel holds of our table.
 type nftActual struct {
 	exists bool
-	// ok is true when the table has exactly our set and chains, each chain
+	// ok is true when the table has exactly our sets and chains, each chain
 	// exactly its one rule with the tag and expressions desired: then only
 	// set elements need to change.
 	ok       bool
 	problems []string
-	vnis     []uint32
+	vnis     []uint32                // encrypted_vnis
+	clear    []uint32                // clear_vnis
 	counters map[string]expr.Counter // by chain name
 }
 
@@ -208,34 +205,41 @@ func (p *Programmer) nftDump(n *nftDesired) (*nftActual, error) {
 	if err != nil {
 		return nil, fmt.Errorf("failed to list sets of table inet %s: %w", TableName, err)
 	}
-	var set *nftables.Set
-	for _, s := range sets {
-		if s.Name == SetName {
-			set = s
-		} else {
-			problem("nft: unexpected set %s in table inet %s", s.Name, TableName)
+	found := map[string]bool{}
+	for _, set := range sets {
+		var dst *[]uint32
+		switch set.Name {
+		case SetName:
+			dst = &a.vnis
+		case ClearSetName:
+			dst = &a.clear
+		default:
+			problem("nft: unexpected set %s in table inet %s", set.Name, TableName)
+			continue
 		}
-	}
-	if set == nil {
-		problem("nft: set %s missing", SetName)
-	} else {
+		found[set.Name] = true
 		if set.KeyType.Bytes != vniType.Bytes || set.Interval || set.IsMap || set.HasTimeout || set.Constant {
-			problem("nft: set %s has the wrong type", SetName)
+			problem("nft: set %s has the wrong type", set.Name)
 		}
 		p.stats.NftDumps++
 		elems, err := p.nft.GetSetElements(set)
 		if err != nil {
-			return nil, fmt.Errorf("failed to list elements of set %s: %w", SetName, err)
+			return nil, fmt.Errorf("failed to list elements of set %s: %w", set.Name, err)
 		}
 		for _, e := range elems {
 			v, ok := vniFromKey(e.Key)
 			if !ok {
-				problem("nft: set %s holds a malformed element %x", SetName, e.Key)
+				problem("nft: set %s holds a malformed element %x", set.Name, e.Key)
 				continue
 			}
-			a.vnis = append(a.vnis, v)
+			*dst = append(*dst, v)
 		}
-		slices.Sort(a.vnis)
+		slices.Sort(*dst)
+	}
+	for _, name := range []string{SetName, ClearSetName} {
+		if !found[name] {
+			problem("nft: set %s missing", name)
+		}
 	}
 
 	p.stats.NftDumps++
@@ -331,22 +335,30 @@ func diffExprs(got, want []expr.Any) string {
 	return ""
 }
 
-// nftBuild queues, on p.nft, the creation of the whole table holding vnis.
-// If the table exists it is deleted first in the same batch: the batch is
-// one nftables transaction, so packets see either the old table or the new
-// one, never none.
-func (p *Programmer) nftBuild(n *nftDesired, exists bool, vnis []uint32) error {
+func elements(vnis []uint32) []nftables.SetElement {
+	out := make([]nftables.SetElement, 0, len(vnis))
+	for _, v := range vnis {
+		out = append(out, nftables.SetElement{Key: vniKey(v)})
+	}
+	return out
+}
+
+// nftBuild queues, on p.nft, the creation of the whole table holding vnis
+// (encrypted) and clear. If the table exists it is deleted first in the
+// same batch: the batch is one nftables transaction, so packets see either
+// the old table or the new one, never none.
+func (p *Programmer) nftBuild(n *nftDesired, exists bool, vnis, clear []uint32) error {
 	if exists {
 		p.nft.DelTable(table)
 	}
 	p.nft.AddTable(table)
-	set := vniSet()
-	elems := make([]nftables.SetElement, 0, len(vnis))
-	for _, v := range vnis {
-		elems = append(elems, nftables.SetElement{Key: vniKey(v)})
-	}
-	if err := p.nft.AddSet(set, elems); err != nil {
-		return fmt.Errorf("failed to queue nftables set %s: %w", SetName, err)
+	sets := map[string]*nftables.Set{}
+	for name, elems := range map[string][]uint32{SetName: vnis, ClearSetName: clear} {
+		set := vniSet(name)
+		if err := p.nft.AddSet(set, elements(elems)); err != nil {
+			return fmt.Errorf("failed to queue nftables set %s: %w", name, err)
+		}
+		sets[name] = set
 	}
 	policy := nftables.ChainPolicyAccept
 	for _, spec := range chains {
@@ -354,7 +366,7 @@ func (p *Programmer) nftBuild(n *nftDesired, exists bool, vnis []uint32) error {
 		exprs := spec.exprs(n)
 		for _, e := range exprs {
 			if l, ok := e.(*expr.Lookup); ok {
-				l.SetID = set.ID
+				l.SetID = sets[l.SetName].ID
 			}
 		}
 		p.nft.AddRule(&nftables.Rule{
@@ -372,57 +384,79 @@ func (p *Programmer) nftFlush(what string) error {
 	if err := p.nft.Flush(); err != nil {
 		return fmt.Errorf("failed to %s (nftables table inet %s): %w", what, TableName, err)
 	}
+	p.changed++
 	return nil
 }
 
-// nftWiden makes the table exist with its rules and at least the desired
-// VNIs (more VNIs than desired only means more is encrypted): the first step
-// of Apply, before any xfrm change.
+// minus returns the elements of a (sorted) not in b (sorted).
+func minus(a, b []uint32) []uint32 {
+	var out []uint32
+	for _, v := range a {
+		if _, ok := slices.BinarySearch(b, v); !ok {
+			out = append(out, v)
+		}
+	}
+	return out
+}
+
+func union(a, b []uint32) []uint32 { return sortedVNIs(slices.Concat(a, b)) }
+
+// nftWiden makes the table exist with its rules, at least the desired
+// encrypted VNIs (more VNIs encrypted than desired only means more is
+// dropped) and the desired clear VNIs, none of them encrypted: the first
+// step of Apply, before any xfrm change, in one transaction.
 func (p *Programmer) nftWiden(n *nftDesired, a *nftActual) error {
 	if n == nil {
 		return nil
 	}
+	vnis := union(a.vnis, n.vnis)
+	clear := minus(union(a.clear, n.clear), n.vnis)
 	if !a.ok {
-		union := slices.Clone(a.vnis)
-		union = append(union, n.vnis...)
-		slices.Sort(union)
-		union = slices.Compact(union)
-		if err := p.nftBuild(n, a.exists, union); err != nil {
+		if err := p.nftBuild(n, a.exists, vnis, clear); err != nil {
 			return err
 		}
 		if err := p.nftFlush("install encryption rules"); err != nil {
 			return err
 		}
 		p.stats.NftRebuilds++
-		a.exists, a.ok, a.vnis, a.problems = true, true, union, nil
+		a.exists, a.ok, a.vnis, a.clear, a.problems = true, true, vnis, clear, nil
 		return nil
 	}
-	var add []nftables.SetElement
-	for _, v := range n.vnis {
-		if _, ok := slices.BinarySearch(a.vnis, v); !ok {
-			add = append(add, nftables.SetElement{Key: vniKey(v)})
+	addEnc, addClear, delClear := minus(vnis, a.vnis), minus(clear, a.clear), minus(a.clear, clear)
+	if len(addEnc)+len(addClear)+len(delClear) == 0 {
+		return nil
+	}
+	// Encrypted first: a VNI moving from clear to encrypted is in both sets
+	// for no packet's time (one transaction), and in both it is dropped.
+	for _, op := range []struct {
+		set  string
+		vnis []uint32
+		add  bool
+	}{{SetName, addEnc, true}, {ClearSetName, delClear, false}, {ClearSetName, addClear, true}} {
+		if len(op.vnis) == 0 {
+			continue
+		}
+		var err error
+		if op.add {
+			err = p.nft.SetAddElements(vniSet(op.set), elements(op.vnis))
+		} else {
+			err = p.nft.SetDeleteElements(vniSet(op.set), elements(op.vnis))
+		}
+		if err != nil {
+			return fmt.Errorf("failed to queue VNIs %v for set %s: %w", op.vnis, op.set, err)
 		}
 	}
-	if len(add) == 0 {
-		return nil
-	}
-	if err := p.nft.SetAddElements(vniSet(), add); err != nil {
-		return fmt.Errorf("failed to queue VNIs for set %s: %w", SetName, err)
-	}
-	if err := p.nftFlush(fmt.Sprintf("add %d encrypted VNIs", len(add))); err != nil {
+	if err := p.nftFlush(fmt.Sprintf("add encrypted VNIs %v, clear VNIs %v, remove clear VNIs %v", addEnc, addClear, delClear)); err != nil {
 		return err
 	}
-	p.stats.NftElements += len(add)
-	for _, e := range add {
-		v, _ := vniFromKey(e.Key)
-		a.vnis = append(a.vnis, v)
-	}
-	slices.Sort(a.vnis)
+	p.stats.NftElements += len(addEnc) + len(addClear) + len(delClear)
+	a.vnis, a.clear = vnis, clear
 	return nil
 }
 
-// nftNarrow removes VNIs no longer encrypted, or the whole table when none
-// is: the last step of Apply, after xfrm state no longer needs them.
+// nftNarrow removes VNIs no longer encrypted or clear, or the whole table
+// when no VNI is encrypted: the last step of Apply, after xfrm state no
+// longer needs them.
 func (p *Programmer) nftNarrow(n *nftDesired, a *nftActual) error {
 	if !a.exists {
 		return nil
@@ -432,26 +466,26 @@ func (p *Programmer) nftNarrow(n *nftDesired, a *nftActual) error {
 		if err := p.nftFlush("remove encryption rules"); err != nil {
 			return err
 		}
-		a.exists, a.vnis = false, nil
+		a.exists, a.vnis, a.clear = false, nil, nil
 		return nil
 	}
-	var del []nftables.SetElement
-	for _, v := range a.vnis {
-		if _, ok := slices.BinarySearch(n.vnis, v); !ok {
-			del = append(del, nftables.SetElement{Key: vniKey(v)})
+	delEnc, delClear := minus(a.vnis, n.vnis), minus(a.clear, n.clear)
+	if len(delEnc)+len(delClear) == 0 {
+		return nil
+	}
+	for set, vnis := range map[string][]uint32{SetName: delEnc, ClearSetName: delClear} {
+		if len(vnis) == 0 {
+			continue
+		}
+		if err := p.nft.SetDeleteElements(vniSet(set), elements(vnis)); err != nil {
+			return fmt.Errorf("failed to queue removal of VNIs %v from set %s: %w", vnis, set, err)
 		}
 	}
-	if len(del) == 0 {
-		return nil
-	}
-	if err := p.nft.SetDeleteElements(vniSet(), del); err != nil {
-		return fmt.Errorf("failed to queue VNI removal from set %s: %w", SetName, err)
-	}
-	if err := p.nftFlush(fmt.Sprintf("remove %d VNIs from the encrypted set", len(del))); err != nil {
+	if err := p.nftFlush(fmt.Sprintf("remove VNIs %v (encrypted) and %v (clear)", delEnc, delClear)); err != nil {
 		return err
 	}
-	p.stats.NftElements += len(del)
-	a.vnis = slices.Clone(n.vnis)
+	p.stats.NftElements += len(delEnc) + len(delClear)
+	a.vnis, a.clear = slices.Clone(n.vnis), slices.Clone(n.clear)
 	return nil
 }
 
@@ -467,14 +501,15 @@ func nftAudit(n *nftDesired, a *nftActual) []string {
 		return []string{fmt.Sprintf("nft: table inet %s missing", TableName)}
 	}
 	out := slices.Clone(a.problems)
-	for _, v := range n.vnis {
-		if _, ok := slices.BinarySearch(a.vnis, v); !ok {
-			out = append(out, fmt.Sprintf("nft: VNI %d missing from set %s", v, SetName))
+	for _, s := range []struct {
+		name      string
+		want, got []uint32
+	}{{SetName, n.vnis, a.vnis}, {ClearSetName, n.clear, a.clear}} {
+		for _, v := range minus(s.want, s.got) {
+			out = append(out, fmt.Sprintf("nft: VNI %d missing from set %s", v, s.name))
 		}
-	}
-	for _, v := range a.vnis {
-		if _, ok := slices.BinarySearch(n.vnis, v); !ok {
-			out = append(out, fmt.Sprintf("nft: VNI %d in set %s but not encrypted", v, SetName))
+		for _, v := range minus(s.got, s.want) {
+			out = append(out, fmt.Sprintf("nft: VNI %d in set %s but not desired there", v, s.name))
 		}
 	}
 	return out

@@ -1,8 +1,10 @@
 package encryption
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
+	"maps"
 	"net/netip"
 	"slices"
 
@@ -51,13 +53,16 @@ func (s Stats) String() string {
 // namespace, where the VXLAN sockets live) match a Desired. It talks to the
 // kernel only through sockets bound to that namespace.
 //
-// A Programmer is not safe for concurrent use: its owner (the driver, under
-// the encryption lock) serialises calls.
+// A Programmer is not safe for concurrent use: its owner (Owner, under its
+// lock) serialises calls.
 type Programmer struct {
 	nsfd  int // our own duplicate of the namespace handle
 	nl    *netlink.Handle
 	nft   *nftables.Conn
 	stats Stats
+	// changed counts the requests that succeeded in changing the kernel
+	// (Stats counts attempts).
+	changed int
 }
 
 // NewProgrammer returns a Programmer for namespace ns. It keeps its own
@@ -96,76 +101,83 @@ func (p *Programmer) Close() error {
 func (p *Programmer) Stats() Stats { return p.stats }
 
 // Apply makes the kernel hold exactly what d describes: it dumps overlayd's
-// SAs (by reqid), policies (by template reqid) and nftables table, diffs
-// them against d and applies the difference. It is level-triggered: the same
-// call reconciles at start-up, after a crash half-way, or after someone
-// edited the state.
+// SAs (by reqid), policies (by template reqid, or the clear mark) and
+// nftables table, diffs them against d and applies the difference. It is
+// level-triggered: the same call reconciles at start-up, after a crash
+// half-way, or after someone edited the state.
 //
 // Order, chosen so that no step ever lets an encrypted VNI's VXLAN packet
 // leave or enter in clear (fail closed), and so that a rotation drops no
 // packet (hitless):
 //
-//  1. nftables first, widening only: the table, its mark and drop rules, and
-//     every desired VNI in the set, in one atomic transaction (VNIs no
-//     longer desired stay for now). From here on, encrypted VXLAN without an
-//     xfrm transform is dropped on the way out, and without ESP on the way
-//     in, whatever xfrm holds.
-//  2. Inbound SAs for every accepted epoch: we can decrypt before anyone
+//  1. nftables first, widening only: the table, its rules, every desired
+//     encrypted VNI in encrypted_vnis (VNIs no longer desired stay for now)
+//     and the clear VNIs in clear_vnis, in one atomic transaction.
+//  2. The clear policy (mark ClearMark: allow, no transform), so that
+//     clear VNIs keep leaving in clear once a remote's policy exists.
+//  3. Inbound SAs for every accepted epoch: we can decrypt before anyone
 //     sends with a new epoch (the cluster waits for our Accept).
-//  3. Per remote, the outbound SA of the Send epoch, then the outbound
+//  4. Per remote, the outbound SA of the Send epoch, then the outbound
 //     policy pointing at it (an add, or an atomic XfrmPolicyUpdate of the
-//     template SPI: switching epochs swaps one pointer, no gap). SAs exist
-//     before policies point at them. If the new outbound SA cannot be added
-//     and the policy points at an SA that still exists, the remote is left
-//     as it was (old epoch, still accepted everywhere); a new remote's
-//     policy is installed anyway: with no SA it drops.
-//  4. Policies no longer desired (remote gone): marked packets to that
-//     remote now have no transform and are dropped by step 1's rule.
-//  5. SAs no longer desired: old outbound SAs (no policy points at them
-//     any more), retired inbound epochs (everyone sends newer), removed
-//     remotes. Removing an SA only ever drops, never leaks.
-//  6. nftables narrowing last: VNIs no longer encrypted leave the set, or
-//     the table goes when no VNI is encrypted (nothing of ours is left).
+//     template SPI: switching epochs or generations swaps one pointer, no
+//     gap). SAs exist before policies point at them. If the new outbound
+//     SA cannot be added and the policy points at an SA that still
+//     exists, the remote is left as it was; a new remote's policy is
+//     installed anyway: with no SA it drops. Then kept outbound SAs.
+//  5. Policies no longer desired (remote gone), the clear policy last.
+//  6. SAs no longer desired: old outbound SAs (no policy points at them
+//     any more), retired inbound epochs, removed remotes, old generations —
+//     only when every step before succeeded, so that the previous state
+//     can be re-applied without re-creating an SA. Removing an SA only
+//     ever drops, never leaks.
+//  7. nftables narrowing last: VNIs no longer encrypted or clear leave
+//     their sets, or the table goes when no VNI is encrypted.
 //
-// On a kernel that cannot install ESP states, Apply still does steps 1, 3
-// (policies), 4 and 6, skips the SAs and returns an error wrapping
-// ErrKernelUnsupported: the encrypted VNIs are then dropped both ways
-// (policies without SAs drop, nftables drops what xfrm does not transform),
-// which is the only safe state, and Audit lists the missing SAs. Other
-// errors are collected (each names its object); Apply carries on with the
-// other objects and returns them joined. A caller must not advertise the
-// new NodeKeys until Apply returned nil.
+// On a kernel that cannot install ESP states, Apply still does everything
+// but the SAs and returns an error wrapping ErrKernelUnsupported: the
+// encrypted VNIs are then dropped both ways (policies without SAs drop,
+// nftables drops what xfrm does not transform), which is the only safe
+// state. Other errors are collected (each names its object); Apply carries
+// on with the other objects and returns them joined. A caller must not
+// advertise new keys until Apply returned nil.
 func (p *Programmer) Apply(d Desired) error {
+	res, err := p.apply(&d, nil)
+	return errors.Join(append([]error{err}, res.collisions...)...)
+}
+
+// apply is Apply with an xfrm dump the caller already made (nil: dump). SPI
+// collisions are returned in the result, not in the error.
+func (p *Programmer) apply(d *Desired, ax *actualXfrm) (execResult, error) {
 	if p == nil || p.nl == nil {
-		return errors.New("encryption: Apply on a closed Programmer")
+		return execResult{}, errors.New("encryption: Apply on a closed Programmer")
 	}
 	if err := d.Validate(); err != nil {
-		return fmt.Errorf("invalid desired encryption state: %w", err)
+		return execResult{}, fmt.Errorf("invalid desired encryption state: %w", err)
 	}
-	dx, err := xfrmOf(&d)
+	dx, err := xfrmOf(d)
 	if err != nil {
-		return err
+		return execResult{}, err
 	}
-	dn := nftOf(&d)
+	dn := nftOf(d)
 	an, err := p.nftDump(dn)
 	if err != nil {
-		return err
+		return execResult{}, err
 	}
-	ax, err := p.xfrmDump()
-	if err != nil {
-		return err
+	if ax == nil {
+		if ax, err = p.xfrmDump(); err != nil {
+			return execResult{}, err
+		}
 	}
 	// 1.
 	if err := p.nftWiden(dn, an); err != nil {
 		// Without the fail-closed rules nothing else may change.
-		return err
+		return execResult{}, err
 	}
-	// 2.-5.
-	errs := []error{p.execute(planXfrm(dx, ax, d.Port), ax, d.Port)}
-	errs = append(errs, dx.collisions...)
-	// 6.
-	errs = append(errs, p.nftNarrow(dn, an))
-	return errors.Join(errs...)
+	// 2.-6.
+	res, err := p.execute(planXfrm(dx, ax, d.Port, d.Local), ax, d.Port, d.Local)
+	res.collisions = dx.collisions
+	// 7.
+	return res, errors.Join(err, p.nftNarrow(dn, an))
 }
 
 // Audit returns the differences between the kernel and d, one line each;
@@ -191,35 +203,46 @@ func (p *Programmer) Audit(d Desired) []string {
 		return []string{err.Error()}
 	}
 	out := nftAudit(dn, an)
-	out = append(out, xfrmAudit(dx, ax, d.Port)...)
+	out = append(out, xfrmAudit(dx, ax, d.Port, d.Local)...)
 	slices.Sort(out)
 	return out
 }
 
 // PairStatus is what `overlayd status` shows for one remote: the epochs
-// (key tags) in use and SA counters, never key bytes.
+// (key tags) and generations in use and SA counters, never key bytes.
 type PairStatus struct {
-	Remote      netip.Addr
-	SendEpoch   uint32 // epoch of the SA the outbound policy points at (0: none)
-	SendSA      SAStatus
-	Inbound     []SAStatus // one per accepted epoch, by epoch
-	PolicyFound bool
+	Remote netip.Addr `json:"remote"`
+	// RemoteGen is the remote's advertised send generation (0: unknown, no
+	// inbound SA yet).
+	RemoteGen uint64 `json:"remote_gen,string"`
+	// Shares is how many shares need this remote (0: only its outbound SA
+	// is kept, for when it comes back).
+	Shares      int        `json:"shares"`
+	SendEpoch   uint32     `json:"send_epoch"` // epoch of the SA the outbound policy points at (0: none)
+	SendSA      SAStatus   `json:"send_sa"`
+	Inbound     []SAStatus `json:"inbound"` // one per accepted epoch, by epoch
+	PolicyFound bool       `json:"policy_found"`
 }
 
 // SAStatus describes one SA.
 type SAStatus struct {
-	Epoch            uint32
-	SPI              uint32
-	Installed        bool
-	Packets, Bytes   uint64
-	IntegrityFailed  uint32
-	ReplayDropped    uint32
-	ReplayWindowDrop uint32
+	Epoch            uint32 `json:"epoch"`
+	Gen              uint64 `json:"gen,string"` // the sender's send generation
+	SPI              uint32 `json:"spi"`
+	Installed        bool   `json:"installed"`
+	Packets          uint64 `json:"packets"`
+	Bytes            uint64 `json:"bytes"`
+	IntegrityFailed  uint32 `json:"integrity_failed"`
+	ReplayDropped    uint32 `json:"replay_dropped"`
+	ReplayWindowDrop uint32 `json:"replay_window_dropped"`
 }
 
 // Status reports, for every remote of d, the SAs and policy the kernel
 // holds, with their counters.
 func (p *Programmer) Status(d Desired) ([]PairStatus, error) {
+	if p == nil || p.nl == nil {
+		return nil, errors.New("encryption: Status on a closed Programmer")
+	}
 	if err := d.Validate(); err != nil {
 		return nil, err
 	}
@@ -232,18 +255,19 @@ func (p *Programmer) Status(d Desired) ([]PairStatus, error) {
 		return nil, err
 	}
 	byRemote := map[netip.Addr]*PairStatus{}
-	var order []netip.Addr
 	get := func(r netip.Addr) *PairStatus {
 		if ps, ok := byRemote[r]; ok {
 			return ps
 		}
-		ps := &PairStatus{Remote: r}
+		ps := &PairStatus{Remote: r, RemoteGen: d.RemoteGens[r]}
 		byRemote[r] = ps
-		order = append(order, r)
 		return ps
 	}
+	for _, r := range d.Remotes {
+		get(r.Unmap())
+	}
 	for k, w := range dx.states {
-		st := SAStatus{Epoch: w.epoch, SPI: k.spi}
+		st := SAStatus{Epoch: w.epoch, Gen: w.gen, SPI: k.spi}
 		if got, ok := ax.states[k]; ok && got.Aead != nil {
 			st.Installed = true
 			st.Packets, st.Bytes = got.Statistics.Packets, got.Statistics.Bytes
@@ -259,6 +283,9 @@ func (p *Programmer) Status(d Desired) ([]PairStatus, error) {
 		}
 	}
 	for k, w := range dx.policies {
+		if w.clear {
+			continue
+		}
 		ps := get(w.remote)
 		if got, ok := ax.policies[k]; ok && len(got.Tmpls) == 1 {
 			ps.PolicyFound = true
@@ -267,19 +294,19 @@ func (p *Programmer) Status(d Desired) ([]PairStatus, error) {
 			}
 		}
 	}
-	slices.SortFunc(order, func(a, b netip.Addr) int { return a.Compare(b) })
-	out := make([]PairStatus, 0, len(order))
-	for _, r := range order {
+	out := make([]PairStatus, 0, len(byRemote))
+	for _, r := range slices.SortedFunc(maps.Keys(byRemote), netip.Addr.Compare) {
 		ps := byRemote[r]
-		slices.SortFunc(ps.Inbound, func(a, b SAStatus) int { return int(int64(a.Epoch) - int64(b.Epoch)) })
+		slices.SortFunc(ps.Inbound, func(a, b SAStatus) int { return cmp.Compare(a.Epoch, b.Epoch) })
 		out = append(out, *ps)
 	}
 	return out, nil
 }
 
 // Counters returns the packet counters of the nftables rules by chain name
-// (ChainMark: marked packets, ChainOutDrop: clear text dropped on the way
-// out, ChainInDrop: clear text dropped on the way in).
+// (ChainMark: clear VNIs' packets marked, ChainOutDrop: clear text of
+// encrypted VNIs dropped on the way out, ChainInDrop: clear text of
+// encrypted VNIs dropped on the way in).
 func (p *Programmer) Counters(d Desired) (map[string]uint64, error) {
 	a, err := p.nftDump(nftOf(&d))
 	if err != nil {

@@ -4,11 +4,11 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"runtime"
 
 	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
-
-	"github.com/overlayd/overlayd/internal/netnsutil"
 )
 
 // CheckKernelSupport reports whether this kernel can do what encrypted
@@ -33,7 +33,7 @@ const supportHint = " — encrypted networks need the esp4 (esp6 for an IPv6 und
 	"load them (modprobe) or use a kernel that has them"
 
 func checkKernelSupport(local, remote netip.Addr) (err error) {
-	ns, err := netnsutil.New()
+	ns, err := newNetNS()
 	if err != nil {
 		return fmt.Errorf("encryption support check: %w", err)
 	}
@@ -44,32 +44,35 @@ func checkKernelSupport(local, remote netip.Addr) (err error) {
 	}
 	defer nl.Close()
 	secret := []byte("overlayd kernel support check!!")
-	w := &wantState{src: local, epoch: 1, remote: remote}
-	if w.key.spi, err = SPI(secret, local, remote, 1); err != nil {
+	const gen = 1
+	w := &wantState{src: local, epoch: 1, gen: gen, remote: remote, outbound: true}
+	if w.key.spi, err = SPI(secret, local, remote, 1, gen); err != nil {
 		return err
 	}
 	w.key.dst = remote
-	if w.aeadKey, err = SAKey(secret, local, remote, 1); err != nil {
+	if w.aeadKey, err = SAKey(secret, local, remote, 1, gen); err != nil {
 		return err
 	}
 	if err := nl.XfrmStateAdd(w.netlink(4799)); err != nil {
 		return fmt.Errorf("%w: %w%s", ErrKernelUnsupported, err, supportHint)
 	}
-	pk := polKey{src: hostPrefix(local), dst: hostPrefix(remote), dport: 4799, mark: DefaultMark, mask: DefaultMarkMask}
-	if err := nl.XfrmPolicyAdd(pk.netlink(w.key.spi)); err != nil {
-		return fmt.Errorf("kernel cannot install xfrm policies: %w", err)
+	for _, pk := range []polKey{remoteKey(local, remote, 4799), clearKey(local, 4799)} {
+		wp := &wantPolicy{remote: remote, spi: w.key.spi, epoch: 1, clear: pk.mark == ClearMark}
+		if err := nl.XfrmPolicyAdd(pk.netlink(wp, local)); err != nil {
+			return fmt.Errorf("kernel cannot install xfrm policies (%v): %w", pk, err)
+		}
 	}
 	p, err := NewProgrammer(ns)
 	if err != nil {
 		return fmt.Errorf("encryption support check: %w", err)
 	}
 	defer p.Close()
-	n := &nftDesired{port: 4799, mark: DefaultMark, mask: DefaultMarkMask, vnis: []uint32{1}}
-	if err := p.nftBuild(n, false, n.vnis); err != nil {
+	n := &nftDesired{port: 4799, vnis: []uint32{1}, clear: []uint32{2}}
+	if err := p.nftBuild(n, false, n.vnis, n.clear); err != nil {
 		return err
 	}
 	if err := p.nftFlush("install test rules"); err != nil {
-		return fmt.Errorf("kernel cannot install overlayd's nftables rules (nf_tables with inet family, rt and meta secpath): %w", err)
+		return fmt.Errorf("kernel cannot install overlayd's nftables rules (nf_tables with inet family, rt and meta secpath, route chains): %w", err)
 	}
 	if a, err := p.nftDump(n); err != nil || !a.ok {
 		if err == nil {
@@ -78,4 +81,44 @@ func checkKernelSupport(local, remote netip.Addr) (err error) {
 		return fmt.Errorf("kernel does not hold overlayd's nftables rules as installed: %w", err)
 	}
 	return nil
+}
+
+// newNetNS creates an anonymous network namespace and returns a handle to
+// it, without leaving any goroutine's thread in it: it switches a locked
+// thread, and switches it back before unlocking it. If switching back fails
+// the thread stays locked, so the runtime ends it with its goroutine
+// instead of handing a thread in the wrong namespace to other goroutines.
+func newNetNS() (netns.NsHandle, error) {
+	type result struct {
+		ns  netns.NsHandle
+		err error
+	}
+	ch := make(chan result, 1)
+	go func() {
+		runtime.LockOSThread()
+		orig, err := netns.Get()
+		if err != nil {
+			runtime.UnlockOSThread()
+			ch <- result{netns.None(), fmt.Errorf("failed to get the current network namespace: %w", err)}
+			return
+		}
+		defer orig.Close()
+		ns, err := netns.New() // unshare + open: switches this (locked) thread
+		if serr := netns.Set(orig); serr != nil {
+			if err == nil {
+				ns.Close()
+			}
+			// Leave the thread locked: it dies with this goroutine.
+			ch <- result{netns.None(), fmt.Errorf("failed to restore the network namespace after creating one: %w", serr)}
+			return
+		}
+		runtime.UnlockOSThread()
+		if err != nil {
+			ch <- result{netns.None(), fmt.Errorf("failed to create a network namespace: %w", err)}
+			return
+		}
+		ch <- result{ns, nil}
+	}()
+	r := <-ch
+	return r.ns, r.err
 }

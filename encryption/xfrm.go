@@ -47,13 +47,28 @@ type actualXfrm struct {
 	strays   []netlink.XfrmPolicy // ours, but not of a shape we install (removed)
 }
 
+func (a *actualXfrm) has(k stateKey) bool {
+	_, ok := a.states[k]
+	return ok
+}
+
+// ours reports whether pol is overlayd's: a template with our reqid, or the
+// clear policy's mark.
 func ours(pol *netlink.XfrmPolicy) bool {
 	for _, t := range pol.Tmpls {
 		if t.Reqid == ReqID {
 			return true
 		}
 	}
-	return false
+	return len(pol.Tmpls) == 0 && pol.Mark != nil && pol.Mark.Value == ClearMark && pol.Mark.Mask == ClearMarkMask
+}
+
+func polKeyOf(pol *netlink.XfrmPolicy) polKey {
+	k := polKey{src: prefixOf(pol.Src), dst: prefixOf(pol.Dst), dport: pol.DstPort}
+	if pol.Mark != nil {
+		k.mark, k.mask = pol.Mark.Value, pol.Mark.Mask
+	}
+	return k
 }
 
 func (p *Programmer) xfrmDump() (*actualXfrm, error) {
@@ -76,27 +91,31 @@ func (p *Programmer) xfrmDump() (*actualXfrm, error) {
 		}
 		a.states[stateKey{addrOf(s.Dst), uint32(s.Spi)}] = s
 	}
-	var pols []netlink.XfrmPolicy
-	for try := 0; try < 5; try++ {
-		p.stats.XfrmDumps++
-		pols, err = p.nl.XfrmPolicyList(netlink.FAMILY_ALL)
-		if !errors.Is(err, netlink.ErrDumpInterrupted) {
-			break
+	// One dump per family: the library cannot tell 0.0.0.0/0 from ::/0 in
+	// a dump of all families, and our policies select "any source".
+	for _, fam := range []int{netlink.FAMILY_V4, netlink.FAMILY_V6} {
+		var pols []netlink.XfrmPolicy
+		for try := 0; try < 5; try++ {
+			p.stats.XfrmDumps++
+			pols, err = p.nl.XfrmPolicyList(fam)
+			if !errors.Is(err, netlink.ErrDumpInterrupted) {
+				break
+			}
 		}
-	}
-	if err != nil {
-		return nil, fmt.Errorf("failed to dump xfrm policies: %w", err)
-	}
-	for _, pol := range pols {
-		if !ours(&pol) {
-			continue
+		if err != nil {
+			return nil, fmt.Errorf("failed to dump xfrm policies: %w", err)
 		}
-		if pol.Dir != netlink.XFRM_DIR_OUT || pol.Mark == nil || pol.Proto != netlink.Proto(unix.IPPROTO_UDP) {
-			a.strays = append(a.strays, pol)
-			continue
+		for _, pol := range pols {
+			if !ours(&pol) {
+				continue
+			}
+			if pol.Dir != netlink.XFRM_DIR_OUT || pol.Proto != netlink.Proto(unix.IPPROTO_UDP) || len(pol.Tmpls) > 1 ||
+				(len(pol.Tmpls) == 1 && pol.Mark != nil && (pol.Mark.Value != 0 || pol.Mark.Mask != 0)) {
+				a.strays = append(a.strays, pol)
+				continue
+			}
+			a.policies[polKeyOf(&pol)] = pol
 		}
-		k := polKey{src: prefixOf(pol.Src), dst: prefixOf(pol.Dst), dport: pol.DstPort, mark: pol.Mark.Value, mask: pol.Mark.Mask}
-		a.policies[k] = pol
 	}
 	return a, nil
 }
@@ -130,8 +149,23 @@ func stateDiff(got *netlink.XfrmState, w *wantState, port int) string {
 }
 
 // policyDiff describes how an existing outbound policy differs from the
-// wanted template ("" when it matches).
-func policyDiff(got *netlink.XfrmPolicy, k polKey, w *wantPolicy) string {
+// wanted one ("" when it matches).
+func policyDiff(got *netlink.XfrmPolicy, k polKey, w *wantPolicy, local netip.Addr) string {
+	switch {
+	case got.Action != netlink.XFRM_POLICY_ALLOW:
+		return "action is not allow"
+	case got.Ifindex != 0 || got.Ifid != 0 || got.SrcPort != 0:
+		return "selector has interface or source port"
+	}
+	if w.clear {
+		switch {
+		case len(got.Tmpls) != 0:
+			return fmt.Sprintf("%d templates, want none", len(got.Tmpls))
+		case got.Priority != ClearPolicyPriority:
+			return fmt.Sprintf("priority %d, want %d", got.Priority, ClearPolicyPriority)
+		}
+		return ""
+	}
 	if len(got.Tmpls) != 1 {
 		return fmt.Sprintf("%d templates, want 1", len(got.Tmpls))
 	}
@@ -141,14 +175,10 @@ func policyDiff(got *netlink.XfrmPolicy, k polKey, w *wantPolicy) string {
 		return fmt.Sprintf("template spi 0x%08x, want 0x%08x", uint32(t.Spi), w.spi)
 	case t.Proto != netlink.XFRM_PROTO_ESP || t.Mode != netlink.XFRM_MODE_TRANSPORT || t.Reqid != ReqID:
 		return "template is not ESP transport with our reqid"
-	case addrOf(t.Src) != k.src.Addr() || addrOf(t.Dst) != k.dst.Addr():
+	case addrOf(t.Src) != local.Unmap() || addrOf(t.Dst) != k.dst.Addr():
 		return fmt.Sprintf("template %v -> %v", addrOf(t.Src), addrOf(t.Dst))
-	case got.Action != netlink.XFRM_POLICY_ALLOW:
-		return "action is not allow"
 	case got.Priority != PolicyPriority:
 		return fmt.Sprintf("priority %d, want %d", got.Priority, PolicyPriority)
-	case got.Ifindex != 0 || got.Ifid != 0 || got.SrcPort != 0:
-		return "selector has interface or source port"
 	}
 	return ""
 }
@@ -157,8 +187,10 @@ func policyDiff(got *netlink.XfrmPolicy, k polKey, w *wantPolicy) string {
 // desired. It is computed without touching the kernel, which makes the
 // number of kernel operations of any transition testable on any kernel.
 type xfrmPlan struct {
+	clear    *policyChange  // the clear policy to add or update, first
 	inbound  []stateChange  // inbound SAs to add or replace
 	remotes  []remoteChange // per remote: outbound SA then policy
+	kept     []stateChange  // kept outbound SAs (no policy) to replace
 	polDel   []netlink.XfrmPolicy
 	stateDel []netlink.XfrmState // not desired; deleted last
 }
@@ -167,6 +199,12 @@ type stateChange struct {
 	want    *wantState
 	replace bool   // delete the existing state of that key first
 	why     string // why it is replaced
+}
+
+type policyChange struct {
+	key  polKey
+	want *wantPolicy
+	op   int // polAdd or polUpdate
 }
 
 type remoteChange struct {
@@ -186,18 +224,24 @@ const (
 
 // Ops counts the kernel requests a plan makes (without dumps).
 func (pl *xfrmPlan) Ops() (states, policies int) {
-	for _, c := range pl.inbound {
+	count := func(c *stateChange) {
 		states++
 		if c.replace {
 			states++
 		}
 	}
+	if pl.clear != nil {
+		policies++
+	}
+	for i := range pl.inbound {
+		count(&pl.inbound[i])
+	}
+	for i := range pl.kept {
+		count(&pl.kept[i])
+	}
 	for _, r := range pl.remotes {
 		if r.sa != nil {
-			states++
-			if r.sa.replace {
-				states++
-			}
+			count(r.sa)
 		}
 		if r.policy != polNone {
 			policies++
@@ -206,15 +250,16 @@ func (pl *xfrmPlan) Ops() (states, policies int) {
 	return states + len(pl.stateDel), policies + len(pl.polDel)
 }
 
-func planXfrm(d *desiredXfrm, a *actualXfrm, port int) *xfrmPlan {
+func planXfrm(d *desiredXfrm, a *actualXfrm, port int, local netip.Addr) *xfrmPlan {
 	pl := &xfrmPlan{}
 	wanted := map[stateKey]bool{}
-	// Inbound first, in a deterministic order.
-	keys := make([]stateKey, 0, len(d.states))
-	for k := range d.states {
-		keys = append(keys, k)
-	}
-	slices.SortFunc(keys, func(x, y stateKey) int {
+	keys := slices.SortedFunc(func(yield func(stateKey) bool) {
+		for k := range d.states {
+			if !yield(k) {
+				return
+			}
+		}
+	}, func(x, y stateKey) int {
 		if c := x.dst.Compare(y.dst); c != 0 {
 			return c
 		}
@@ -233,28 +278,41 @@ func planXfrm(d *desiredXfrm, a *actualXfrm, port int) *xfrmPlan {
 		if ch == nil {
 			continue
 		}
-		if w.outbound {
-			outbound[w.remote] = ch
-		} else {
+		switch {
+		case !w.outbound:
 			pl.inbound = append(pl.inbound, *ch)
+		case d.policies[remoteKey(local, w.remote, port)] != nil:
+			outbound[w.remote] = ch
+		default:
+			pl.kept = append(pl.kept, *ch)
 		}
 	}
-	pkeys := make([]polKey, 0, len(d.policies))
-	for k := range d.policies {
-		pkeys = append(pkeys, k)
-	}
-	slices.SortFunc(pkeys, func(x, y polKey) int { return x.dst.Addr().Compare(y.dst.Addr()) })
-	for _, k := range pkeys {
-		w := d.policies[k]
-		rc := remoteChange{key: k, want: w, sa: outbound[w.remote]}
-		if got, ok := a.policies[k]; !ok {
-			rc.policy = polAdd
-		} else if why := policyDiff(&got, k, w); why != "" {
-			rc.policy = polUpdate
-			if len(got.Tmpls) > 0 {
-				rc.oldSPI = uint32(got.Tmpls[0].Spi)
+	pkeys := slices.SortedFunc(func(yield func(polKey) bool) {
+		for k := range d.policies {
+			if !yield(k) {
+				return
 			}
 		}
+	}, func(x, y polKey) int { return x.dst.Addr().Compare(y.dst.Addr()) })
+	for _, k := range pkeys {
+		w := d.policies[k]
+		op := polNone
+		var oldSPI uint32
+		if got, ok := a.policies[k]; !ok {
+			op = polAdd
+		} else if why := policyDiff(&got, k, w, local); why != "" {
+			op = polUpdate
+			if len(got.Tmpls) > 0 {
+				oldSPI = uint32(got.Tmpls[0].Spi)
+			}
+		}
+		if w.clear {
+			if op != polNone {
+				pl.clear = &policyChange{key: k, want: w, op: op}
+			}
+			continue
+		}
+		rc := remoteChange{key: k, want: w, sa: outbound[w.remote], policy: op, oldSPI: oldSPI}
 		if rc.sa != nil || rc.policy != polNone {
 			pl.remotes = append(pl.remotes, rc)
 		}
@@ -265,6 +323,9 @@ func planXfrm(d *desiredXfrm, a *actualXfrm, port int) *xfrmPlan {
 		}
 	}
 	pl.polDel = append(pl.polDel, a.strays...)
+	// Per-remote policies go before the clear policy: while a remote's
+	// policy exists, the clear policy is what lets clear VNIs out.
+	slices.SortStableFunc(pl.polDel, func(x, y netlink.XfrmPolicy) int { return len(y.Tmpls) - len(x.Tmpls) })
 	for k, s := range a.states {
 		if !wanted[k] {
 			pl.stateDel = append(pl.stateDel, s)
@@ -280,13 +341,10 @@ func (p *Programmer) addState(w *wantState, port int) error {
 	p.stats.StateAdds++
 	err := p.nl.XfrmStateAdd(w.netlink(port))
 	if err != nil {
-		dir := "inbound"
-		if w.outbound {
-			dir = "outbound"
-		}
-		err = fmt.Errorf("failed to add %s SA spi 0x%08x src %v dst %v (epoch %d): %w", dir, w.key.spi, w.src, w.key.dst, w.epoch, err)
+		return fmt.Errorf("failed to add %s SA spi 0x%08x src %v dst %v (epoch %d, generation %016x): %w", w.dir(), w.key.spi, w.src, w.key.dst, w.epoch, w.gen, err)
 	}
-	return err
+	p.changed++
+	return nil
 }
 
 func (p *Programmer) delState(s *netlink.XfrmState) error {
@@ -295,11 +353,12 @@ func (p *Programmer) delState(s *netlink.XfrmState) error {
 	if err != nil && !errors.Is(err, unix.ESRCH) && !errors.Is(err, unix.ENOENT) {
 		return fmt.Errorf("failed to delete SA spi 0x%08x src %v dst %v: %w", uint32(s.Spi), addrOf(s.Src), addrOf(s.Dst), err)
 	}
+	p.changed++
 	return nil
 }
 
-func (p *Programmer) setPolicy(k polKey, spi uint32, op int) error {
-	pol := k.netlink(spi)
+func (p *Programmer) setPolicy(k polKey, w *wantPolicy, local netip.Addr, op int) error {
+	pol := k.netlink(w, local)
 	var err error
 	if op == polAdd {
 		p.stats.PolicyAdds++
@@ -313,8 +372,12 @@ func (p *Programmer) setPolicy(k polKey, spi uint32, op int) error {
 		err = p.nl.XfrmPolicyUpdate(pol)
 	}
 	if err != nil {
-		return fmt.Errorf("failed to set %v -> spi 0x%08x: %w", k, spi, err)
+		if w.clear {
+			return fmt.Errorf("failed to set %v: %w", k, err)
+		}
+		return fmt.Errorf("failed to set %v -> spi 0x%08x: %w", k, w.spi, err)
 	}
+	p.changed++
 	return nil
 }
 
@@ -324,12 +387,25 @@ func (p *Programmer) delPolicy(pol *netlink.XfrmPolicy) error {
 	if err != nil && !errors.Is(err, unix.ENOENT) {
 		return fmt.Errorf("failed to delete policy dir %v src %v dst %v dport %d: %w", pol.Dir, pol.Src, pol.Dst, pol.DstPort, err)
 	}
+	p.changed++
 	return nil
+}
+
+// execResult is what an execution did that its caller must know.
+type execResult struct {
+	// failedOut are remotes whose outbound SA could not be added: the
+	// kernel never held it, so its key was never used.
+	failedOut []netip.Addr
+	// unsupported: the kernel cannot install ESP states at all.
+	unsupported bool
+	// collisions are SAs left out because of an SPI collision.
+	collisions []error
 }
 
 // execute applies pl. See Apply for the order and why it never opens a
 // clear-text window.
-func (p *Programmer) execute(pl *xfrmPlan, a *actualXfrm, port int) error {
+func (p *Programmer) execute(pl *xfrmPlan, a *actualXfrm, port int, local netip.Addr) (execResult, error) {
+	var res execResult
 	var errs []error
 	var unsupportedErr error
 	apply := func(c *stateChange) error {
@@ -349,26 +425,33 @@ func (p *Programmer) execute(pl *xfrmPlan, a *actualXfrm, port int) error {
 		}
 		return err
 	}
-	// 1. Inbound SAs of every accepted epoch.
+	// 1. The clear policy, before any remote's policy needs it.
+	if pl.clear != nil {
+		if err := p.setPolicy(pl.clear.key, pl.clear.want, local, pl.clear.op); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	// 2. Inbound SAs of every accepted epoch.
 	for i := range pl.inbound {
 		if err := apply(&pl.inbound[i]); err != nil && err != unsupportedErr {
 			errs = append(errs, err)
 		}
 	}
-	// 2. Per remote: the outbound SA, then the policy that points at it.
+	// 3. Per remote: the outbound SA, then the policy that points at it.
 	keep := map[stateKey]bool{}
 	for _, rc := range pl.remotes {
 		if rc.sa != nil {
 			if err := apply(rc.sa); err != nil {
+				res.failedOut = append(res.failedOut, rc.sa.want.remote)
 				if err != unsupportedErr {
 					errs = append(errs, err)
 				}
 				// Keep the remote as it was when its policy points at an SA
 				// that still exists: traffic continues with the old epoch.
 				// Otherwise the policy is still installed: with no SA it
-				// drops (and nftables drops what xfrm does not transform).
+				// drops.
 				if rc.policy == polUpdate {
-					if _, ok := a.states[stateKey{rc.key.dst.Addr(), rc.oldSPI}]; ok {
+					if a.has(stateKey{rc.key.dst.Addr(), rc.oldSPI}) {
 						keep[stateKey{rc.key.dst.Addr(), rc.oldSPI}] = true
 						continue
 					}
@@ -376,47 +459,57 @@ func (p *Programmer) execute(pl *xfrmPlan, a *actualXfrm, port int) error {
 			}
 		}
 		if rc.policy != polNone {
-			if err := p.setPolicy(rc.key, rc.want.spi, rc.policy); err != nil {
+			if err := p.setPolicy(rc.key, rc.want, local, rc.policy); err != nil {
 				errs = append(errs, err)
 			}
 		}
 	}
-	// 3. Policies no longer desired.
+	for i := range pl.kept {
+		if err := apply(&pl.kept[i]); err != nil {
+			res.failedOut = append(res.failedOut, pl.kept[i].want.remote)
+			if err != unsupportedErr {
+				errs = append(errs, err)
+			}
+		}
+	}
+	// 4. Policies no longer desired (per remote first, the clear policy
+	// last).
 	for i := range pl.polDel {
 		if err := p.delPolicy(&pl.polDel[i]); err != nil {
 			errs = append(errs, err)
 		}
 	}
-	// 4. SAs no longer desired: retired epochs, old outbound SAs, removed
-	// remotes.
-	for i := range pl.stateDel {
-		s := &pl.stateDel[i]
-		if keep[stateKey{addrOf(s.Dst), uint32(s.Spi)}] {
-			continue
-		}
-		if err := p.delState(s); err != nil {
-			errs = append(errs, err)
+	// 5. SAs no longer desired: retired epochs, old outbound SAs, removed
+	// remotes, old generations. Only when everything above succeeded:
+	// after a failure the caller may go back to the previous state, whose
+	// SAs must still be there (re-creating one would reuse its key).
+	if len(errs) == 0 && unsupportedErr == nil {
+		for i := range pl.stateDel {
+			s := &pl.stateDel[i]
+			if keep[stateKey{addrOf(s.Dst), uint32(s.Spi)}] {
+				continue
+			}
+			if err := p.delState(s); err != nil {
+				errs = append(errs, err)
+			}
 		}
 	}
 	if unsupportedErr != nil {
+		res.unsupported = true
 		errs = append([]error{unsupportedErr}, errs...)
 	}
-	return errors.Join(errs...)
+	return res, errors.Join(errs...)
 }
 
 // xfrmAudit lists the differences between the kernel's xfrm state and d.
-func xfrmAudit(d *desiredXfrm, a *actualXfrm, port int) []string {
+func xfrmAudit(d *desiredXfrm, a *actualXfrm, port int, local netip.Addr) []string {
 	var out []string
 	for k, w := range d.states {
-		dir := "inbound"
-		if w.outbound {
-			dir = "outbound"
-		}
 		got, ok := a.states[k]
 		if !ok {
-			out = append(out, fmt.Sprintf("xfrm: %s SA %v src %v (epoch %d) missing", dir, k, w.src, w.epoch))
+			out = append(out, fmt.Sprintf("xfrm: %s SA %v src %v (epoch %d) missing", w.dir(), k, w.src, w.epoch))
 		} else if why := stateDiff(&got, w, port); why != "" {
-			out = append(out, fmt.Sprintf("xfrm: %s SA %v src %v (epoch %d): %s", dir, k, w.src, w.epoch, why))
+			out = append(out, fmt.Sprintf("xfrm: %s SA %v src %v (epoch %d): %s", w.dir(), k, w.src, w.epoch, why))
 		}
 	}
 	for k, s := range a.states {
@@ -428,7 +521,7 @@ func xfrmAudit(d *desiredXfrm, a *actualXfrm, port int) []string {
 		got, ok := a.policies[k]
 		if !ok {
 			out = append(out, fmt.Sprintf("xfrm: %v missing", k))
-		} else if why := policyDiff(&got, k, w); why != "" {
+		} else if why := policyDiff(&got, k, w, local); why != "" {
 			out = append(out, fmt.Sprintf("xfrm: %v: %s", k, why))
 		}
 	}
@@ -438,7 +531,7 @@ func xfrmAudit(d *desiredXfrm, a *actualXfrm, port int) []string {
 		}
 	}
 	for _, s := range a.strays {
-		out = append(out, fmt.Sprintf("xfrm: policy dir %v src %v dst %v has our reqid but is not one we install", s.Dir, s.Src, s.Dst))
+		out = append(out, fmt.Sprintf("xfrm: policy dir %v src %v dst %v has our reqid or mark but is not one we install", s.Dir, s.Src, s.Dst))
 	}
 	out = append(out, errStrings(d.collisions)...)
 	return out

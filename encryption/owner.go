@@ -1,0 +1,979 @@
+package encryption
+
+import (
+	"crypto/rand"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/netip"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
+
+	"github.com/overlayd/overlayd/countmap"
+	"github.com/overlayd/overlayd/internal/lockorder"
+)
+
+// DefaultTick is the default period of the Owner's unconditional reconcile.
+const DefaultTick = 500 * time.Millisecond
+
+// debounce is how long the Owner waits after a kernel notification before
+// reconciling, so that a burst (a flush, or our own transaction echoed
+// back) costs one reconcile.
+const debounce = 20 * time.Millisecond
+
+// espRetry is how often a host whose kernel could not install ESP states
+// tries again (a module may have been loaded since).
+const espRetry = time.Minute
+
+// OwnerConfig configures an Owner.
+type OwnerConfig struct {
+	// NS is the namespace holding the underlay and the VXLAN sockets (the
+	// Owner keeps its own reference; the caller may close NS).
+	NS netns.NsHandle
+	// Port is the VXLAN UDP port.
+	Port int
+	// Secret is the cluster secret keys derive from; nil: encrypted shares
+	// are refused.
+	Secret []byte
+	// Store persists the key state; nil: in memory only (tests).
+	Store  MetaStore
+	Logger *slog.Logger
+	// Tick is the period of the unconditional reconcile (default
+	// DefaultTick).
+	Tick time.Duration
+	// CheckKernel reports whether the kernel can encrypt (default
+	// CheckKernelSupport, or CheckKernelSupportIPv6 for an IPv6 VTEP).
+	CheckKernel func() error
+	// RotateEvery starts a cluster-wide key rotation periodically once
+	// gossip is attached (0: only on Rotate).
+	RotateEvery time.Duration
+}
+
+// MetaStore persists small records by key.
+type MetaStore interface {
+	GetMeta(key string) ([]byte, error) // nil, nil when absent
+	PutMeta(key string, val []byte) error
+}
+
+// MetaKey is the MetaStore key of the Owner's persisted state.
+const MetaKey = "encryption"
+
+// share is one network's registered share.
+type share struct {
+	vnis      []uint32 // sorted, unique
+	encrypted bool
+	// remotes the share counts in Owner.need: its Share.Remotes, plus
+	// those kept by a widening Update.
+	remotes map[netip.Addr]bool
+}
+
+// Owner is the single owner of this host's encryption state: the key
+// epochs and send generation, every network's share, the Programmer that
+// holds the kernel to them, the rotation state machine and their
+// persistence. See the package documentation for the design.
+//
+// All methods are safe for concurrent use. Update and Remove are called
+// with a network's lock held (lockorder.LevelNetwork, above the Owner's
+// LevelEncryption); the Owner never calls out of the package with its lock
+// held (KeyGossip is called without it).
+type Owner struct {
+	cfg    OwnerConfig
+	log    *slog.Logger
+	ns     netns.NsHandle // our own duplicate of cfg.NS, for the watchers
+	notify bool           // kernel notifications on (a test hook turns them off before Start)
+
+	wake    chan struct{} // Poke
+	kev     chan struct{} // kernel notifications
+	stop    chan struct{}
+	done    sync.WaitGroup
+	started atomic.Bool
+	closed  atomic.Bool
+
+	mu *lockorder.Mutex // guards every field below
+
+	prog   *Programmer // nil once closed
+	local  netip.Addr
+	shares map[ShareID]*share
+	// need counts, for every remote VTEP, the shares that need it;
+	// encVNIs and clearVNIs count the shares that have each VNI.
+	need      countmap.Map[netip.Addr]
+	encVNIs   countmap.Map[uint32]
+	clearVNIs countmap.Map[uint32]
+
+	keys NodeKeys // held by the kernel (or being installed)
+	gen  uint64   // send generation
+	// installed records, per epoch, the remotes an outbound SA under
+	// (epoch, gen) was installed for (reserved and persisted before the
+	// add). Such an SA is never added a second time: if it vanishes, the
+	// Owner moves to a new gen instead.
+	installed  map[uint32]map[netip.Addr]bool
+	remoteGens map[netip.Addr]uint64 // advertised generations of remotes (last known)
+	fresh      bool                  // gen was chosen by this process (no persisted gen)
+	// adopted is what the previous run programmed, kept in the desired
+	// state (adopting) until Restored: a restart never removes what a
+	// running container needs before the driver registered its shares.
+	adopted    programmed
+	adopting   bool
+	programmed programmed // what the last successful reconcile programmed
+	verified   bool       // the first kernel check after loading happened
+	saved      string     // the persisted record, as last written
+
+	noESP    error     // the kernel could not install ESP states (wraps ErrKernelUnsupported)
+	noESPAt  time.Time //
+	applied  string    // fingerprint of the last Desired applied without error
+	held     bool      // the kernel holds keys and gen (last apply succeeded)
+	applyErr error     // error of the last reconcile (nil: kernel matches)
+
+	gossip     KeyGossip
+	rotate     bool // a rotation was asked and not yet installed
+	advertised Advert
+	published  bool // advertised has been gossiped by this process
+
+	lastErr        error
+	lastErrAt      time.Time
+	repairs        int
+	lastRepair     time.Time
+	lastRepairWhat string
+	reconciles     int
+	lastReconcile  time.Time
+	genChanges     int
+	genReason      string
+}
+
+// NewOwner returns an Owner for cfg. It loads the persisted state (a fresh
+// host starts with a new random send generation) and opens the kernel
+// sockets, but changes nothing in the kernel until Start, SetLocal or
+// Update.
+func NewOwner(cfg OwnerConfig) (*Owner, error) {
+	if !cfg.NS.IsOpen() {
+		return nil, errors.New("encryption owner: no network namespace")
+	}
+	if cfg.Port <= 0 || cfg.Port > 65535 {
+		return nil, fmt.Errorf("encryption owner: invalid VXLAN port %d", cfg.Port)
+	}
+	if len(cfg.Secret) == 0 {
+		cfg.Secret = nil
+	} else if len(cfg.Secret) < MinSecretLen {
+		return nil, fmt.Errorf("encryption owner: %w", ErrBadSecret)
+	}
+	if cfg.Tick <= 0 {
+		cfg.Tick = DefaultTick
+	}
+	log := cfg.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	o := &Owner{
+		cfg: cfg, log: log, notify: true,
+		wake: make(chan struct{}, 1), kev: make(chan struct{}, 1), stop: make(chan struct{}),
+		mu:         lockorder.New(lockorder.LevelEncryption),
+		shares:     map[ShareID]*share{},
+		installed:  map[uint32]map[netip.Addr]bool{},
+		remoteGens: map[netip.Addr]uint64{},
+	}
+	if err := o.load(); err != nil {
+		return nil, err
+	}
+	fd, err := unix.FcntlInt(uintptr(cfg.NS), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("encryption owner: failed to duplicate the namespace handle: %w", err)
+	}
+	o.ns = netns.NsHandle(fd)
+	p, err := NewProgrammer(cfg.NS)
+	if err != nil {
+		o.ns.Close()
+		return nil, fmt.Errorf("encryption owner: %w", err)
+	}
+	o.prog = p
+	return o, nil
+}
+
+// Start starts the reconcile loop: every Tick, at once on kernel
+// notifications (nftables and xfrm changes in NS), on Poke, and the key
+// rotation once AttachGossip was called. Calling it again does nothing.
+func (o *Owner) Start() {
+	if o.closed.Load() || !o.started.CompareAndSwap(false, true) {
+		return
+	}
+	if o.notify {
+		o.startWatchers()
+	}
+	o.done.Add(1)
+	go o.loop()
+}
+
+// Close stops the loop and releases the kernel sockets. It leaves the
+// kernel state in place: encryption stays in force (and fails closed) while
+// overlayd is down.
+func (o *Owner) Close() {
+	if !o.closed.CompareAndSwap(false, true) {
+		return
+	}
+	close(o.stop)
+	o.done.Wait()
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.prog != nil {
+		o.prog.Close()
+		o.prog = nil
+	}
+	o.ns.Close()
+}
+
+// Poke asks for a rotation step (and reconcile) soon: the members or their
+// adverts changed. It never blocks.
+func (o *Owner) Poke() {
+	select {
+	case o.wake <- struct{}{}:
+	default:
+	}
+}
+
+// AttachGossip connects the Owner to the control plane: from now on the
+// loop steps the key rotation with what g returns and advertises through
+// it.
+func (o *Owner) AttachGossip(g KeyGossip) {
+	o.mu.Lock()
+	o.gossip = g
+	o.published = false
+	o.mu.Unlock()
+	o.Poke()
+}
+
+// SetLocal sets the local VTEP, from the daemon's VTEP owner, and programs
+// the kernel for it. Every key derives from it, so a change starts a new
+// send generation.
+func (o *Owner) SetLocal(vtep netip.Addr) error {
+	vtep = vtep.Unmap()
+	if !vtep.IsValid() || vtep.IsUnspecified() || vtep.Zone() != "" || vtep.IsMulticast() {
+		return fmt.Errorf("encryption: invalid local VTEP address %v", vtep)
+	}
+	o.mu.Lock()
+	if o.local == vtep && o.prog != nil && o.applyErr == nil && o.applied != "" {
+		o.mu.Unlock()
+		return nil
+	}
+	if o.local.IsValid() && o.local != vtep {
+		o.newGenLocked(fmt.Sprintf("local VTEP changed from %v to %v", o.local, vtep))
+	}
+	o.local = vtep
+	err := o.applyLocked("local VTEP", false)
+	o.mu.Unlock()
+	o.Poke()
+	return err
+}
+
+// Update sets the share of id and programs the kernel before returning.
+// With widen, the remotes the share had are kept until a later Update
+// without widen: SAs and policies must exist before peers are programmed,
+// and go only after their neighbours are gone. Called with the network's
+// lock held (LevelNetwork → LevelEncryption).
+//
+// An invalid share (a VNI out of range, an invalid remote address, an
+// encrypted share without cluster secret) is refused and changes nothing.
+// A valid one is recorded even when programming fails: the error is
+// returned (and shown in Status) and the loop keeps trying.
+func (o *Owner) Update(id ShareID, s Share, widen bool) error {
+	sh, err := normShare(id, s)
+	if err != nil {
+		return err
+	}
+	if sh.encrypted && o.cfg.Secret == nil {
+		return fmt.Errorf("encryption: share %d: encrypted networks need the cluster secret, which this host was started without", id)
+	}
+	o.mu.Lock()
+	if o.prog == nil {
+		o.mu.Unlock()
+		return errors.New("encryption: Update on a closed Owner")
+	}
+	if o.local.IsValid() {
+		for r := range sh.remotes {
+			if r.Is4() != o.local.Is4() {
+				o.mu.Unlock()
+				return fmt.Errorf("encryption: share %d: remote VTEP %v is not of the local VTEP's (%v) address family", id, r, o.local)
+			}
+		}
+	}
+	old := o.shares[id]
+	if widen && old != nil && sh.encrypted {
+		for r := range old.remotes {
+			sh.remotes[r] = true
+		}
+	}
+	o.countLocked(old, -1)
+	o.countLocked(sh, +1)
+	o.shares[id] = sh
+	err = o.applyLocked(fmt.Sprintf("share %d", id), true)
+	poke := o.advertStaleLocked()
+	o.mu.Unlock()
+	if poke {
+		o.Poke()
+	}
+	return err
+}
+
+// Remove drops the share of id and programs the kernel before returning.
+func (o *Owner) Remove(id ShareID) error {
+	o.mu.Lock()
+	if o.prog == nil {
+		o.mu.Unlock()
+		return errors.New("encryption: Remove on a closed Owner")
+	}
+	old, ok := o.shares[id]
+	if !ok {
+		o.mu.Unlock()
+		return nil
+	}
+	o.countLocked(old, -1)
+	delete(o.shares, id)
+	err := o.applyLocked(fmt.Sprintf("share %d removed", id), true)
+	poke := o.advertStaleLocked()
+	o.mu.Unlock()
+	if poke {
+		o.Poke()
+	}
+	return err
+}
+
+func normShare(id ShareID, s Share) (*share, error) {
+	sh := &share{encrypted: s.Encrypted, remotes: map[netip.Addr]bool{}}
+	for _, v := range s.VNIs {
+		if v == 0 || v > 1<<24-1 {
+			return nil, fmt.Errorf("encryption: share %d: invalid VNI %d", id, v)
+		}
+	}
+	sh.vnis = sortedVNIs(s.VNIs)
+	if !s.Encrypted {
+		return sh, nil
+	}
+	for _, r := range s.Remotes {
+		r = r.Unmap()
+		if !r.IsValid() || r.IsUnspecified() || r.Zone() != "" || r.IsMulticast() {
+			return nil, fmt.Errorf("encryption: share %d: invalid remote VTEP address %v", id, r)
+		}
+		sh.remotes[r] = true
+	}
+	return sh, nil
+}
+
+// countLocked adds sh's VNIs and remotes to the counts, delta = ±1.
+func (o *Owner) countLocked(sh *share, delta int) {
+	if sh == nil {
+		return
+	}
+	for _, v := range sh.vnis {
+		if sh.encrypted {
+			o.encVNIs.Add(v, delta)
+		} else {
+			o.clearVNIs.Add(v, delta)
+		}
+	}
+	for r := range sh.remotes {
+		o.need.Add(r, delta)
+	}
+}
+
+// Restored tells the Owner that the driver has registered the share of
+// every network it restored after a restart. Until then the Owner keeps
+// what the previous run programmed (persisted), so that a restart never
+// removes a rule, policy or SA that a running container needs; from now on
+// only the shares count.
+func (o *Owner) Restored() error {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if !o.adopting {
+		return nil
+	}
+	o.adopting, o.adopted = false, programmed{}
+	return o.applyLocked("restored", false)
+}
+
+// Rotate starts a cluster-wide key rotation and returns the epoch asked
+// for. It fails while keys are not established or gossip is not attached.
+func (o *Owner) Rotate() (uint32, error) {
+	o.mu.Lock()
+	switch {
+	case o.gossip == nil:
+		o.mu.Unlock()
+		return 0, errors.New("encryption: key rotation needs the control plane, which is not attached yet")
+	case o.keys.Send == 0:
+		o.mu.Unlock()
+		return 0, errors.New("encryption: keys are not established yet; retry in a moment")
+	}
+	o.rotate = true
+	target := StartRotation(o.keys).Target
+	o.mu.Unlock()
+	o.Poke()
+	return target, nil
+}
+
+// CheckSupport reports whether encrypted networks can work on this host:
+// the cluster secret is present and the kernel can encrypt. The error says
+// what is missing.
+func (o *Owner) CheckSupport() error {
+	if o.cfg.Secret == nil {
+		return errors.New("encrypted networks need the cluster secret, which this host was started without")
+	}
+	check := o.cfg.CheckKernel
+	if check == nil {
+		o.mu.Lock()
+		v6 := o.local.IsValid() && o.local.Is6()
+		o.mu.Unlock()
+		check = CheckKernelSupport
+		if v6 {
+			check = CheckKernelSupportIPv6
+		}
+	}
+	if err := check(); err != nil {
+		return fmt.Errorf("this host cannot encrypt, so encrypted networks are refused (never sent in clear): %w", err)
+	}
+	return nil
+}
+
+// Audit compares the kernel with the desired state, one line per
+// difference; empty means the kernel holds exactly what the shares, keys
+// and generations ask for.
+func (o *Owner) Audit() []string {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.prog == nil {
+		return []string{"encryption: Audit on a closed Owner"}
+	}
+	if !o.local.IsValid() {
+		if o.encVNIs.Len() > 0 {
+			return []string{"encryption: encrypted VNIs but no local VTEP yet (SetLocal not called)"}
+		}
+		return nil
+	}
+	ax, err := o.prog.xfrmDump()
+	if err != nil {
+		return []string{err.Error()}
+	}
+	d := o.desiredLocked()
+	d.KeepOutbound = o.keptLocked(&d, ax)
+	return o.prog.Audit(d)
+}
+
+// Status is the Owner's state for `overlayd status` (JSON-able, never key
+// bytes).
+type Status struct {
+	Local         netip.Addr   `json:"local"`
+	Port          int          `json:"port"`
+	Accept        []uint32     `json:"accept"`
+	Send          uint32       `json:"send"`
+	Target        uint32       `json:"target"`
+	Gen           uint64       `json:"gen,string"`
+	GenChanges    int          `json:"gen_changes"`          // new generations chosen by this process
+	GenReason     string       `json:"gen_reason,omitempty"` // why the last one was chosen
+	EncryptedVNIs []uint32     `json:"encrypted_vnis"`
+	ClearVNIs     []uint32     `json:"clear_vnis"`
+	Shares        int          `json:"shares"`
+	Pairs         []PairStatus `json:"pairs"`
+	// ESPUnsupported: the kernel cannot install ESP states; encrypted VNIs
+	// are dropped both ways.
+	ESPUnsupported bool `json:"esp_unsupported,omitempty"`
+	GossipAttached bool `json:"gossip_attached"`
+	Advertised     bool `json:"advertised"` // the current keys and generation are gossiped
+	Rotating       bool `json:"rotating"`   // a rotation was asked and is not installed yet
+	// Error is the error of the last reconcile ("": the kernel holds the
+	// desired state); LastError the last error of any kind and when.
+	Error         string    `json:"error,omitempty"`
+	LastError     string    `json:"last_error,omitempty"`
+	LastErrorAt   time.Time `json:"last_error_at,omitzero"`
+	Repairs       int       `json:"repairs"` // reconciles that found and fixed drift
+	LastRepair    time.Time `json:"last_repair,omitzero"`
+	LastRepairWas string    `json:"last_repair_was,omitempty"`
+	Reconciles    int       `json:"reconciles"`
+	LastReconcile time.Time `json:"last_reconcile,omitzero"`
+}
+
+// Status returns the Owner's state, with SA counters read from the kernel.
+func (o *Owner) Status() Status {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	d := o.desiredLocked()
+	st := Status{
+		Local: o.local, Port: o.cfg.Port,
+		Accept: slices.Clone(o.keys.Accept), Send: o.keys.Send, Target: o.keys.Target,
+		Gen: o.gen, GenChanges: o.genChanges, GenReason: o.genReason,
+		EncryptedVNIs: d.VNIs, ClearVNIs: d.ClearVNIs, Shares: len(o.shares),
+		ESPUnsupported: o.noESP != nil,
+		GossipAttached: o.gossip != nil,
+		Advertised:     o.published && o.advertised.Equal(Advert{Keys: o.keys, Gen: o.gen}),
+		Rotating:       o.rotate,
+		Repairs:        o.repairs, LastRepair: o.lastRepair, LastRepairWas: o.lastRepairWhat,
+		Reconciles: o.reconciles, LastReconcile: o.lastReconcile,
+	}
+	if st.EncryptedVNIs == nil {
+		st.EncryptedVNIs = sortedVNIs(o.encVNIs.Keys())
+	}
+	if st.ClearVNIs == nil {
+		st.ClearVNIs = minus(sortedVNIs(o.clearVNIs.Keys()), st.EncryptedVNIs)
+	}
+	if o.applyErr != nil {
+		st.Error = o.applyErr.Error()
+	} else if err := o.unsupportedFor(&d); err != nil {
+		st.Error = err.Error()
+	}
+	if o.lastErr != nil {
+		st.LastError, st.LastErrorAt = o.lastErr.Error(), o.lastErrAt
+	}
+	if o.prog != nil && o.local.IsValid() && !d.Empty() {
+		if ax, err := o.prog.xfrmDump(); err == nil {
+			d.KeepOutbound = o.keptLocked(&d, ax)
+		}
+		pairs, err := o.prog.Status(d)
+		if err != nil && st.Error == "" {
+			st.Error = err.Error()
+		}
+		for i := range pairs {
+			pairs[i].Shares = o.need.Get(pairs[i].Remote)
+		}
+		st.Pairs = pairs
+	}
+	return st
+}
+
+// desiredLocked is the kernel state the shares, keys and generations ask
+// for, without KeepOutbound (which depends on what the kernel holds).
+func (o *Owner) desiredLocked() Desired {
+	enc, clear, remotes := o.encVNIs.Keys(), o.clearVNIs.Keys(), o.need.Keys()
+	if o.adopting {
+		enc = append(enc, o.adopted.enc...)
+		clear = append(clear, o.adopted.clear...)
+		remotes = sortedAddrs(append(remotes, o.adopted.remotes...))
+	}
+	enc = sortedVNIs(enc)
+	if len(enc) == 0 || !o.local.IsValid() {
+		return Desired{}
+	}
+	d := Desired{
+		Local: o.local, Port: o.cfg.Port,
+		VNIs: enc, ClearVNIs: minus(sortedVNIs(clear), enc),
+		Accept: slices.Clone(o.keys.Accept), Send: o.keys.Send, Gen: o.gen,
+		Secret: o.cfg.Secret, NoSAs: o.noESP != nil,
+		RemoteGens: map[netip.Addr]uint64{},
+	}
+	for _, r := range remotes {
+		// A remote claiming our own VTEP (our own endpoint seen through
+		// another network) is no pair to encrypt; one of the other family
+		// was refused by Update.
+		if r == o.local || r.Is4() != o.local.Is4() {
+			continue
+		}
+		d.Remotes = append(d.Remotes, r)
+		if g, ok := o.remoteGens[r]; ok {
+			d.RemoteGens[r] = g
+		}
+	}
+	slices.SortFunc(d.Remotes, netip.Addr.Compare)
+	return d
+}
+
+// outboundOK reports whether the kernel holds, intact, the outbound SA to r
+// for (d.Send, d.Gen).
+func (o *Owner) outboundOK(d *Desired, ax *actualXfrm, r netip.Addr) bool {
+	w, err := outboundWant(d, r)
+	if err != nil {
+		return false
+	}
+	got, ok := ax.states[w.key]
+	return ok && stateDiff(&got, w, d.Port) == ""
+}
+
+func outboundWant(d *Desired, r netip.Addr) (*wantState, error) {
+	spi, err := SPI(d.Secret, d.Local, r, d.Send, d.Gen)
+	if err != nil {
+		return nil, err
+	}
+	k, err := SAKey(d.Secret, d.Local, r, d.Send, d.Gen)
+	if err != nil {
+		return nil, err
+	}
+	return &wantState{key: stateKey{r, spi}, src: d.Local, epoch: d.Send, gen: d.Gen, remote: r, outbound: true, aeadKey: k}, nil
+}
+
+// keptLocked returns the remotes no longer needed whose outbound SA for
+// (Send, gen) this Owner installed and the kernel still holds: they are
+// kept (never re-created) until the epoch or generation changes.
+func (o *Owner) keptLocked(d *Desired, ax *actualXfrm) []netip.Addr {
+	if d.Empty() || d.Send == 0 || d.NoSAs {
+		return nil
+	}
+	var keep []netip.Addr
+	for r := range o.installed[d.Send] {
+		if !slices.Contains(d.Remotes, r) && r != d.Local && r.Is4() == d.Local.Is4() && o.outboundOK(d, ax, r) {
+			keep = append(keep, r)
+		}
+	}
+	slices.SortFunc(keep, netip.Addr.Compare)
+	return keep
+}
+
+// newGenLocked moves to a new random send generation: every outbound SA is
+// re-created under it (new keys, new SPIs) and it is advertised, so peers
+// install the matching inbound SAs.
+func (o *Owner) newGenLocked(reason string) {
+	old := o.gen
+	o.gen = randomGen(old)
+	o.installed = map[uint32]map[netip.Addr]bool{}
+	o.genChanges++
+	o.genReason = reason
+	o.held = false
+	if err := o.persistLocked(); err != nil {
+		o.noteErrLocked(err)
+	}
+	o.log.Info("new send generation", "gen", fmt.Sprintf("%016x", o.gen), "previous", fmt.Sprintf("%016x", old), "reason", reason)
+}
+
+func randomGen(not uint64) uint64 {
+	var b [8]byte
+	for {
+		if _, err := rand.Read(b[:]); err != nil {
+			// crypto/rand does not fail on Linux; never fall back to
+			// something predictable.
+			panic(fmt.Sprintf("encryption: no randomness for a send generation: %v", err))
+		}
+		if g := binary.BigEndian.Uint64(b[:]); g != 0 && g != not {
+			return g
+		}
+	}
+}
+
+var errNoLocal = errors.New("encryption: the local VTEP is not known yet (SetLocal not called); nothing programmed")
+
+// applyLocked makes the kernel hold the desired state. It is the one path
+// every change and every reconcile takes. With fromUpdate, it skips the
+// kernel when the desired state is the one last applied without error (the
+// loop reconciles it anyway).
+func (o *Owner) applyLocked(why string, fromUpdate bool) error {
+	if o.prog == nil {
+		return errors.New("encryption: the Owner is closed")
+	}
+	if !o.local.IsValid() {
+		if o.encVNIs.Len() == 0 {
+			return nil
+		}
+		o.applyErr = errNoLocal
+		return errNoLocal
+	}
+	if o.noESP != nil && time.Since(o.noESPAt) > espRetry {
+		o.noESP = nil // try again: a module may have been loaded
+	}
+	base := o.desiredLocked()
+	if fromUpdate && o.applyErr == nil && base.fingerprint() == o.applied {
+		return o.unsupportedFor(&base)
+	}
+	ax, err := o.prog.xfrmDump()
+	if err != nil {
+		o.applyErr = err
+		o.noteErrLocked(err)
+		return err
+	}
+	if !o.verified && base.Send != 0 && !base.NoSAs && len(base.Remotes) > 0 {
+		o.verified = true
+		if !o.fresh && !o.anyOutboundLocked(ax) {
+			o.newGenLocked("the kernel holds no outbound SA of this host (first start on this kernel, reboot, or a restored state file)")
+			base = o.desiredLocked()
+		}
+	}
+	d := base
+	var blocked []netip.Addr
+	if !d.Empty() && d.Send != 0 && !d.NoSAs {
+		// An outbound SA this Owner installed under (Send, gen) and that is
+		// needed but gone (flushed, host rebooted) is never added again:
+		// move to a new generation.
+		for _, r := range d.Remotes {
+			if o.installed[d.Send][r] && !o.outboundOK(&d, ax, r) {
+				w, _ := outboundWant(&d, r)
+				spi := uint32(0)
+				if w != nil {
+					spi = w.key.spi
+				}
+				o.newGenLocked(fmt.Sprintf("outbound SA to %v (epoch %d, spi 0x%08x) vanished from the kernel", r, d.Send, spi))
+				base = o.desiredLocked()
+				d = base
+				break
+			}
+		}
+		// Reserve (and persist) before adding: an SA is added at most once
+		// per (epoch, remote, gen).
+		var reserve []netip.Addr
+		for _, r := range d.Remotes {
+			if !o.installed[d.Send][r] && !o.outboundOK(&d, ax, r) {
+				reserve = append(reserve, r)
+			}
+		}
+		if len(reserve) > 0 {
+			if o.installed[d.Send] == nil {
+				o.installed[d.Send] = map[netip.Addr]bool{}
+			}
+			for _, r := range reserve {
+				o.installed[d.Send][r] = true
+			}
+			if err := o.persistLocked(); err != nil {
+				for _, r := range reserve {
+					delete(o.installed[d.Send], r)
+				}
+				blocked = reserve
+				o.noteErrLocked(fmt.Errorf("%w; outbound SAs to %v not installed (their traffic is dropped)", err, reserve))
+			}
+		}
+		// An SA the kernel holds intact under (Send, gen) is ours even if
+		// the record missed it (adopted): remember it.
+		if o.installed[d.Send] == nil {
+			o.installed[d.Send] = map[netip.Addr]bool{}
+		}
+		for _, r := range d.Remotes {
+			if !o.installed[d.Send][r] && !slices.Contains(blocked, r) && o.outboundOK(&d, ax, r) {
+				o.installed[d.Send][r] = true
+			}
+		}
+		d.KeepOutbound = o.keptLocked(&d, ax)
+		d.Blocked = blocked
+	}
+	before, statsBefore := o.prog.changed, o.prog.Stats()
+	res, err := o.prog.apply(&d, ax)
+	changes := o.prog.changed - before
+	now := time.Now()
+	o.reconciles++
+	o.lastReconcile = now
+	for _, r := range res.failedOut {
+		// The kernel never held it, so its key was never used.
+		delete(o.installed[d.Send], r)
+	}
+	if res.unsupported && o.noESP == nil {
+		o.noESP, o.noESPAt = err, now
+		o.log.Error("this kernel cannot install ESP states: encrypted networks' traffic is dropped both ways", "error", err)
+		// Program the fail-closed state without SAs at once.
+		d.NoSAs = true
+		d.KeepOutbound = nil
+		res, err = o.prog.apply(&d, nil)
+		changes = o.prog.changed - before
+		base.NoSAs = true
+	}
+	if err == nil && len(blocked) > 0 {
+		err = fmt.Errorf("encryption: outbound SAs to %v not installed: their reservation could not be persisted", blocked)
+	}
+	fp := base.fingerprint()
+	if err == nil && len(res.collisions) == 0 {
+		if fp == o.applied && changes > 0 {
+			o.repairs++
+			o.lastRepair = now
+			o.lastRepairWhat = fmt.Sprintf("%s: %v", why, o.prog.Stats().Sub(statsBefore))
+			o.log.Warn("repaired encryption state that changed behind overlayd's back", "trigger", why, "kernel", o.prog.Stats().Sub(statsBefore).String())
+		}
+		o.applied = fp
+	} else {
+		o.applied = ""
+	}
+	o.held = err == nil
+	if err == nil && len(res.collisions) > 0 {
+		// A collision loses one pair's traffic in one epoch (dropped);
+		// everything else is held, and keys may advance.
+		err = errors.Join(res.collisions...)
+	}
+	if err != nil {
+		if o.applyErr == nil || o.applyErr.Error() != err.Error() {
+			o.log.Error("encryption state not fully programmed", "trigger", why, "error", err)
+		}
+		o.noteErrLocked(err)
+	} else if o.applyErr != nil {
+		o.log.Info("encryption state programmed again", "trigger", why)
+	}
+	o.applyErr = err
+	if err == nil {
+		o.programmed = programmed{enc: d.VNIs, clear: d.ClearVNIs, remotes: d.Remotes}
+		o.pruneLocked()
+		if perr := o.persistLocked(); perr != nil {
+			o.noteErrLocked(perr)
+		}
+	}
+	if err == nil {
+		return o.unsupportedFor(&base)
+	}
+	return err
+}
+
+// unsupportedFor returns the kernel's inability to encrypt when d needs it.
+func (o *Owner) unsupportedFor(d *Desired) error {
+	if o.noESP != nil && !d.Empty() && len(d.Remotes) > 0 {
+		return o.noESP
+	}
+	return nil
+}
+
+// anyOutboundLocked reports whether the kernel holds any SA of ours from
+// the local VTEP.
+func (o *Owner) anyOutboundLocked(ax *actualXfrm) bool {
+	for _, s := range ax.states {
+		if addrOf(s.Src) == o.local {
+			return true
+		}
+	}
+	return false
+}
+
+// pruneLocked forgets installed records of epochs older than Send (Send
+// never goes back) and generations of remotes nobody needs or advertises.
+func (o *Owner) pruneLocked() {
+	for e := range o.installed {
+		if e < o.keys.Send {
+			delete(o.installed, e)
+		}
+	}
+}
+
+func (o *Owner) noteErrLocked(err error) {
+	o.lastErr, o.lastErrAt = err, time.Now()
+}
+
+// advertStaleLocked reports whether what is gossiped differs from what the
+// kernel holds (a new generation, new keys).
+func (o *Owner) advertStaleLocked() bool {
+	return o.held && (!o.published || !o.advertised.Equal(Advert{Keys: o.keys, Gen: o.gen}))
+}
+
+// loop runs the reconcile and the key rotation.
+func (o *Owner) loop() {
+	defer o.done.Done()
+	tick := time.NewTicker(o.cfg.Tick)
+	defer tick.Stop()
+	var rotate <-chan time.Time
+	if o.cfg.RotateEvery > 0 {
+		t := time.NewTicker(o.cfg.RotateEvery)
+		defer t.Stop()
+		rotate = t.C
+	}
+	var deb *time.Timer
+	var debC <-chan time.Time
+	defer func() {
+		if deb != nil {
+			deb.Stop()
+		}
+	}()
+	o.cycle("start")
+	for {
+		select {
+		case <-o.stop:
+			return
+		case <-tick.C:
+			o.cycle("tick")
+		case <-o.wake:
+			o.cycle("poke")
+		case <-o.kev:
+			if debC == nil {
+				deb = time.NewTimer(debounce)
+				debC = deb.C
+			}
+		case <-debC:
+			debC = nil
+			o.cycle("kernel notification")
+		case <-rotate:
+			o.mu.Lock()
+			if o.gossip != nil && o.keys.Send != 0 {
+				o.rotate = true
+				o.log.Info("periodic key rotation")
+			}
+			o.mu.Unlock()
+			o.cycle("periodic rotation")
+		}
+	}
+}
+
+// cycle is one turn of the loop: read the adverts (without the lock), step
+// the keys and reconcile the kernel (under the lock), then advertise what
+// the kernel holds (without the lock).
+func (o *Owner) cycle(why string) {
+	o.mu.Lock()
+	g := o.gossip
+	o.mu.Unlock()
+	var adverts map[netip.Addr]Advert
+	if g != nil {
+		adverts = g.Adverts()
+	}
+	o.mu.Lock()
+	if o.prog == nil {
+		o.mu.Unlock()
+		return
+	}
+	if g != nil {
+		o.stepLocked(adverts, why)
+	} else {
+		o.applyLocked(why, false)
+	}
+	adv := Advert{Keys: o.keys.Clone(), Gen: o.gen}
+	send := g != nil && o.advertStaleLocked()
+	o.mu.Unlock()
+	if !send {
+		return
+	}
+	err := g.Advertise(adv)
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if err != nil {
+		o.noteErrLocked(fmt.Errorf("encryption: advertising %v: %w", adv, err))
+		o.log.Warn("advertising the key state", "advert", adv.String(), "error", err)
+		return
+	}
+	if !o.published || !o.advertised.Equal(adv) {
+		o.log.Info("advertised key state", "accept", adv.Keys.Accept, "send", adv.Keys.Send, "target", adv.Keys.Target, "gen", fmt.Sprintf("%016x", adv.Gen))
+	}
+	o.advertised, o.published = adv, true
+}
+
+// stepLocked takes one step of the rotation state machine with what the
+// others advertise and installs the result; when that fails, the kernel
+// goes back to the previous keys.
+func (o *Owner) stepLocked(adverts map[netip.Addr]Advert, why string) {
+	var others []NodeKeys
+	seen := map[netip.Addr]bool{}
+	for vtep, a := range adverts {
+		vtep = vtep.Unmap()
+		if vtep == o.local || !vtep.IsValid() {
+			continue
+		}
+		seen[vtep] = true
+		others = append(others, a.Keys)
+		if a.Gen != 0 && o.remoteGens[vtep] != a.Gen {
+			o.remoteGens[vtep] = a.Gen
+		}
+	}
+	for r := range o.remoteGens {
+		if !seen[r] && o.need.Get(r) == 0 {
+			delete(o.remoteGens, r)
+		}
+	}
+	prev := o.keys
+	self := prev.Clone()
+	rotating := o.rotate && self.Send != 0
+	if rotating {
+		self = StartRotation(self)
+	}
+	next := Step(self, others)
+	o.keys = next
+	err := o.applyLocked(why, false)
+	if err != nil && !o.held && !next.Equal(prev) {
+		o.keys = prev
+		rerr := o.applyLocked("restore previous keys", false)
+		err = fmt.Errorf("encryption: installing key epochs %v failed, kept %v: %w", next, prev, err)
+		if rerr != nil {
+			err = fmt.Errorf("%w; restoring them: %w", err, rerr)
+		}
+		o.applyErr = err
+		o.noteErrLocked(err)
+		return
+	}
+	if rotating && next.Target > prev.Target {
+		o.rotate = false
+	}
+	if !prev.Equal(next) {
+		o.log.Info("key epochs", "accept", next.Accept, "send", next.Send, "target", next.Target)
+	}
+}
