@@ -1,9 +1,9 @@
 package driver
 
 import (
+	"errors"
 	"fmt"
 	"os"
-	"sort"
 
 	"github.com/overlayd/overlayd/internal/netnsutil"
 	"github.com/overlayd/overlayd/internal/sandbox"
@@ -16,31 +16,23 @@ import (
 // entries), that networks without joined endpoints have no sandbox, and that
 // the sandbox directory holds no namespace of a network the driver lacks.
 func (d *Driver) Audit() ([]string, error) {
-	d.mu.Lock()
-	ids := make([]string, 0, len(d.nets))
-	for id := range d.nets {
-		ids = append(ids, id)
-	}
-	d.mu.Unlock()
-	sort.Strings(ids)
 	var problems []string
+	var errs []error
 	withSandbox := map[string]bool{}
-	for _, id := range ids {
-		n, unlock, err := d.lockNetwork(id)
-		if err != nil {
-			continue // deleted meanwhile
-		}
+	d.eachNetwork(func(n *network) {
 		p, err := d.auditNetwork(n)
 		if n.sb != nil {
 			withSandbox[n.id] = true
 		}
-		unlock()
 		if err != nil {
-			return nil, err
+			errs = append(errs, err)
 		}
 		for _, s := range p {
-			problems = append(problems, fmt.Sprintf("network %s: %s", id, s))
+			problems = append(problems, fmt.Sprintf("network %s: %s", n.id, s))
 		}
+	})
+	if err := errors.Join(errs...); err != nil {
+		return nil, err
 	}
 	for _, p := range d.auditEnc() {
 		problems = append(problems, "encryption: "+p)

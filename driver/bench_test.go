@@ -140,11 +140,11 @@ func BenchmarkPeers(b *testing.B) {
 			b.ResetTimer()
 			for i := 0; i < b.N; i++ {
 				t0 := time.Now()
-				if err := d.ApplyPeerEvents(add); err != nil {
+				if err := applyPeerEvents(d, add...); err != nil {
 					b.Fatal(err)
 				}
 				t1 := time.Now()
-				if err := d.ApplyPeerEvents(del); err != nil {
+				if err := applyPeerEvents(d, del...); err != nil {
 					b.Fatal(err)
 				}
 				addT += t1.Sub(t0)
@@ -154,7 +154,7 @@ func BenchmarkPeers(b *testing.B) {
 			b.ReportMetric(float64(n*b.N)/delT.Seconds(), "del-peers/s")
 			b.StopTimer()
 			// Verify once that the adds really reached the kernel.
-			if err := d.ApplyPeerEvents(add); err != nil {
+			if err := applyPeerEvents(d, add...); err != nil {
 				b.Fatal(err)
 			}
 			neigh, fdb := dumpPeersB(b, d, "n")
@@ -179,13 +179,13 @@ func BenchmarkPeersOneByOne(b *testing.B) {
 	for i := 0; i < b.N; i++ {
 		t0 := time.Now()
 		for j := range peers {
-			if err := d.ApplyPeerEvent(PeerEvent{VNI: 100, Next: &peers[j]}); err != nil {
+			if err := applyPeerEvent(d, PeerEvent{VNI: 100, Next: &peers[j]}); err != nil {
 				b.Fatal(err)
 			}
 		}
 		t1 := time.Now()
 		for j := range peers {
-			if err := d.ApplyPeerEvent(PeerEvent{VNI: 100, Prev: &peers[j]}); err != nil {
+			if err := applyPeerEvent(d, PeerEvent{VNI: 100, Prev: &peers[j]}); err != nil {
 				b.Fatal(err)
 			}
 		}
@@ -244,10 +244,10 @@ func BenchmarkPeersParallel(b *testing.B) {
 							vni = uint32(100 + i)
 						}
 						for j := range work[i] {
-							d.ApplyPeerEvent(PeerEvent{VNI: vni, Next: &work[i][j]})
+							applyPeerEvent(d, PeerEvent{VNI: vni, Next: &work[i][j]})
 						}
 						for j := range work[i] {
-							d.ApplyPeerEvent(PeerEvent{VNI: vni, Prev: &work[i][j]})
+							applyPeerEvent(d, PeerEvent{VNI: vni, Prev: &work[i][j]})
 						}
 					}(i)
 				}

@@ -65,11 +65,11 @@ func TestConcurrencySmoke(t *testing.T) {
 					p := peerdb.Peer{EndpointID: fmt.Sprintf("r%d", rip[3]), IP: netip.AddrFrom4(rip),
 						MAC: peerdb.MAC{2, 9, 0, 0, byte(w), rip[3]}, VTEP: netip.AddrFrom4([4]byte{192, 0, 2, byte(50 + rng.Intn(4))})}
 					if op < 90 {
-						if d.ApplyPeerEvent(PeerEvent{VNI: n.vniN, Next: &p}) == nil {
+						if applyPeerEvent(d, PeerEvent{VNI: n.vniN, Next: &p}) == nil {
 							peers.Add(1)
 						}
 					} else {
-						d.ApplyPeerEvent(PeerEvent{VNI: n.vniN, Prev: &p})
+						applyPeerEvent(d, PeerEvent{VNI: n.vniN, Prev: &p})
 					}
 				}
 			}

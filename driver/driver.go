@@ -32,6 +32,8 @@ import (
 	"log/slog"
 	"net/netip"
 	"path/filepath"
+	"slices"
+	"strings"
 
 	api "github.com/docker/go-plugins-helpers/network"
 	"github.com/vishvananda/netlink"
@@ -41,7 +43,7 @@ import (
 	"github.com/overlayd/overlayd/encryption"
 	"github.com/overlayd/overlayd/internal/lockorder"
 	"github.com/overlayd/overlayd/internal/sandbox"
-	"github.com/overlayd/overlayd/internal/store"
+	"github.com/overlayd/overlayd/internal/statefile"
 	"github.com/overlayd/overlayd/peerdb"
 )
 
@@ -79,19 +81,25 @@ type Config struct {
 	// VNIStart..VNIEnd is the range AllocateNetwork allocates from.
 	VNIStart, VNIEnd uint32
 	Logger           *slog.Logger
-	Publisher        PeerPublisher
-	// OnDiscover is told of every node DiscoverNew announces (swarm): the
-	// control plane joins them. Called without driver locks held.
-	OnDiscover func(addr netip.Addr, self bool)
-	// Secret is the cluster secret that encryption keys derive from; without
-	// it encrypted networks are refused.
-	Secret []byte
-	// CheckEncryption reports whether the kernel can encrypt (default
-	// encryption.CheckKernelSupport, or its IPv6 variant).
-	CheckEncryption func() error
-	// Store, if set, persists networks, endpoints and allocations; New
+	// Publisher is told of local endpoints joining and leaving.
+	Publisher PeerPublisher
+	// Peers is the owner of remote records, which networks pull (nil: no
+	// remote peers, e.g. a host without a control plane in tests).
+	Peers PeerSource
+	// OnDiscover is told of every other node DiscoverNew announces (swarm):
+	// the control plane joins them. Called without driver locks held.
+	OnDiscover func(addr netip.Addr)
+	// OnVTEPChange is told of the local VTEP whenever it is settled or
+	// changes (see VTEP), in order, without driver locks held: the control
+	// plane re-announces the local records with it and the encryption
+	// state follows it.
+	OnVTEPChange func(vtep netip.Addr)
+	// Encryption is the host's encryption owner; without one encrypted
+	// networks are refused.
+	Encryption EncryptionOwner
+	// StateFile, if set, persists networks, endpoints and allocations; New
 	// restores them and adopts the kernel state an earlier run left.
-	Store *store.Store
+	StateFile *statefile.File
 	// Trace, if set, is told of every state change that succeeded, under the
 	// lock that linearises it (see TraceEvent). It must be fast and must not
 	// call into the Driver. For tests.
@@ -100,21 +108,26 @@ type Config struct {
 
 // Driver is the overlay network driver.
 type Driver struct {
-	cfg      Config // immutable after New
-	log      *slog.Logger
-	host     *sandbox.Host // immutable after New; its netlink handle is safe for concurrent use
-	ownsNS   bool
-	hostNS   netns.NsHandle
-	encMu    *lockorder.Mutex                    // encryption state lock: below every network.mu, above allocMu; guards enc
-	enc      encState                            // guarded by encMu
-	mu       *lockorder.Mutex                    // driver.mu: bottom of the hierarchy; guards the fields below
-	nets     map[string]*network                 // by network id; guarded by mu
-	byVNI    map[uint32]*network                 // every VNI of every network; guarded by mu
-	pending  map[uint32]map[peerdb.Peer]struct{} // remote peers of networks not (yet) here, by VNI; guarded by mu
-	allocMu  *lockorder.Mutex                    // allocation lock: below encMu, above mu; guards allocs and allocNet
-	allocs   map[uint32]string                   // VNIs handed out by AllocateNetwork → network id; guarded by allocMu
-	allocNet map[string][]uint32                 // the same, by network id; guarded by allocMu
-	adv      netip.Addr                          // advertise address once known; guarded by mu
+	cfg    Config // immutable after New
+	log    *slog.Logger
+	host   *sandbox.Host // immutable after New; its netlink handle is safe for concurrent use
+	ownsNS bool
+	hostNS netns.NsHandle
+	// vtepMu serialises VTEP changes with their notification (OnVTEPChange
+	// is called in the order of the changes); top of the hierarchy, never
+	// taken under another lock.
+	vtepMu   *lockorder.Mutex
+	allocMu  *lockorder.Mutex    // allocation lock: below the encryption owner's, above mu; guards allocs and allocNet
+	allocs   map[uint32]string   // VNIs handed out by AllocateNetwork → network id; guarded by allocMu
+	allocNet map[string][]uint32 // the same, by network id; guarded by allocMu
+	mu       *lockorder.Mutex    // driver.mu: bottom of the hierarchy; guards the fields below
+	nets     map[string]*network // by network id; guarded by mu
+	byVNI    map[uint32]*network // every VNI of every network; guarded by mu
+	vtep     vtepState           // the local VTEP and where it came from; guarded by mu
+	lastID   uint64              // last encryption.ShareID handed out; guarded by mu
+	// adopting: the kernel state of an earlier run is being adopted (see
+	// Reconcile and Settle); guarded by mu.
+	adopting bool
 }
 
 var _ api.Driver = (*Driver)(nil)
@@ -158,15 +171,13 @@ func New(cfg Config) (*Driver, error) {
 	d := &Driver{
 		cfg:      cfg,
 		log:      cfg.Logger,
-		encMu:    lockorder.New(lockorder.LevelEncryption),
 		mu:       lockorder.New(lockorder.LevelDriver),
 		allocMu:  lockorder.New(lockorder.LevelAlloc),
+		vtepMu:   lockorder.New(lockorder.LevelVTEP),
 		nets:     map[string]*network{},
 		byVNI:    map[uint32]*network{},
-		pending:  map[uint32]map[peerdb.Peer]struct{}{},
 		allocs:   map[uint32]string{},
 		allocNet: map[string][]uint32{},
-		adv:      cfg.AdvertiseAddr,
 	}
 	d.hostNS = cfg.HostNS
 	if d.hostNS <= 0 { // unset (the zero value is fd 0, never a namespace) or netns.None()
@@ -182,10 +193,11 @@ func New(cfg Config) (*Driver, error) {
 		return nil, fmt.Errorf("failed to open a netlink handle in the host namespace: %w", err)
 	}
 	d.host = &sandbox.Host{NS: d.hostNS, Handle: h, Dir: cfg.NetnsDir, VXLANPort: cfg.VXLANPort}
-	if adv := d.advertiseAddr(); adv.Is6() {
+	d.initVTEP()
+	if d.VTEP().Is6() {
 		d.host.IPv6 = true
 	}
-	if cfg.Store != nil {
+	if cfg.StateFile != nil {
 		if err := d.restore(); err != nil {
 			d.Close()
 			return nil, err
@@ -197,28 +209,41 @@ func New(cfg Config) (*Driver, error) {
 // Close releases the driver's handles. Kernel state is left in place: the
 // sandboxes keep serving running containers.
 func (d *Driver) Close() error {
+	d.eachNetwork(func(n *network) {
+		if n.sb != nil {
+			n.sb.Close()
+		}
+	})
+	d.host.Handle.Close()
+	d.closeNS()
+	return nil
+}
+
+// eachNetwork calls fn for every network, each locked in turn (never two
+// at once), skipping those deleted meanwhile, in the order of their ids.
+func (d *Driver) eachNetwork(fn func(n *network)) {
 	d.mu.Lock()
 	nets := make([]*network, 0, len(d.nets))
 	for _, n := range d.nets {
 		nets = append(nets, n)
 	}
 	d.mu.Unlock()
+	slices.SortFunc(nets, func(a, b *network) int { return strings.Compare(a.id, b.id) })
 	for _, n := range nets {
 		n.mu.Lock()
-		if n.sb != nil {
-			n.sb.Close()
+		if !n.deleted {
+			fn(n)
 		}
 		n.mu.Unlock()
 	}
-	d.encMu.Lock()
-	if d.enc.prog != nil {
-		d.enc.prog.Close()
-		d.enc.prog = nil
-	}
-	d.encMu.Unlock()
-	d.host.Handle.Close()
-	d.closeNS()
-	return nil
+}
+
+// newShareID returns a fresh encryption share id.
+func (d *Driver) newShareID() encryption.ShareID {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.lastID++
+	return encryption.ShareID(d.lastID)
 }
 
 func (d *Driver) closeNS() {
@@ -275,52 +300,12 @@ func IsNotFound(err error) bool {
 	return errors.As(err, &nf)
 }
 
-// AdvertiseAddr returns the local VTEP (invalid while unknown).
-func (d *Driver) AdvertiseAddr() netip.Addr { return d.advertiseAddr() }
-
-// advertiseAddr returns the local VTEP: the configured one, else the one
-// DiscoverNew announced, else the first address of the default route's
-// device (invalid if none).
-func (d *Driver) advertiseAddr() netip.Addr {
-	d.mu.Lock()
-	adv := d.adv
-	d.mu.Unlock()
-	if adv.IsValid() {
-		return adv
-	}
-	return d.defaultRouteAddr()
-}
-
-func (d *Driver) defaultRouteAddr() netip.Addr {
-	routes, err := d.host.Handle.RouteList(nil, unix.AF_INET)
-	if err != nil {
-		return netip.Addr{}
-	}
-	for _, r := range routes {
-		if r.Dst != nil && r.Dst.IP != nil && !r.Dst.IP.IsUnspecified() {
-			continue
-		}
-		l, err := d.host.Handle.LinkByIndex(r.LinkIndex)
-		if err != nil {
-			continue
-		}
-		addrs, err := d.host.Handle.AddrList(l, unix.AF_INET)
-		if err != nil || len(addrs) == 0 {
-			continue
-		}
-		if a, ok := netip.AddrFromSlice(addrs[0].IP); ok {
-			return a.Unmap()
-		}
-	}
-	return netip.Addr{}
-}
-
 // underlayMTU returns the MTU for a new network's links: the MTU of the
 // device holding the advertise address (or of the default route's device)
 // minus the VXLAN overhead of the underlay's address family, and minus the
 // ESP overhead too for an encrypted network.
 func (d *Driver) underlayMTU(encrypted bool) int {
-	adv := d.advertiseAddr()
+	adv := d.VTEP()
 	dev, v6 := 1500, adv.Is6()
 	if adv.IsValid() {
 		family := unix.AF_INET
@@ -351,8 +336,9 @@ func (d *Driver) GetCapabilities() (*api.CapabilitiesResponse, error) {
 	return &api.CapabilitiesResponse{Scope: d.cfg.Scope, ConnectivityScope: api.GlobalScope}, nil
 }
 
-// DiscoverNew learns nodes from dockerd (swarm): Self gives the local
-// address when none is configured; others are handed to the control plane.
+// DiscoverNew learns nodes from dockerd (swarm): Self gives the local VTEP
+// unless one is configured (see VTEP); others are handed to the control
+// plane.
 func (d *Driver) DiscoverNew(req *api.DiscoveryNotification) error {
 	if req == nil {
 		return errors.New("DiscoverNew: empty request")
@@ -368,21 +354,18 @@ func (d *Driver) DiscoverNew(req *api.DiscoveryNotification) error {
 	}
 	addrStr, _ := data["Address"].(string)
 	addr, err := netip.ParseAddr(addrStr)
-	if err != nil {
-		return fmt.Errorf("DiscoverNew: DiscoveryData.Address %q is not an IP address", addrStr)
+	if err != nil || addr.IsUnspecified() || addr.IsMulticast() {
+		return fmt.Errorf("DiscoverNew: DiscoveryData.Address %q is not a unicast IP address", addrStr)
 	}
 	addr = addr.Unmap()
 	self, _ := data["Self"].(bool)
-	if self {
-		d.mu.Lock()
-		if !d.cfg.AdvertiseAddr.IsValid() {
-			d.adv = addr
-		}
-		d.mu.Unlock()
-	}
 	d.log.Info("node discovered", "address", addr, "self", self)
+	if self {
+		d.discoveredSelf(addr)
+		return nil
+	}
 	if d.cfg.OnDiscover != nil {
-		d.cfg.OnDiscover(addr, self)
+		d.cfg.OnDiscover(addr)
 	}
 	return nil
 }

@@ -22,11 +22,12 @@ type endpoint struct {
 	hostName string
 	sbName   string
 	joined   bool
-	vtep     netip.Addr // the VTEP published at Join (the advertise address then)
 }
 
-func (ep *endpoint) peer(vtep netip.Addr) peerdb.Peer {
-	return peerdb.Peer{EndpointID: ep.id, IP: ep.addr.Addr(), MAC: ep.mac, VTEP: vtep}
+// peer returns the endpoint's record without a VTEP: the local VTEP has
+// one owner (see VTEP), and a local entry of the peer table needs none.
+func (ep *endpoint) peer() peerdb.Peer {
+	return peerdb.Peer{EndpointID: ep.id, IP: ep.addr.Addr(), MAC: ep.mac}
 }
 
 func (ep *endpoint) sandboxEndpoint(mtu int) sandbox.Endpoint {
@@ -159,7 +160,7 @@ func (d *Driver) EndpointInfo(req *api.InfoRequest) (*api.InfoResponse, error) {
 
 // Join builds the network's sandbox if this is its first local endpoint,
 // creates the endpoint's veth and records it as a local peer. Any failure
-// undoes what this call made.
+// undoes everything this call did, kernel and encryption state included.
 func (d *Driver) Join(req *api.JoinRequest) (_ *api.JoinResponse, err error) {
 	if req == nil {
 		return nil, errors.New("Join: empty request")
@@ -184,6 +185,13 @@ func (d *Driver) Join(req *api.JoinRequest) (_ *api.JoinResponse, err error) {
 			}
 		}
 	}()
+	if n.teardown {
+		// The last Leave could not remove the sandbox: finish that first
+		// rather than joining a half-removed one.
+		if err := d.destroySandbox(n); err != nil {
+			return nil, fmt.Errorf("Join of endpoint %q: the network's previous sandbox could not be removed: %w", ep.id, err)
+		}
+	}
 	if n.sb == nil {
 		if n.encrypted {
 			if err := d.checkEncryption(); err != nil {
@@ -196,10 +204,9 @@ func (d *Driver) Join(req *api.JoinRequest) (_ *api.JoinResponse, err error) {
 		}
 		n.sb = sb
 		undo = append(undo, func() {
-			if err := n.sb.Destroy(); err != nil {
-				d.log.Error("rollback: failed to destroy sandbox", "network", n.id, "error", err)
+			if err := d.destroySandbox(n); err != nil {
+				d.log.Error("rollback: failed to destroy sandbox; the periodic reconcile retries", "network", n.id, "error", err)
 			}
-			n.sb = nil
 			if err := d.syncEnc(n, false); err != nil {
 				d.log.Error("rollback: encryption state", "network", n.id, "error", err)
 			}
@@ -226,15 +233,16 @@ func (d *Driver) Join(req *api.JoinRequest) (_ *api.JoinResponse, err error) {
 			d.log.Error("rollback: failed to remove veth", "network", n.id, "endpoint", ep.id, "error", err)
 		}
 	})
-	vtep := d.advertiseAddr()
-	delta, err := n.peers.AddLocal(ep.peer(vtep))
+	delta, err := n.peers.AddLocal(ep.peer())
 	if err != nil {
 		return nil, fmt.Errorf("Join of endpoint %q: %w", ep.id, err)
 	}
 	undo = append(undo, func() {
-		// The local entry only removed remote claimants of its IP: restore them.
+		// The local entry shadowed remote claimants of its IP: restore
+		// them, with their VTEPs' encryption state first, as any change
+		// of peers.
 		back, _ := n.peers.RemoveLocal(ep.id)
-		if err := n.sb.ApplyDelta(back); err != nil {
+		if err := d.program(n, back); err != nil {
 			d.log.Error("rollback: failed to restore peers", "network", n.id, "error", err)
 		}
 	})
@@ -242,18 +250,19 @@ func (d *Driver) Join(req *api.JoinRequest) (_ *api.JoinResponse, err error) {
 		return nil, fmt.Errorf("Join of endpoint %q: %w", ep.id, err)
 	}
 	// The local endpoint may shadow a remote claimant of its IP, whose VTEP
-	// may then need no SA any more.
+	// may then need no SA any more. A failure leaves more state than
+	// needed, never less, and the encryption owner reports and retries it.
 	if err := d.syncEnc(n, false); err != nil {
 		d.log.Warn("encryption state after a Join", "network", n.id, "error", err)
 	}
-	ep.joined, ep.vtep = true, vtep
+	ep.joined = true
 	if err := d.saveEndpoint(n, ep); err != nil {
-		ep.joined, ep.vtep = false, netip.Addr{}
+		ep.joined = false
 		return nil, fmt.Errorf("Join of endpoint %q: %w", ep.id, err)
 	}
 	n.joined++
 	d.publish(n, ep, true)
-	d.trace(TraceEvent{Kind: TraceJoin, Network: n.id, Endpoint: ep.id, Addr: ep.addr, MAC: ep.mac, VTEP: vtep})
+	d.trace(TraceEvent{Kind: TraceJoin, Network: n.id, Endpoint: ep.id, Addr: ep.addr, MAC: ep.mac})
 
 	resp := &api.JoinResponse{
 		InterfaceName:         api.InterfaceName{SrcName: ep.hostName, DstPrefix: "eth"},
@@ -270,6 +279,23 @@ func (d *Driver) Join(req *api.JoinRequest) (_ *api.JoinResponse, err error) {
 	}
 	d.log.Debug("endpoint joined", "network", n.id, "endpoint", ep.id, "address", ep.addr, "veth", ep.hostName)
 	return resp, nil
+}
+
+// destroySandbox removes n's sandbox. On failure it keeps the reference and
+// marks the network for teardown: the periodic reconcile and the next Join
+// retry, so no namespace is leaked and none is reused half-removed.
+// Expects n.mu held.
+func (d *Driver) destroySandbox(n *network) error {
+	if n.sb == nil {
+		n.teardown = false
+		return nil
+	}
+	if err := n.sb.Destroy(); err != nil {
+		n.teardown = true
+		return err
+	}
+	n.sb, n.teardown = nil, false
+	return nil
 }
 
 // Leave undoes Join. Unknown networks and endpoints succeed.
@@ -306,10 +332,9 @@ func (d *Driver) leave(n *network, ep *endpoint) error {
 	d.trace(TraceEvent{Kind: TraceLeave, Network: n.id, Endpoint: ep.id})
 	var errs []error
 	if n.joined == 0 {
-		if err := n.sb.Destroy(); err != nil {
-			errs = append(errs, err)
+		if err := d.destroySandbox(n); err != nil {
+			errs = append(errs, fmt.Errorf("%w (the sandbox is kept and its removal retried)", err))
 		}
-		n.sb = nil
 		if err := d.syncEnc(n, false); err != nil {
 			errs = append(errs, err)
 		}
@@ -319,13 +344,7 @@ func (d *Driver) leave(n *network, ep *endpoint) error {
 		}
 		// The delta may re-activate a remote claimant of the IP: its VTEP
 		// needs SAs and a policy before its neighbour is programmed.
-		if err := d.syncEnc(n, true); err != nil {
-			errs = append(errs, err)
-		}
-		if err := n.sb.ApplyDelta(delta); err != nil {
-			errs = append(errs, err)
-		}
-		if err := d.syncEnc(n, false); err != nil {
+		if err := d.program(n, delta); err != nil {
 			errs = append(errs, err)
 		}
 	}
@@ -339,12 +358,15 @@ func (d *Driver) leave(n *network, ep *endpoint) error {
 }
 
 // publish tells the control plane that a local endpoint joined or left.
+// The record carries no VTEP (see VTEP).
 // Expects n.mu held.
 func (d *Driver) publish(n *network, ep *endpoint, up bool) {
 	if d.cfg.Publisher == nil {
 		return
 	}
-	p := ep.peer(ep.vtep)
+	// No VTEP: the control plane gives the record the VTEP it advertises,
+	// which follows this driver's (OnVTEPChange).
+	p := ep.peer()
 	vni := n.subnets[ep.subnet].vni
 	if up {
 		d.cfg.Publisher.PublishLocalPeer(vni, nil, &p)

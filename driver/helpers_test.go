@@ -32,6 +32,7 @@ func newTestDriver(t testing.TB, host *nstest.NS, adv netip.Addr) *Driver {
 		NetnsDir:      nstest.NetnsDir(t),
 		AdvertiseAddr: adv,
 		Logger:        testLogger(),
+		Peers:         newMemSource(),
 	})
 	if err != nil {
 		t.Fatalf("driver.New: %v", err)

@@ -138,7 +138,7 @@ func TestTwoHostsInjectedPeers(t *testing.T) {
 	s := setupTwoHosts(t)
 	for i, d := range s.d {
 		other := s.peers[1-i]
-		if err := d.ApplyPeerEvent(PeerEvent{VNI: 77, Next: &other}); err != nil {
+		if err := applyPeerEvent(d, PeerEvent{VNI: 77, Next: &other}); err != nil {
 			t.Fatal(err)
 		}
 		mustAudit(t, d)
@@ -154,14 +154,14 @@ func TestTwoHostsInjectedPeers(t *testing.T) {
 	// Update: 198.51.100.11 moves to a new MAC on a new VTEP.
 	prev := s.peers[1]
 	next := peerdb.Peer{EndpointID: "ep-moved", IP: prev.IP, MAC: peerdb.MAC{0x02, 0, 0, 0, 0, 0x99}, VTEP: netip.MustParseAddr("192.0.2.99")}
-	if err := s.d[0].ApplyPeerEvent(PeerEvent{VNI: 77, Prev: &prev, Next: &next}); err != nil {
+	if err := applyPeerEvent(s.d[0], PeerEvent{VNI: 77, Prev: &prev, Next: &next}); err != nil {
 		t.Fatal(err)
 	}
 	wantPeers(t, s.d[0], "net1", map[string]string{"198.51.100.11": "02:00:00:00:00:99"}, map[string]string{"02:00:00:00:00:99": "192.0.2.99"})
 	mustAudit(t, s.d[0])
 
 	// Delete.
-	if err := s.d[0].ApplyPeerEvent(PeerEvent{VNI: 77, Prev: &next}); err != nil {
+	if err := applyPeerEvent(s.d[0], PeerEvent{VNI: 77, Prev: &next}); err != nil {
 		t.Fatal(err)
 	}
 	wantPeers(t, s.d[0], "net1", map[string]string{}, map[string]string{})
@@ -187,7 +187,7 @@ func TestRemoteIPConflictDeterministic(t *testing.T) {
 		mustJoin(t, d, id, "local")
 		for _, p := range order {
 			p := p
-			if err := d.ApplyPeerEvent(PeerEvent{VNI: vni, Next: &p}); err != nil {
+			if err := applyPeerEvent(d, PeerEvent{VNI: vni, Next: &p}); err != nil {
 				t.Fatal(err)
 			}
 		}
@@ -202,7 +202,7 @@ func TestRemoteIPConflictDeterministic(t *testing.T) {
 		if neigh["198.51.100.50"] == b.MAC.String() {
 			win = b
 		}
-		if err := d.ApplyPeerEvent(PeerEvent{VNI: vni, Prev: &win}); err != nil {
+		if err := applyPeerEvent(d, PeerEvent{VNI: vni, Prev: &win}); err != nil {
 			t.Fatal(err)
 		}
 		neigh, _ = dumpPeers(t, d, id)
@@ -230,7 +230,7 @@ func TestRemoteNeverShadowsLocal(t *testing.T) {
 	mustEndpoint(t, d, "n", "local", "198.51.100.2/24")
 	mustJoin(t, d, "n", "local")
 	r := peerdb.Peer{EndpointID: "remote", IP: netip.MustParseAddr("198.51.100.2"), MAC: peerdb.MAC{2, 1, 1, 1, 1, 1}, VTEP: netip.MustParseAddr("192.0.2.30")}
-	if err := d.ApplyPeerEvent(PeerEvent{VNI: 9, Next: &r}); err != nil {
+	if err := applyPeerEvent(d, PeerEvent{VNI: 9, Next: &r}); err != nil {
 		t.Fatal(err)
 	}
 	wantPeers(t, d, "n", map[string]string{}, map[string]string{})
@@ -241,22 +241,22 @@ func TestRemoteNeverShadowsLocal(t *testing.T) {
 	mustAudit(t, d)
 }
 
-// Peers that arrive before the network exists are applied when it appears;
-// peers of a deleted network wait for it to come back.
-func TestPendingPeers(t *testing.T) {
+// Records that the source has before the network exists are pulled when
+// it is created, and again when it is created anew after a delete: nothing
+// is kept by the driver for networks it does not have, and nothing is
+// lost. A record the network refuses stays at the source and is listed in
+// Status with the reason.
+func TestPeersBeforeNetwork(t *testing.T) {
 	hosts, vteps := nstest.Hosts(t, 1, false)
 	d := newTestDriver(t, hosts[0], vteps[0])
 	p := peerdb.Peer{EndpointID: "early", IP: netip.MustParseAddr("198.51.100.9"), MAC: peerdb.MAC{2, 0, 0, 0, 0, 9}, VTEP: netip.MustParseAddr("192.0.2.40")}
 	q := p
 	q.EndpointID, q.IP, q.MAC = "gone", netip.MustParseAddr("198.51.100.10"), peerdb.MAC{2, 0, 0, 0, 0, 10}
-	for _, ev := range []PeerEvent{{VNI: 31, Next: &p}, {VNI: 31, Next: &q}, {VNI: 31, Prev: &q}} {
-		if err := d.ApplyPeerEvent(ev); err != nil {
-			t.Fatal(err)
+	bad := peerdb.Peer{EndpointID: "bad", IP: netip.MustParseAddr("198.51.100.11"), VTEP: netip.MustParseAddr("192.0.2.41")}
+	for _, ev := range []PeerEvent{{VNI: 31, Next: &p}, {VNI: 31, Next: &q}, {VNI: 31, Prev: &q}, {VNI: 31, Next: &bad}} {
+		if err := applyPeerEvent(d, ev); err != nil {
+			t.Fatal(err) // no network: nothing to refuse yet
 		}
-	}
-	bad := peerdb.Peer{EndpointID: "bad", IP: netip.MustParseAddr("198.51.100.11")}
-	if err := d.ApplyPeerEvent(PeerEvent{VNI: 31, Next: &bad}); err == nil || !strings.Contains(err.Error(), "MAC") {
-		t.Fatalf("invalid pending peer accepted: %v", err)
 	}
 	for round := 0; round < 2; round++ {
 		mustCreate(t, d, createReq("n", "31", "198.51.100.0/24"))
@@ -264,6 +264,10 @@ func TestPendingPeers(t *testing.T) {
 		mustJoin(t, d, "n", "local")
 		wantPeers(t, d, "n", map[string]string{"198.51.100.9": "02:00:00:00:00:09"}, map[string]string{"02:00:00:00:00:09": "192.0.2.40"})
 		mustAudit(t, d)
+		st := d.Status()
+		if rej := st.Networks[0].Rejected; len(rej) != 1 || rej[0].EndpointID != "bad" || !strings.Contains(rej[0].Reason, "MAC") {
+			t.Fatalf("round %d: rejected records in status: %+v", round, rej)
+		}
 		if err := d.DeleteNetwork(&api.DeleteNetworkRequest{NetworkID: "n"}); err != nil {
 			t.Fatal(err)
 		}
@@ -442,7 +446,7 @@ func TestIPv6Underlay(t *testing.T) {
 		}
 	}
 	for i, d := range drivers {
-		if err := d.ApplyPeerEvent(PeerEvent{VNI: 600, Next: &peers[1-i]}); err != nil {
+		if err := applyPeerEvent(d, PeerEvent{VNI: 600, Next: &peers[1-i]}); err != nil {
 			t.Fatal(err)
 		}
 		mustAudit(t, d)

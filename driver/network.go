@@ -3,9 +3,11 @@ package driver
 import (
 	"fmt"
 	"net/netip"
+	"slices"
 
 	api "github.com/docker/go-plugins-helpers/network"
 
+	"github.com/overlayd/overlayd/encryption"
 	"github.com/overlayd/overlayd/internal/lockorder"
 	"github.com/overlayd/overlayd/internal/sandbox"
 	"github.com/overlayd/overlayd/peerdb"
@@ -24,11 +26,22 @@ type network struct {
 	encrypted bool
 	options   map[string]string
 
+	share encryption.ShareID // this instance's share of the encryption state
+
 	endpoints map[string]*endpoint // guarded by mu
-	peers     *peerdb.DB           // guarded by mu: the network owns its peer DB
+	peers     *peerdb.DB           // guarded by mu: the network owns its peer table
 	sb        *sandbox.Sandbox     // guarded by mu; nil until the first Join
-	joined    int                  // endpoints joined; guarded by mu
-	deleted   bool                 // guarded by mu; set when removed from the driver
+	// teardown: the last Leave could not remove the sandbox; the periodic
+	// reconcile (or the next Join) retries. Guarded by mu.
+	teardown bool
+	joined   int  // endpoints joined; guarded by mu
+	deleted  bool // guarded by mu; set when removed from the driver
+	// lastErr is the last kernel programming error of the network's peers,
+	// for status; cleared by the next success. Guarded by mu.
+	lastErr error
+	// logged: rejected remote records already logged, with the reason;
+	// guarded by mu.
+	logged map[peerdb.Key]string
 }
 
 // trace emits the creation of n; expects n.mu held.
@@ -67,9 +80,16 @@ func (n *network) sandboxSubnets() []sandbox.Subnet {
 	return s
 }
 
-// CreateNetwork validates the request and registers the network. It makes no
-// kernel change: the sandbox is built at the first Join. Remote peers that
-// arrived for its VNIs before it existed are taken into its peer DB.
+// CreateNetwork validates the request and registers the network. It makes
+// no kernel change (the sandbox is built at the first Join) except, for an
+// encrypted network, the fail-closed rules. It pulls the remote records of
+// its VNIs from the source, so records that arrived before it existed are
+// taken now.
+//
+// A network of the same id or VNI whose DeleteNetwork is in flight is
+// waited for (on its lock, never holding another network's), then the
+// registration is re-checked: create after delete of one id is sound, as in
+// moby's driver after #50260.
 func (d *Driver) CreateNetwork(req *api.CreateNetworkRequest) error {
 	spec, err := parseCreateNetwork(req)
 	if err != nil {
@@ -94,69 +114,25 @@ func (d *Driver) CreateNetwork(req *api.CreateNetworkRequest) error {
 		encrypted: spec.encrypted,
 		options:   spec.options,
 		endpoints: map[string]*endpoint{},
+		share:     d.newShareID(),
 	}
-	n.peers = peerdb.New(n.pools())
+	n.peers = peerdb.New(n.pools(), n.vnis()...)
 
-	// Lock the new network before publishing it, so that operations finding
-	// it wait until it is complete.
-	n.mu.Lock()
+	if err := d.register(n); err != nil {
+		return err
+	}
 	defer n.mu.Unlock()
-
-	d.mu.Lock()
-	if _, exists := d.nets[spec.id]; exists {
-		d.mu.Unlock()
-		return fmt.Errorf("NetworkID %q already exists on this host", spec.id)
-	}
-	for _, s := range spec.subnets {
-		if other := d.byVNI[s.vni]; other != nil {
-			d.mu.Unlock()
-			return fmt.Errorf("option %s: VNI %d is already used by network %q on this host: each network needs its own VNIs", OptVNI, s.vni, other.id)
-		}
-	}
-	d.nets[spec.id] = n
-	for _, s := range spec.subnets {
-		d.byVNI[s.vni] = n
-	}
-	d.mu.Unlock()
 
 	// Persist before answering (outside driver.mu: a write waits for the
 	// disk). On failure the registration is undone; operations that found n
 	// meanwhile wait on n.mu and then see it deleted.
 	if err := d.saveNetwork(n); err != nil {
-		d.mu.Lock()
-		delete(d.nets, n.id)
-		for _, s := range spec.subnets {
-			delete(d.byVNI, s.vni)
-		}
-		d.mu.Unlock()
-		n.deleted = true
+		d.unregisterLocked(n)
 		return fmt.Errorf("CreateNetwork %q: %w", n.id, err)
 	}
-
-	// Peers that arrived before the network existed. None can be added to
-	// pending for its VNIs any more: they go to the network now.
-	d.mu.Lock()
-	var early []peerdb.Event
-	for _, s := range spec.subnets {
-		for p := range d.pending[s.vni] {
-			p := p
-			early = append(early, peerdb.Event{Next: &p})
-		}
-		delete(d.pending, s.vni)
-	}
-	d.mu.Unlock()
-
 	n.trace(d, TraceCreateNetwork)
-	if len(early) > 0 {
-		_, errs := n.peers.ApplyAll(early)
-		for i, e := range errs {
-			if e != nil {
-				d.log.Warn("dropping early peer that does not fit the network", "network", n.id, "peer", early[i].Next.String(), "error", e)
-			}
-		}
-	}
 	// An encrypted network's fail-closed rules go in before anything can
-	// send on it.
+	// send on it; an unencrypted one's VNIs are let through in clear.
 	if err := d.syncEnc(n, false); err != nil {
 		if ferr := d.forgetNetwork(n); ferr != nil {
 			d.log.Error("undoing a failed CreateNetwork", "network", n.id, "error", ferr)
@@ -164,8 +140,67 @@ func (d *Driver) CreateNetwork(req *api.CreateNetworkRequest) error {
 		d.unregister(n)
 		return fmt.Errorf("CreateNetwork %q: %w", n.id, err)
 	}
-	d.log.Info("network created", "network", n.id, "vnis", formatVNIs(n.vnis()), "mtu", n.mtu, "internal", n.internal)
+	// Registered under its VNIs before pulling: a change notified from now
+	// on waits for n.mu and pulls again, so none is missed.
+	if err := d.pullAll(n); err != nil {
+		d.log.Warn("pulling the remote peers of a new network", "network", n.id, "error", err)
+	}
+	d.log.Info("network created", "network", n.id, "vnis", formatVNIs(n.vnis()), "mtu", n.mtu, "internal", n.internal, "encrypted", n.encrypted)
 	return nil
+}
+
+// register publishes n under its id and VNIs and returns with n locked.
+// Networks holding the id or a VNI are waited for: if they are being
+// deleted, register proceeds once they are gone; if they stay, it fails
+// naming them.
+func (d *Driver) register(n *network) error {
+	for {
+		// Lock the new network before publishing it, so that operations
+		// finding it wait until it is complete. Nobody else can hold it
+		// yet: it is not published.
+		n.mu.Lock()
+		d.mu.Lock()
+		var blockers []*network
+		if other := d.nets[n.id]; other != nil {
+			blockers = append(blockers, other)
+		}
+		for _, s := range n.subnets {
+			if other := d.byVNI[s.vni]; other != nil && !slices.Contains(blockers, other) {
+				blockers = append(blockers, other)
+			}
+		}
+		if len(blockers) == 0 {
+			d.nets[n.id] = n
+			for _, s := range n.subnets {
+				d.byVNI[s.vni] = n
+			}
+			d.mu.Unlock()
+			return nil
+		}
+		n.mu.Unlock()
+		d.mu.Unlock()
+		// Wait for each blocker's operation in flight (a DeleteNetwork),
+		// one network lock at a time, and see whether it is still there.
+		for _, other := range blockers {
+			other.mu.Lock()
+			alive := !other.deleted
+			other.mu.Unlock()
+			if !alive {
+				continue
+			}
+			if other.id == n.id {
+				return fmt.Errorf("NetworkID %q already exists on this host", n.id)
+			}
+			for _, s := range n.subnets {
+				for _, o := range other.subnets {
+					if o.vni == s.vni {
+						return fmt.Errorf("option %s: VNI %d is already used by network %q on this host: each network needs its own VNIs", OptVNI, s.vni, other.id)
+					}
+				}
+			}
+		}
+		// Every blocker was deleted meanwhile: look again.
+	}
 }
 
 func reqNetworkID(req *api.CreateNetworkRequest) string {
@@ -177,8 +212,7 @@ func reqNetworkID(req *api.CreateNetworkRequest) string {
 
 // DeleteNetwork removes the network and everything of it in the kernel. An
 // unknown id succeeds: dockerd sends deletes for networks a restarted plugin
-// never saw. Remote peers of the network go back to the pending set, so that
-// re-creating it finds them.
+// never saw.
 func (d *Driver) DeleteNetwork(req *api.DeleteNetworkRequest) error {
 	if req == nil {
 		return fmt.Errorf("DeleteNetwork: empty request")
@@ -207,38 +241,40 @@ func (d *Driver) DeleteNetwork(req *api.DeleteNetworkRequest) error {
 	return nil
 }
 
-// unregister removes n from the driver, returning its remote peers to the
-// pending set, and drops its share of the encryption state; expects n.mu
-// held and n's sandbox gone.
+// unregister removes n from the driver and drops its share of the
+// encryption state; expects n.mu held and n's sandbox gone. Its remote
+// records stay with their owner, the control plane: a network created
+// again pulls them.
 func (d *Driver) unregister(n *network) {
 	for _, ep := range n.endpoints {
 		if ep.joined {
 			d.publish(n, ep, false)
 		}
 	}
-	remote := n.peers.Remote()
+	d.unregisterLocked(n)
+	n.endpoints = nil
+	if err := d.dropEnc(n); err != nil {
+		d.log.Warn("removing the encryption state of a deleted network", "network", n.id, "error", err)
+	}
+}
+
+// unregisterLocked takes n out of the driver's maps and marks it deleted;
+// expects n.mu held.
+func (d *Driver) unregisterLocked(n *network) {
 	d.mu.Lock()
-	delete(d.nets, n.id)
-	vni0 := n.subnets[0].vni
+	if d.nets[n.id] == n {
+		delete(d.nets, n.id)
+	}
 	for _, s := range n.subnets {
-		delete(d.byVNI, s.vni)
-	}
-	for _, p := range remote {
-		vni := vni0
-		if i, ok := n.peers.SubnetOf(p.IP); ok {
-			vni = n.subnets[i].vni
+		if d.byVNI[s.vni] == n {
+			delete(d.byVNI, s.vni)
 		}
-		d.addPendingLocked(vni, p)
 	}
-	// Traced under driver.mu too: the pending peers it returns and a new
-	// network of the same id or VNIs are ordered after it.
+	// Traced under driver.mu too: a new network of the same id or VNIs is
+	// ordered after it.
 	d.trace(TraceEvent{Kind: TraceDeleteNetwork, Network: n.id})
 	d.mu.Unlock()
 	n.deleted = true
-	n.endpoints = nil
-	if err := d.syncEnc(n, false); err != nil {
-		d.log.Warn("removing the encryption state of a deleted network", "network", n.id, "error", err)
-	}
 }
 
 // AllocateNetwork (swarm leader) echoes the options and adds a VNI per IPv4

@@ -7,160 +7,149 @@ import (
 	"github.com/overlayd/overlayd/peerdb"
 )
 
-// PeerEvent is a change of one remote peer record of the network that has
-// VNI as one of its VNIs: create (nil, Next), update (Prev, Next) or delete
-// (Prev, nil). An update removes what Prev programmed, then programs Next.
-type PeerEvent struct {
-	VNI  uint32
-	Prev *peerdb.Peer
-	Next *peerdb.Peer
+// PeerSource is the one owner of remote endpoints' records (the control
+// plane). A network pulls from it, under its own lock: when told that
+// records of one of its VNIs changed (PeersChanged), when it is created, and
+// on the driver's periodic reconcile. Nothing is pushed into a network, so
+// nothing it rejected or could not place is lost: it stays at the source
+// and is pulled again.
+//
+// Thread safety: both methods are called with a network's lock held
+// (lockorder.LevelNetwork), concurrently for different networks. They must
+// be safe for concurrent use, return promptly, take only locks below the
+// driver's in the hierarchy, and never call into the Driver.
+type PeerSource interface {
+	// Peer returns the record in force for k, if any (never one of this
+	// host's own).
+	Peer(k peerdb.Key) (peerdb.Peer, bool)
+	// Peers returns every record in force for vni, by key.
+	Peers(vni uint32) map[peerdb.Key]peerdb.Peer
 }
 
-// ApplyPeerEvent applies one remote peer event under the network's lock.
-// Events for a network this host does not have are kept and applied when it
-// is created. It blocks on the network's lock: the control plane calls it
-// from its own ordered per-network delivery, never from a gossip callback.
-func (d *Driver) ApplyPeerEvent(ev PeerEvent) error {
-	return d.ApplyPeerEvents([]PeerEvent{ev})
+// PeersChanged tells the driver that the source's records for keys of vni
+// may have changed (keys nil: any record of vni). The network that has vni
+// pulls their current values under its lock and programs the difference;
+// a VNI no network has is ignored (a network created later pulls
+// everything). It never fails: what cannot be applied is reported in
+// Status and retried by the periodic reconcile.
+//
+// It blocks on the network's lock: the control plane calls it from its own
+// delivery goroutines, never from a gossip callback. Calls may come in any
+// order and be repeated: the network always pulls the current values.
+func (d *Driver) PeersChanged(vni uint32, keys []peerdb.Key) {
+	n, unlock := d.lockNetworkByVNI(vni)
+	if n == nil {
+		return
+	}
+	defer unlock()
+	if err := d.pull(n, vni, keys); err != nil {
+		d.log.Warn("programming remote peers failed; the periodic reconcile retries", "network", n.id, "vni", vni, "error", err)
+	}
 }
 
-// ApplyPeerEvents applies events in order, grouping consecutive events of one
-// network so that their kernel programming is batched. Invalid events are
-// skipped and reported in the returned error; the others are applied.
-func (d *Driver) ApplyPeerEvents(evs []PeerEvent) error {
-	var errs []error
-	for start := 0; start < len(evs); {
-		end := start + 1
-		for end < len(evs) && evs[end].VNI == evs[start].VNI {
-			end++
-		}
-		if err := d.applyForVNI(evs[start].VNI, evs[start:end]); err != nil {
-			errs = append(errs, err)
-		}
-		start = end
+// pull brings n's records of vni in line with the source: the records of
+// keys, or all of them when keys is nil; then programs the kernel. Expects
+// n.mu held.
+func (d *Driver) pull(n *network, vni uint32, keys []peerdb.Key) error {
+	src := d.cfg.Peers
+	if src == nil {
+		return nil
 	}
-	return errors.Join(errs...)
-}
-
-func (d *Driver) applyForVNI(vni uint32, evs []PeerEvent) error {
-	for _, ev := range evs {
-		if ev.Prev == nil && ev.Next == nil {
-			return fmt.Errorf("peer event for VNI %d has neither a previous nor a next record", vni)
+	var delta peerdb.Delta
+	var rej []peerdb.Rejection
+	if keys == nil {
+		delta, rej = n.peers.SyncVNI(vni, src.Peers(vni))
+	} else {
+		ups := make([]peerdb.Update, len(keys))
+		vals := make([]peerdb.Peer, len(keys))
+		for i, k := range keys {
+			ups[i].Key = k
+			if k.VNI != vni {
+				continue // not ours to pull: leave it unchanged
+			}
+			if p, ok := src.Peer(k); ok {
+				vals[i] = p
+				ups[i].Peer = &vals[i]
+			}
 		}
+		delta, rej = n.peers.SetRemotes(ups)
 	}
-	var n *network
-	for {
-		var unlock func()
-		n, unlock = d.lockNetworkByVNI(vni)
-		if n != nil {
-			defer unlock()
-			break
-		}
-		if stored, err := d.addPending(vni, evs); stored {
-			return err
-		}
-		// A network with this VNI was created meanwhile: apply to it.
-	}
-	pevs := make([]peerdb.Event, len(evs))
-	for i, ev := range evs {
-		pevs[i] = peerdb.Event{Prev: ev.Prev, Next: ev.Next}
-	}
-	delta, perrs := n.peers.ApplyAll(pevs)
-	var errs []error
-	applied := pevs
-	if perrs != nil {
-		applied = make([]peerdb.Event, 0, len(pevs))
-	}
-	for i, e := range perrs {
-		if e != nil {
-			errs = append(errs, fmt.Errorf("peer event %d for network %q (VNI %d): %w", i, n.id, vni, e))
-		} else {
-			applied = append(applied, pevs[i])
-		}
-	}
-	d.trace(TraceEvent{Kind: TracePeerEvents, Network: n.id, VNI: vni, Events: applied})
+	n.noteRejections(d, rej)
+	d.trace(TraceEvent{Kind: TracePull, Network: n.id, VNI: vni})
 	if faultActive(FaultDropPeerDeletes) {
 		delta.NeighDel, delta.FDBDel = nil, nil
 	}
-	if n.sb != nil && n.encrypted && !delta.Empty() {
-		// SAs and policies for new VTEPs before traffic is sent to them.
-		if err := d.syncEnc(n, true); err != nil {
+	return d.program(n, delta)
+}
+
+// pullAll pulls every VNI of n. Expects n.mu held.
+func (d *Driver) pullAll(n *network) error {
+	var errs []error
+	for _, s := range n.subnets {
+		if err := d.pull(n, s.vni, nil); err != nil {
 			errs = append(errs, err)
-		}
-		defer func() {
-			if err := d.syncEnc(n, false); err != nil {
-				d.log.Warn("encryption state after peer events", "network", n.id, "error", err)
-			}
-		}()
-	}
-	if n.sb != nil {
-		if err := n.sb.ApplyDelta(delta); err != nil {
-			// The peer DB is the truth: fall back to the level-triggered path.
-			d.log.Warn("peer programming failed, reconciling the network", "network", n.id, "error", err)
-			if _, rerr := n.sb.Reconcile(n.peers.Desired()); rerr != nil {
-				errs = append(errs, fmt.Errorf("network %q: %w", n.id, rerr))
-			}
 		}
 	}
 	return errors.Join(errs...)
 }
 
-// addPending keeps events for a VNI no network has (yet). It stores nothing
-// and returns false if a network with the VNI exists by now.
-func (d *Driver) addPending(vni uint32, evs []PeerEvent) (bool, error) {
+// program writes a change of n's desired peer state to its sandbox, with
+// the encryption state of new VTEPs in place before their peers and the
+// state of VTEPs gone removed after. Expects n.mu held.
+func (d *Driver) program(n *network, delta peerdb.Delta) error {
+	if n.sb == nil || delta.Empty() {
+		return nil
+	}
 	var errs []error
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	if d.byVNI[vni] != nil {
-		return false, nil
-	}
-	var applied []peerdb.Event
-	defer func() { d.trace(TraceEvent{Kind: TracePending, VNI: vni, Events: applied}) }()
-	for i, ev := range evs {
-		if ev.Next != nil {
-			if err := checkPeer(*ev.Next); err != nil {
-				errs = append(errs, fmt.Errorf("peer event %d for VNI %d: %w", i, vni, err))
-				continue
-			}
-		}
-		applied = append(applied, peerdb.Event{Prev: ev.Prev, Next: ev.Next})
-		if ev.Prev != nil {
-			if set := d.pending[vni]; set != nil {
-				delete(set, *ev.Prev)
-				if len(set) == 0 {
-					delete(d.pending, vni)
-				}
-			}
-		}
-		if ev.Next != nil {
-			d.addPendingLocked(vni, *ev.Next)
+	if n.encrypted {
+		if err := d.syncEnc(n, true); err != nil {
+			errs = append(errs, err)
 		}
 	}
-	return true, errors.Join(errs...)
+	if err := n.sb.ApplyDelta(delta); err != nil {
+		// The peer table is the truth: fall back to the level-triggered path.
+		d.log.Warn("peer programming failed, reconciling the network", "network", n.id, "error", err)
+		if _, rerr := n.sb.Reconcile(n.peers.Desired()); rerr != nil {
+			errs = append(errs, fmt.Errorf("network %q: %w", n.id, rerr))
+		}
+	}
+	if n.encrypted {
+		if err := d.syncEnc(n, false); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	err := errors.Join(errs...)
+	n.lastErr = err
+	return err
 }
 
-// addPendingLocked expects d.mu held.
-func (d *Driver) addPendingLocked(vni uint32, p peerdb.Peer) {
-	set := d.pending[vni]
-	if set == nil {
-		set = map[peerdb.Peer]struct{}{}
-		d.pending[vni] = set
+// noteRejections logs records that n newly refuses (once per key and
+// reason), so a misconfigured peer is visible where the operator looks; all
+// current ones are listed by Status. Expects n.mu held.
+func (n *network) noteRejections(d *Driver, rej []peerdb.Rejection) {
+	for _, r := range rej {
+		msg := r.Err.Error()
+		if n.logged[r.Key] == msg {
+			continue
+		}
+		if n.logged == nil {
+			n.logged = map[peerdb.Key]string{}
+		}
+		n.logged[r.Key] = msg
+		d.log.Warn("refusing a remote peer record (it stays with the control plane and is taken when valid)",
+			"network", n.id, "vni", r.Key.VNI, "origin", r.Key.Origin, "endpoint", r.Key.EndpointID, "error", r.Err)
 	}
-	set[p] = struct{}{}
-}
-
-// checkPeer validates the fields of a record that can be checked without
-// knowing its network's subnets.
-func checkPeer(p peerdb.Peer) error {
-	switch {
-	case p.EndpointID == "":
-		return errors.New("peer record: EndpointID is empty")
-	case !p.IP.Is4():
-		return fmt.Errorf("peer %q: IP %v is not an IPv4 address", p.EndpointID, p.IP)
-	case !p.MAC.IsUnicast():
-		return fmt.Errorf("peer %q: MAC %s is not a unicast address", p.EndpointID, p.MAC)
-	case !p.VTEP.IsValid() || p.VTEP.IsUnspecified() || p.VTEP.IsMulticast():
-		return fmt.Errorf("peer %q: VTEP %v is not a unicast IP address", p.EndpointID, p.VTEP)
+	if len(n.logged) > 0 {
+		// Forget logged keys that are no longer rejected, so a relapse is
+		// logged again.
+		still := map[peerdb.Key]bool{}
+		for _, r := range n.peers.Rejected() {
+			still[r.Key] = true
+		}
+		for k := range n.logged {
+			if !still[k] {
+				delete(n.logged, k)
+			}
+		}
 	}
-	return nil
 }

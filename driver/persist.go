@@ -5,17 +5,19 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"slices"
 	"strings"
 
+	"github.com/overlayd/overlayd/encryption"
 	"github.com/overlayd/overlayd/internal/lockorder"
 	"github.com/overlayd/overlayd/internal/sandbox"
-	"github.com/overlayd/overlayd/internal/store"
+	"github.com/overlayd/overlayd/internal/statefile"
 	"github.com/overlayd/overlayd/peerdb"
 )
 
 // record returns what is persisted of n; expects n.mu held (or n unpublished).
-func (n *network) record() store.Network {
-	r := store.Network{ID: n.id, VNIs: n.vnis(), MTU: n.mtu, Internal: n.internal, Encrypted: n.encrypted, Options: n.options}
+func (n *network) record() statefile.Network {
+	r := statefile.Network{ID: n.id, VNIs: n.vnis(), MTU: n.mtu, Internal: n.internal, Encrypted: n.encrypted, Options: n.options}
 	for _, s := range n.subnets {
 		r.Pools = append(r.Pools, s.pool.String())
 		gw := ""
@@ -27,48 +29,45 @@ func (n *network) record() store.Network {
 	return r
 }
 
-func (ep *endpoint) record(netID string) store.Endpoint {
-	r := store.Endpoint{Network: netID, ID: ep.id, Addr: ep.addr.String(), MAC: ep.mac.String(), Joined: ep.joined,
+func (ep *endpoint) record(netID string) statefile.Endpoint {
+	r := statefile.Endpoint{Network: netID, ID: ep.id, Addr: ep.addr.String(), MAC: ep.mac.String(), Joined: ep.joined,
 		HostName: ep.hostName, SandboxName: ep.sbName}
-	if ep.vtep.IsValid() {
-		r.VTEP = ep.vtep.String()
-	}
 	return r
 }
 
 func (d *Driver) saveNetwork(n *network) error {
-	if d.cfg.Store == nil {
+	if d.cfg.StateFile == nil {
 		return nil
 	}
-	return d.cfg.Store.PutNetwork(n.record())
+	return d.cfg.StateFile.PutNetwork(n.record())
 }
 
 func (d *Driver) forgetNetwork(n *network) error {
-	if d.cfg.Store == nil {
+	if d.cfg.StateFile == nil {
 		return nil
 	}
-	return d.cfg.Store.DeleteNetwork(n.id)
+	return d.cfg.StateFile.DeleteNetwork(n.id)
 }
 
 func (d *Driver) saveEndpoint(n *network, ep *endpoint) error {
-	if d.cfg.Store == nil {
+	if d.cfg.StateFile == nil {
 		return nil
 	}
-	return d.cfg.Store.PutEndpoint(ep.record(n.id))
+	return d.cfg.StateFile.PutEndpoint(ep.record(n.id))
 }
 
 func (d *Driver) forgetEndpoint(n *network, ep *endpoint) error {
-	if d.cfg.Store == nil {
+	if d.cfg.StateFile == nil {
 		return nil
 	}
-	return d.cfg.Store.DeleteEndpoint(n.id, ep.id)
+	return d.cfg.StateFile.DeleteEndpoint(n.id, ep.id)
 }
 
 func (d *Driver) saveAllocation(netID string, vnis []uint32) error {
-	if d.cfg.Store == nil {
+	if d.cfg.StateFile == nil {
 		return nil
 	}
-	return d.cfg.Store.PutAllocation(netID, vnis)
+	return d.cfg.StateFile.PutAllocation(netID, vnis)
 }
 
 // restore loads the persisted state and adopts the kernel state an earlier
@@ -79,20 +78,18 @@ func (d *Driver) saveAllocation(netID string, vnis []uint32) error {
 // control plane re-delivers them and ReconcileAll runs. Called from New,
 // before the driver is shared.
 func (d *Driver) restore() error {
-	st, err := d.cfg.Store.Load()
+	st, err := d.cfg.StateFile.Load()
 	if err != nil {
 		return err
 	}
-	if err := d.restoreEnc(); err != nil {
-		return &store.CorruptError{Path: d.cfg.Store.Path(), Err: err}
-	}
+	d.adopting = true
 	for id, vnis := range st.Allocations {
 		d.allocNet[id] = vnis
 		for _, v := range vnis {
 			d.allocs[v] = id
 		}
 	}
-	eps := map[string][]store.Endpoint{}
+	eps := map[string][]statefile.Endpoint{}
 	for _, e := range st.Endpoints {
 		eps[e.Network] = append(eps[e.Network], e)
 	}
@@ -101,29 +98,22 @@ func (d *Driver) restore() error {
 	for _, rec := range st.Networks {
 		n, err := networkFromRecord(rec)
 		if err != nil {
-			return &store.CorruptError{Path: d.cfg.Store.Path(), Err: fmt.Errorf("network %q: %w", rec.ID, err)}
+			return &statefile.CorruptError{Path: d.cfg.StateFile.Path(), Err: fmt.Errorf("network %q: %w", rec.ID, err)}
 		}
 		for _, s := range n.subnets {
 			if other := d.byVNI[s.vni]; other != nil {
-				return &store.CorruptError{Path: d.cfg.Store.Path(), Err: fmt.Errorf("VNI %d is held by networks %q and %q", s.vni, other.id, n.id)}
+				return &statefile.CorruptError{Path: d.cfg.StateFile.Path(), Err: fmt.Errorf("VNI %d is held by networks %q and %q", s.vni, other.id, n.id)}
 			}
 			d.byVNI[s.vni] = n
 		}
 		d.nets[n.id] = n
-		if n.encrypted {
-			// Not programmed now: the kernel keeps what the earlier run
-			// installed until keys and peers are back (SetKeys,
-			// ReconcileAll).
-			if d.enc.vnis == nil {
-				d.enc.vnis, d.enc.remotes = map[*network][]uint32{}, map[*network]map[netip.Addr]bool{}
-			}
-			d.enc.vnis[n] = n.vnis()
-		}
+		d.lastID++
+		n.share = encryption.ShareID(d.lastID)
 		var joined []*endpoint
 		for _, er := range eps[n.id] {
 			ep, err := endpointFromRecord(n, er)
 			if err != nil {
-				return &store.CorruptError{Path: d.cfg.Store.Path(), Err: fmt.Errorf("endpoint %q of network %q: %w", er.ID, n.id, err)}
+				return &statefile.CorruptError{Path: d.cfg.StateFile.Path(), Err: fmt.Errorf("endpoint %q of network %q: %w", er.ID, n.id, err)}
 			}
 			n.endpoints[ep.id] = ep
 			if ep.joined {
@@ -145,7 +135,7 @@ func (d *Driver) restore() error {
 		n.sb = sb
 		for _, ep := range joined {
 			n.joined++
-			if _, err := n.peers.AddLocal(ep.peer(ep.vtep)); err != nil {
+			if _, err := n.peers.AddLocal(ep.peer()); err != nil {
 				d.log.Warn("restored endpoint does not fit its network", "network", n.id, "endpoint", ep.id, "error", err)
 			}
 			if !sb.HasLink(ep.sbName) {
@@ -153,6 +143,14 @@ func (d *Driver) restore() error {
 			}
 		}
 		d.log.Info("network restored", "network", n.id, "vnis", formatVNIs(n.vnis()), "joined", n.joined)
+	}
+	// Every network's share, before dockerd can call: the encryption
+	// owner keeps what the earlier run programmed until Settle (no peer is
+	// known yet), so running containers keep their encrypted traffic.
+	for _, n := range d.nets {
+		if err := d.syncEnc(n, false); err != nil {
+			d.log.Warn("restoring the encryption share of a network (the encryption owner retries)", "network", n.id, "error", err)
+		}
 	}
 	d.removeLeftovers(keepNS, keepHostLinks)
 	return nil
@@ -206,7 +204,7 @@ func isHostVethName(name string) bool {
 	return true
 }
 
-func networkFromRecord(r store.Network) (*network, error) {
+func networkFromRecord(r statefile.Network) (*network, error) {
 	if err := checkID("id", r.ID); err != nil {
 		return nil, err
 	}
@@ -235,11 +233,11 @@ func networkFromRecord(r store.Network) (*network, error) {
 		}
 		n.subnets = append(n.subnets, s)
 	}
-	n.peers = peerdb.New(n.pools())
+	n.peers = peerdb.New(n.pools(), n.vnis()...)
 	return n, nil
 }
 
-func endpointFromRecord(n *network, r store.Endpoint) (*endpoint, error) {
+func endpointFromRecord(n *network, r statefile.Endpoint) (*endpoint, error) {
 	addr, err := netip.ParsePrefix(r.Addr)
 	if err != nil {
 		return nil, err
@@ -257,49 +255,80 @@ func endpointFromRecord(n *network, r store.Endpoint) (*endpoint, error) {
 	if ep.subnet < 0 {
 		return nil, fmt.Errorf("address %s is in no subnet of the network", addr)
 	}
-	if r.VTEP != "" {
-		if ep.vtep, err = netip.ParseAddr(r.VTEP); err != nil {
-			return nil, err
-		}
-	}
 	if ep.hostName == "" || ep.sbName == "" {
 		ep.hostName, ep.sbName = linkNames(n.id, ep.id)
 	}
 	return ep, nil
 }
 
-// ReconcileAll makes every sandbox's peer state exactly what its peer DB
-// says (dump, diff, apply), removing entries that an earlier run programmed
-// and nobody re-announced. The daemon calls it once the control plane has
-// re-delivered the cluster's records after a restart, and it can run at any
-// time. It returns the differences it corrected.
-func (d *Driver) ReconcileAll() ([]string, error) {
+// Reconcile is the driver's level-triggered repair; the daemon runs it on a
+// short tick, and it can run at any time. For every network: pull all its
+// records from the source (repairing any notification that was missed or
+// could not be applied), remove a sandbox a failed Leave left behind, and
+// make the sandbox's peer state exactly what the peer table says (dump,
+// diff, apply). While the driver is adopting the kernel state of an earlier
+// run (until Settle), entries the kernel holds beyond the table's are kept:
+// the control plane has not re-delivered the cluster's records yet. It
+// returns the differences it corrected, each naming its network.
+func (d *Driver) Reconcile() ([]string, error) {
+	d.RefreshVTEP()
 	d.mu.Lock()
-	ids := make([]string, 0, len(d.nets))
-	for id := range d.nets {
-		ids = append(ids, id)
-	}
+	adopting := d.adopting
 	d.mu.Unlock()
 	var fixed []string
 	var errs []error
-	if err := d.dropAdoptedEnc(); err != nil {
-		errs = append(errs, fmt.Errorf("encryption: %w", err))
-	}
-	for _, id := range ids {
-		n, unlock, err := d.lockNetwork(id)
+	d.eachNetwork(func(n *network) {
+		if err := d.pullAll(n); err != nil {
+			errs = append(errs, err)
+		}
+		if n.teardown {
+			if err := d.destroySandbox(n); err != nil {
+				errs = append(errs, fmt.Errorf("network %q: removing the sandbox of the last Leave: %w", n.id, err))
+			} else {
+				fixed = append(fixed, fmt.Sprintf("network %s: removed the sandbox a failed Leave left", n.id))
+			}
+		}
+		if n.sb == nil || n.teardown {
+			return
+		}
+		have, err := n.sb.Dump()
 		if err != nil {
-			continue
+			errs = append(errs, err)
+			return
 		}
-		if n.sb != nil {
-			p, err := n.sb.Reconcile(n.peers.Desired())
-			for _, s := range p {
-				fixed = append(fixed, fmt.Sprintf("network %s: %s", id, s))
-			}
-			if err != nil {
-				errs = append(errs, err)
-			}
+		delta, problems := sandbox.Diff(n.peers.Desired(), have)
+		if adopting {
+			delta.NeighDel, delta.FDBDel = nil, nil
+			problems = slices.DeleteFunc(problems, func(s string) bool { return strings.HasSuffix(s, "not desired") })
 		}
-		unlock()
-	}
+		if len(problems) == 0 {
+			return
+		}
+		for _, s := range problems {
+			fixed = append(fixed, fmt.Sprintf("network %s: %s", n.id, s))
+		}
+		if err := d.program(n, delta); err != nil {
+			errs = append(errs, err)
+		}
+	})
 	return fixed, errors.Join(errs...)
+}
+
+// Settle ends the adoption of an earlier run's kernel state: from now on
+// the kernel holds exactly what the peer tables say, and the encryption
+// state exactly what the networks need. The daemon calls it once the
+// control plane has had time to re-deliver the cluster's records after a
+// restart.
+func (d *Driver) Settle() error {
+	d.mu.Lock()
+	was := d.adopting
+	d.adopting = false
+	d.mu.Unlock()
+	if !was {
+		return nil
+	}
+	if d.cfg.Encryption == nil {
+		return nil
+	}
+	return d.cfg.Encryption.Restored()
 }

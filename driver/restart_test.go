@@ -10,14 +10,14 @@ import (
 	"github.com/vishvananda/netlink"
 
 	"github.com/overlayd/overlayd/internal/sandbox"
-	"github.com/overlayd/overlayd/internal/store"
+	"github.com/overlayd/overlayd/internal/statefile"
 	"github.com/overlayd/overlayd/internal/testutil/nstest"
 	"github.com/overlayd/overlayd/peerdb"
 )
 
-func openStore(t testing.TB, dir string) *store.Store {
+func openStore(t testing.TB, dir string) *statefile.File {
 	t.Helper()
-	s, err := store.Open(dir)
+	s, err := statefile.Open(dir)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -27,14 +27,14 @@ func openStore(t testing.TB, dir string) *store.Store {
 // A restart of the daemon (a new Driver on the same state and namespaces)
 // adopts the running sandboxes: pings between containers on two hosts keep
 // flowing, the new driver knows the networks and endpoints, a stale peer is
-// removed by ReconcileAll once the peers are re-delivered, and
+// removed by Reconcile once the driver has settled, and
 // Leave/DeleteEndpoint/DeleteNetwork still clean up completely.
 func TestRestartAdoptsRunningSandbox(t *testing.T) {
 	hosts, vteps := nstest.Hosts(t, 2, false)
 	stateDir := t.TempDir()
 	netnsDir := nstest.NetnsDir(t)
 	st := openStore(t, stateDir)
-	cfg := Config{HostNS: hosts[0].Handle, NetnsDir: netnsDir, AdvertiseAddr: vteps[0], Logger: testLogger(), Store: st}
+	cfg := Config{HostNS: hosts[0].Handle, NetnsDir: netnsDir, AdvertiseAddr: vteps[0], Logger: testLogger(), StateFile: st, Peers: newMemSource()}
 	dA, err := New(cfg)
 	if err != nil {
 		t.Fatal(err)
@@ -54,11 +54,11 @@ func TestRestartAdoptsRunningSandbox(t *testing.T) {
 	}
 	stale := peerdb.Peer{EndpointID: "stale", IP: netip.MustParseAddr("198.51.100.99"), MAC: peerdb.MAC{2, 0, 0, 0, 0, 0x99}, VTEP: netip.MustParseAddr("192.0.2.99")}
 	for _, ev := range []PeerEvent{{VNI: 77, Next: &peers[1]}, {VNI: 77, Next: &stale}} {
-		if err := dA.ApplyPeerEvent(ev); err != nil {
+		if err := applyPeerEvent(dA, ev); err != nil {
 			t.Fatal(err)
 		}
 	}
-	if err := dB.ApplyPeerEvent(PeerEvent{VNI: 77, Next: &peers[0]}); err != nil {
+	if err := applyPeerEvent(dB, PeerEvent{VNI: 77, Next: &peers[0]}); err != nil {
 		t.Fatal(err)
 	}
 	if err := nstest.PingEventually(ctrs[0], peers[1].IP, 5*time.Second); err != nil {
@@ -72,14 +72,15 @@ func TestRestartAdoptsRunningSandbox(t *testing.T) {
 	st.Close()
 	st = openStore(t, stateDir)
 	defer st.Close()
-	cfg.Store = st
+	cfg.StateFile = st
+	cfg.Peers = newMemSource() // a restarted control plane: it learns the records again
 	dA, err = New(cfg)
 	if err != nil {
 		t.Fatalf("restart: %v", err)
 	}
 	defer dA.Close()
 	// The control plane re-delivers the peers it knows (not the stale one).
-	if err := dA.ApplyPeerEvent(PeerEvent{VNI: 77, Next: &peers[1]}); err != nil {
+	if err := applyPeerEvent(dA, PeerEvent{VNI: 77, Next: &peers[1]}); err != nil {
 		t.Fatal(err)
 	}
 	for pl.Sent() < 20 {
@@ -98,12 +99,19 @@ func TestRestartAdoptsRunningSandbox(t *testing.T) {
 	if n, _ := dumpPeers(t, dA, "net1"); n["198.51.100.99"] == "" {
 		t.Fatal("adoption dropped kernel peers before the control plane re-delivered them")
 	}
-	fixed, err := dA.ReconcileAll()
+	// Reconciling while adopting keeps it; once settled it goes.
+	if fixed, err := dA.Reconcile(); err != nil || len(fixed) != 0 {
+		t.Fatalf("Reconcile while adopting: fixed %v, err %v; want nothing removed", fixed, err)
+	}
+	if err := dA.Settle(); err != nil {
+		t.Fatal(err)
+	}
+	fixed, err := dA.Reconcile()
 	if err != nil {
 		t.Fatal(err)
 	}
 	if len(fixed) != 2 { // the stale neighbour and its FDB entry
-		t.Errorf("ReconcileAll fixed %v, want the stale neighbour and fdb entry", fixed)
+		t.Errorf("Reconcile fixed %v, want the stale neighbour and fdb entry", fixed)
 	}
 	mustAudit(t, dA)
 	if err := nstest.Ping(ctrs[0], peers[1].IP, time.Second); err != nil {
@@ -143,7 +151,7 @@ func TestRestartCleansLeftoversAndRebuilds(t *testing.T) {
 
 	// A persisted network whose sandbox is then destroyed behind our back.
 	st := openStore(t, stateDir)
-	cfg := Config{HostNS: host.Handle, NetnsDir: netnsDir, Logger: testLogger(), Store: st}
+	cfg := Config{HostNS: host.Handle, NetnsDir: netnsDir, Logger: testLogger(), StateFile: st}
 	d1, err := New(cfg)
 	if err != nil {
 		t.Fatal(err)
@@ -180,7 +188,7 @@ func TestRestartCleansLeftoversAndRebuilds(t *testing.T) {
 func TestPersistFailureLeavesNothing(t *testing.T) {
 	host := nstest.NewNS(t, "host")
 	st := openStore(t, t.TempDir())
-	d, err := New(Config{HostNS: host.Handle, NetnsDir: nstest.NetnsDir(t), Logger: testLogger(), Store: st})
+	d, err := New(Config{HostNS: host.Handle, NetnsDir: nstest.NetnsDir(t), Logger: testLogger(), StateFile: st})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,20 +1,24 @@
 package driver
 
 import (
+	"cmp"
 	"fmt"
+	"slices"
 	"sort"
+	"strings"
 
+	"github.com/overlayd/overlayd/encryption"
 	"github.com/overlayd/overlayd/peerdb"
 )
 
 // Status is the driver's view of its networks, for `overlayd status`.
 type Status struct {
-	AdvertiseAddr string            `json:"advertise_addr"`
-	VXLANPort     int               `json:"vxlan_port"`
-	Scope         string            `json:"scope"`
-	Networks      []NetworkStatus   `json:"networks"`
-	PendingPeers  map[uint32]int    `json:"pending_peers,omitempty"` // remote peers kept for VNIs no local network has
-	Encryption    *EncryptionStatus `json:"encryption,omitempty"`
+	AdvertiseAddr string             `json:"advertise_addr"`
+	VXLANPort     int                `json:"vxlan_port"`
+	Scope         string             `json:"scope"`
+	VTEPSource    string             `json:"vtep_source"` // configured, swarm (DiscoverNew), default route, or unknown
+	Networks      []NetworkStatus    `json:"networks"`
+	Encryption    *encryption.Status `json:"encryption,omitempty"`
 }
 
 // NetworkStatus describes one network.
@@ -29,6 +33,21 @@ type NetworkStatus struct {
 	Endpoints   []EndpointStatus `json:"endpoints"`
 	RemotePeers []PeerStatus     `json:"remote_peers"`
 	Conflicts   []ConflictStatus `json:"conflicts,omitempty"`
+	// Rejected are records the control plane has in force for the
+	// network's VNIs that it does not hold (invalid, or outside the subnet
+	// of their VNI), with the reason.
+	Rejected []RejectedStatus `json:"rejected,omitempty"`
+	// Error is the last kernel programming error of the network's peers
+	// (the periodic reconcile retries), or the sandbox left to remove.
+	Error string `json:"error,omitempty"`
+}
+
+// RejectedStatus is one refused remote record.
+type RejectedStatus struct {
+	VNI        uint32 `json:"vni"`
+	Origin     string `json:"origin"`
+	EndpointID string `json:"endpoint_id"`
+	Reason     string `json:"reason"`
 }
 
 // EndpointStatus describes a local endpoint.
@@ -62,28 +81,13 @@ type ConflictStatus struct {
 // turn, never two at once.
 func (d *Driver) Status() Status {
 	d.mu.Lock()
-	ids := make([]string, 0, len(d.nets))
-	for id := range d.nets {
-		ids = append(ids, id)
-	}
-	st := Status{VXLANPort: d.cfg.VXLANPort, Scope: d.cfg.Scope, PendingPeers: map[uint32]int{}}
-	for vni, set := range d.pending {
-		st.PendingPeers[vni] = len(set)
+	st := Status{VXLANPort: d.cfg.VXLANPort, Scope: d.cfg.Scope, VTEPSource: d.vtep.source.String()}
+	if d.vtep.addr.IsValid() {
+		st.AdvertiseAddr = d.vtep.addr.String()
 	}
 	d.mu.Unlock()
-	if adv := d.advertiseAddr(); adv.IsValid() {
-		st.AdvertiseAddr = adv.String()
-	}
 	st.Encryption = d.encryptionStatus()
-	sort.Strings(ids)
-	for _, id := range ids {
-		n, unlock, err := d.lockNetwork(id)
-		if err != nil {
-			continue
-		}
-		st.Networks = append(st.Networks, n.status())
-		unlock()
-	}
+	d.eachNetwork(func(n *network) { st.Networks = append(st.Networks, n.status()) })
 	return st
 }
 
@@ -110,6 +114,15 @@ func (n *network) status() NetworkStatus {
 		ns.RemotePeers = append(ns.RemotePeers, PeerStatus{EndpointID: p.EndpointID, IP: p.IP.String(), MAC: p.MAC.String(),
 			VTEP: p.VTEP.String(), Active: ok && !local && act == p})
 	}
+	for _, r := range n.peers.Rejected() {
+		ns.Rejected = append(ns.Rejected, RejectedStatus{VNI: r.Key.VNI, Origin: r.Key.Origin, EndpointID: r.Key.EndpointID, Reason: r.Err.Error()})
+	}
+	switch {
+	case n.teardown:
+		ns.Error = "the sandbox of the last Leave could not be removed; retrying"
+	case n.lastErr != nil:
+		ns.Error = n.lastErr.Error()
+	}
 	for _, c := range n.peers.Conflicts() {
 		cs := ConflictStatus{IP: c.IP.String(), Active: c.Active.EndpointID, Local: c.ActiveLocal}
 		for _, s := range c.Shadowed {
@@ -125,27 +138,28 @@ func (ns NetworkStatus) String() string {
 	return fmt.Sprintf("%s vni=%v subnets=%v mtu=%d endpoints=%d remote=%d", ns.ID, ns.VNIs, ns.Subnets, ns.MTU, len(ns.Endpoints), len(ns.RemotePeers))
 }
 
-// ForEachLocalPeer calls fn with the record of every joined local endpoint,
-// holding that endpoint's network lock during the call, so that a
-// republication is ordered with the Join/Leave publications of the same
-// network (fn must not block nor call into the Driver, like a
-// PeerPublisher).
-func (d *Driver) ForEachLocalPeer(fn func(vni uint32, p peerdb.Peer)) {
-	d.mu.Lock()
-	nets := make([]*network, 0, len(d.nets))
-	for _, n := range d.nets {
-		nets = append(nets, n)
-	}
-	d.mu.Unlock()
-	for _, n := range nets {
-		n.mu.Lock()
-		if !n.deleted {
-			for _, ep := range n.endpoints {
-				if ep.joined {
-					fn(n.subnets[ep.subnet].vni, ep.peer(ep.vtep))
-				}
+// LocalPeers returns the record of every joined local endpoint, by VNI,
+// without VTEP (the control plane stamps the one it advertises). Each
+// network is read under its lock, so the list is consistent per network;
+// the daemon hands it to the control plane at start and periodically,
+// which makes the published records exactly these.
+func (d *Driver) LocalPeers() []LocalRecord {
+	var out []LocalRecord
+	d.eachNetwork(func(n *network) {
+		for _, ep := range n.endpoints {
+			if ep.joined {
+				out = append(out, LocalRecord{VNI: n.subnets[ep.subnet].vni, Peer: ep.peer()})
 			}
 		}
-		n.mu.Unlock()
-	}
+	})
+	slices.SortFunc(out, func(a, b LocalRecord) int {
+		return cmp.Or(cmp.Compare(a.VNI, b.VNI), strings.Compare(a.Peer.EndpointID, b.Peer.EndpointID))
+	})
+	return out
+}
+
+// LocalRecord is one joined local endpoint's record and its VNI.
+type LocalRecord struct {
+	VNI  uint32
+	Peer peerdb.Peer
 }

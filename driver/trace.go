@@ -17,8 +17,7 @@ const (
 	TraceDeleteEndpoint
 	TraceJoin
 	TraceLeave
-	TracePeerEvents // remote peer events applied to a network
-	TracePending    // remote peer events kept for a VNI no network has
+	TracePull // a network pulled remote records of one VNI from the source
 )
 
 func (k TraceKind) String() string {
@@ -35,19 +34,17 @@ func (k TraceKind) String() string {
 		return "Join"
 	case TraceLeave:
 		return "Leave"
-	case TracePeerEvents:
-		return "PeerEvents"
-	case TracePending:
-		return "Pending"
+	case TracePull:
+		return "Pull"
 	}
 	return "unknown"
 }
 
 // TraceEvent records one state change that succeeded, emitted while the lock
-// that linearises it is held (the network's lock; driver.mu for
-// TracePending; both for TraceDeleteNetwork, which returns peers to the
-// pending set), so the order of trace events is the order in which the
-// driver applied the changes. It exists for the stress harness's oracle.
+// that linearises it is held (the network's lock; both it and driver.mu for
+// TraceDeleteNetwork), so the order of trace events is the order in which
+// the driver applied the changes. It exists for the stress harness's
+// oracle.
 type TraceEvent struct {
 	Kind    TraceKind
 	Network string
@@ -62,11 +59,8 @@ type TraceEvent struct {
 	Endpoint string
 	Addr     netip.Prefix
 	MAC      peerdb.MAC
-	VTEP     netip.Addr // TraceJoin: the VTEP published for the endpoint
-	// TracePeerEvents and TracePending: the valid events, in order (invalid
-	// ones were rejected and changed nothing).
-	VNI    uint32
-	Events []peerdb.Event
+	// TracePull: the VNI pulled.
+	VNI uint32
 }
 
 // trace emits ev to the configured tracer; expects the linearising lock held.

@@ -33,7 +33,7 @@ func BenchmarkApplyAll20000(b *testing.B) {
 	b.ReportAllocs()
 	for b.Loop() {
 		db := New(benchSubnets)
-		d, errs := db.ApplyAll(evs)
+		d, errs := db.applyEvents(evs)
 		if errs != nil || len(d.NeighSet) != 20000 || len(d.FDBSet) != 20000 {
 			b.Fatalf("errs %v, %d neigh, %d fdb", errs, len(d.NeighSet), len(d.FDBSet))
 		}
@@ -46,7 +46,7 @@ func BenchmarkApply(b *testing.B) {
 	peers := benchPeers(5000)
 	db := New(benchSubnets)
 	for i := range peers {
-		if _, err := db.Apply(Event{Next: &peers[i]}); err != nil {
+		if _, err := db.applyEvent(Event{Next: &peers[i]}); err != nil {
 			b.Fatal(err)
 		}
 	}
@@ -56,7 +56,7 @@ func BenchmarkApply(b *testing.B) {
 		prev := peers[i%len(peers)]
 		next := prev
 		next.VTEP = netip.AddrFrom4([4]byte{192, 0, 2, 100 + byte(i/len(peers)%2)})
-		d, err := db.Apply(Event{Prev: &prev, Next: &next})
+		d, err := db.applyEvent(Event{Prev: &prev, Next: &next})
 		if err != nil || len(d.FDBSet) != 1 {
 			b.Fatalf("%v %+v", err, d)
 		}
@@ -73,7 +73,7 @@ func loadedDB(b *testing.B, peers []Peer) *DB {
 		evs[i] = Event{Next: &peers[i]}
 	}
 	db := New(benchSubnets)
-	if _, errs := db.ApplyAll(evs); errs != nil {
+	if _, errs := db.applyEvents(evs); errs != nil {
 		b.Fatal(errs)
 	}
 	return db
@@ -92,7 +92,7 @@ func BenchmarkApplyAll20000Shuffled(b *testing.B) {
 	b.ReportAllocs()
 	for b.Loop() {
 		db := New(benchSubnets)
-		d, errs := db.ApplyAll(evs)
+		d, errs := db.applyEvents(evs)
 		if errs != nil || len(d.NeighSet) != 20000 || len(d.FDBSet) != 20000 {
 			b.Fatalf("errs %v, %d neigh, %d fdb", errs, len(d.NeighSet), len(d.FDBSet))
 		}
@@ -112,7 +112,7 @@ func BenchmarkApplyAllDelete20000(b *testing.B) {
 		b.StopTimer()
 		db := loadedDB(b, peers)
 		b.StartTimer()
-		d, errs := db.ApplyAll(dels)
+		d, errs := db.applyEvents(dels)
 		if errs != nil || len(d.NeighDel) != 20000 || len(d.FDBDel) != 20000 || len(d.NeighSet)+len(d.FDBSet) != 0 {
 			b.Fatalf("errs %v, %d neigh, %d fdb", errs, len(d.NeighDel), len(d.FDBDel))
 		}
@@ -127,6 +127,78 @@ func BenchmarkDesired20000(b *testing.B) {
 		s := db.Desired()
 		if len(s.Neigh) != 20000 || len(s.FDB) != 20000 {
 			b.Fatalf("%d neigh, %d fdb", len(s.Neigh), len(s.FDB))
+		}
+	}
+}
+
+// benchUpdates returns the keyed updates that load peers (two VNIs, one
+// per subnet; 50 origins).
+func benchUpdates(peers []Peer) []Update {
+	ups := make([]Update, len(peers))
+	for i := range peers {
+		vni := uint32(100)
+		if benchSubnets[1].Contains(peers[i].IP) {
+			vni = 101
+		}
+		ups[i] = Update{Key: Key{VNI: vni, Origin: "host-" + peers[i].VTEP.String(), EndpointID: peers[i].EndpointID}, Peer: &peers[i]}
+	}
+	return ups
+}
+
+// BenchmarkSetRemotes20000 loads 20,000 records by key into an empty table
+// (the pull path's batch), as BenchmarkApplyAll20000 does with events.
+func BenchmarkSetRemotes20000(b *testing.B) {
+	ups := benchUpdates(benchPeers(20000))
+	b.ReportAllocs()
+	for b.Loop() {
+		db := New(benchSubnets, 100, 101)
+		d, rej := db.SetRemotes(ups)
+		if rej != nil || len(d.NeighSet) != 20000 || len(d.FDBSet) != 20000 {
+			b.Fatalf("rejections %v, %d neigh, %d fdb", rej, len(d.NeighSet), len(d.FDBSet))
+		}
+	}
+}
+
+// BenchmarkSetRemote moves one keyed record per call in a table of 5,000,
+// as BenchmarkApply does with events.
+func BenchmarkSetRemote(b *testing.B) {
+	peers := benchPeers(5000)
+	ups := benchUpdates(peers)
+	db := New(benchSubnets, 100, 101)
+	db.SetRemotes(ups)
+	b.ReportAllocs()
+	i := 0
+	for b.Loop() {
+		u := ups[i%len(ups)]
+		next := *u.Peer
+		next.VTEP = netip.AddrFrom4([4]byte{192, 0, 2, 100 + byte(i/len(ups)%2)})
+		u.Peer = &next
+		d, rej := db.SetRemotes([]Update{u})
+		if rej != nil || len(d.FDBSet) != 1 {
+			b.Fatalf("%v %+v", rej, d)
+		}
+		ups[i%len(ups)] = u
+		i++
+	}
+}
+
+// BenchmarkSyncVNI20000 is a full pull of a VNI whose 10,000 records the
+// table already holds: the periodic level-triggered repair with nothing to
+// repair.
+func BenchmarkSyncVNI20000(b *testing.B) {
+	ups := benchUpdates(benchPeers(20000))
+	db := New(benchSubnets, 100, 101)
+	db.SetRemotes(ups)
+	all := map[Key]Peer{}
+	for _, u := range ups {
+		if u.Key.VNI == 100 {
+			all[u.Key] = *u.Peer
+		}
+	}
+	b.ReportAllocs()
+	for b.Loop() {
+		if d, rej := db.SyncVNI(100, all); !d.Empty() || rej != nil {
+			b.Fatalf("%v %+v", rej, d)
 		}
 	}
 }

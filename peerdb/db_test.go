@@ -39,7 +39,7 @@ func fset(s int, m MAC, v netip.Addr) FDB    { return FDB{Subnet: s, MAC: m, VTE
 
 func mustApply(t *testing.T, db *DB, ev Event) Delta {
 	t.Helper()
-	d, err := db.Apply(ev)
+	d, err := db.applyEvent(ev)
 	if err != nil {
 		t.Fatalf("Apply: %v", err)
 	}
@@ -363,7 +363,7 @@ func TestApplyAllNetDelta(t *testing.T) {
 	mustApply(t, db, create(c))
 
 	bad := pp("", ipA, mac1, vtep1)
-	d, errs := db.ApplyAll([]Event{
+	d, errs := db.applyEvents([]Event{
 		create(a),    // neigh+fdb set…
 		update(a, b), // …fdb replaced…
 		create(bad),  // skipped
@@ -382,7 +382,7 @@ func TestApplyAllNetDelta(t *testing.T) {
 	}
 	wantDelta(t, d, Delta{NeighSet: []Neigh{nset(0, ipB, mac2)}, FDBSet: []FDB{fset(0, mac2, vtep2)}})
 
-	d, errs = db.ApplyAll([]Event{del(c)})
+	d, errs = db.applyEvents([]Event{del(c)})
 	if errs != nil {
 		t.Fatalf("errs = %v, want nil", errs)
 	}
@@ -396,7 +396,7 @@ func TestDeltaSorted(t *testing.T) {
 		ip := netip.AddrFrom4([4]byte{10, 0, byte(i % 2), byte(i)})
 		evs = append(evs, create(pp("ep", ip, MACFromIP(ip), vtep1)))
 	}
-	d, errs := db.ApplyAll(evs)
+	d, errs := db.applyEvents(evs)
 	if errs != nil {
 		t.Fatal(errs)
 	}
@@ -496,7 +496,7 @@ func TestInvalidEventMutatesNothing(t *testing.T) {
 		update(badPrev, pp("ep9", ipC, mac3, vtep2)), // valid next is not inserted when prev is bad
 		create(pp("ep1", ipA, MAC{}, vtep1)),
 	} {
-		d, err := db.Apply(ev)
+		d, err := db.applyEvent(ev)
 		if err == nil {
 			t.Fatalf("Apply(%v) accepted", ev)
 		}

@@ -189,7 +189,7 @@ func TestModelLargeUniverse(t *testing.T) {
 				ev := event()
 				desc = func() string { return "Apply(" + evString(ev) + ")" }
 				var err error
-				d, err = h.db.Apply(ev)
+				d, err = h.db.applyEvent(ev)
 				if ok := h.m.apply(ev); ok != (err == nil) {
 					t.Fatalf("run %d step %d %s: err %v, model valid %v", run, step, desc(), err, ok)
 				}
@@ -240,7 +240,7 @@ func TestModelLargeUniverse(t *testing.T) {
 				}
 				desc = func() string { return fmt.Sprintf("ApplyAll(%d events)", len(evs)) }
 				var errs []error
-				d, errs = h.db.ApplyAll(evs)
+				d, errs = h.db.applyEvents(evs)
 				for i, ev := range evs {
 					ok := h.m.apply(ev)
 					if ok != (errs == nil || errs[i] == nil) {
@@ -274,7 +274,7 @@ func TestWideSubnets(t *testing.T) {
 			evs = append(evs, Event{Next: p})
 		}
 	}
-	d, errs := db.ApplyAll(evs)
+	d, errs := db.applyEvents(evs)
 	if errs != nil {
 		t.Fatal(errs)
 	}
@@ -293,7 +293,7 @@ func TestWideSubnets(t *testing.T) {
 	for _, ev := range evs {
 		dels = append(dels, Event{Prev: ev.Next})
 	}
-	d, _ = db.ApplyAll(dels)
+	d, _ = db.applyEvents(dels)
 	if len(d.NeighDel) != 5 || len(d.FDBDel) != 5 || !slices.IsSortedFunc(d.FDBDel, compareFDB) {
 		t.Fatalf("delta %+v", d)
 	}

@@ -284,7 +284,7 @@ func (h *harness) step(s *byteSource) {
 		ev := s.event(h.m)
 		desc = func() string { return fmt.Sprintf("Apply(%s)", evString(ev)) }
 		var err error
-		d, err = h.db.Apply(ev)
+		d, err = h.db.applyEvent(ev)
 		if ok := h.m.apply(ev); ok != (err == nil) {
 			t.Fatalf("step %d %s: err = %v, model valid = %v", h.steps, desc(), err, ok)
 		}
@@ -327,7 +327,7 @@ func (h *harness) step(s *byteSource) {
 			return fmt.Sprintf("ApplyAll(%s)", strings.Join(s, ", "))
 		}
 		var errs []error
-		d, errs = h.db.ApplyAll(evs)
+		d, errs = h.db.applyEvents(evs)
 		allOK := true
 		for i, ev := range evs {
 			ok := h.m.apply(ev)

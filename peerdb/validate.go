@@ -58,61 +58,68 @@ func (db *DB) SubnetOf(ip netip.Addr) (int, bool) {
 // The error (nil if p is valid) has one *InvalidPeerError per bad field and
 // names the endpoint, the field and its value, and what is allowed.
 func (db *DB) Validate(p Peer) error {
-	return db.validate(p, true)
+	_, err := db.validate(&p, true)
+	return err
 }
 
-func (db *DB) validate(p Peer, checkVTEP bool) error {
+// validate is the one validator of records: it returns the index of the
+// subnet holding p.IP, or the error Validate describes. VTEP is checked
+// only with checkVTEP (local entries may have none). A valid record costs
+// no allocation: errors are built only for bad fields.
+func (db *DB) validate(p *Peer, checkVTEP bool) (int, error) {
 	var errs []error
 	bad := func(field, format string, args ...any) {
 		errs = append(errs, &InvalidPeerError{EndpointID: p.EndpointID, Field: field, Reason: fmt.Sprintf(format, args...)})
 	}
 
-	switch {
-	case p.EndpointID == "":
+	switch n := len(p.EndpointID); {
+	case n == 0:
 		bad("EndpointID", "EndpointID is empty; a non-empty id of at most %d bytes is required", MaxEndpointIDLen)
-	case len(p.EndpointID) > MaxEndpointIDLen:
-		bad("EndpointID", "EndpointID is %d bytes long; at most %d bytes are allowed", len(p.EndpointID), MaxEndpointIDLen)
+	case n > MaxEndpointIDLen:
+		bad("EndpointID", "EndpointID is %d bytes long; at most %d bytes are allowed", n, MaxEndpointIDLen)
 	}
 
+	sub, inSubnet := 0, false
 	switch {
+	case p.IP.Is4(): // also rejects the zero Addr and IPv4-mapped addresses
+		if sub, inSubnet = db.subnet4(ip4(p.IP)); !inSubnet {
+			bad("IP", "IP %s is not in any subnet of this network (%s)", p.IP, db.subnetList())
+		}
 	case !p.IP.IsValid():
 		bad("IP", "IP is missing; an IPv4 address in a subnet of this network (%s) is required", db.subnetList())
 	case p.IP.Is4In6():
 		bad("IP", "IP %s is an IPv4-mapped IPv6 address; a plain IPv4 address in a subnet of this network (%s) is required", p.IP, db.subnetList())
-	case !p.IP.Is4():
-		bad("IP", "IP %s is not an IPv4 address; an IPv4 address in a subnet of this network (%s) is required", p.IP, db.subnetList())
 	default:
-		if _, ok := db.SubnetOf(p.IP); !ok {
-			bad("IP", "IP %s is not in any subnet of this network (%s)", p.IP, db.subnetList())
+		bad("IP", "IP %s is not an IPv4 address; an IPv4 address in a subnet of this network (%s) is required", p.IP, db.subnetList())
+	}
+
+	if !p.MAC.IsUnicast() {
+		if p.MAC.IsZero() {
+			bad("MAC", "MAC %s is the zero address; a non-zero unicast MAC is required", p.MAC)
+		} else {
+			bad("MAC", "MAC %s is a multicast/broadcast address (group bit set); a unicast MAC is required", p.MAC)
 		}
 	}
 
-	switch {
-	case p.MAC.IsZero():
-		bad("MAC", "MAC %s is the zero address; a non-zero unicast MAC is required", p.MAC)
-	case !p.MAC.IsUnicast():
-		bad("MAC", "MAC %s is a multicast/broadcast address (group bit set); a unicast MAC is required", p.MAC)
-	}
-
-	if checkVTEP {
+	if checkVTEP && (!p.VTEP.IsValid() || p.VTEP.IsUnspecified() || p.VTEP.IsMulticast()) {
 		const want = "a unicast address of the remote host is required"
 		switch {
 		case !p.VTEP.IsValid():
 			bad("VTEP", "VTEP is missing; %s", want)
 		case p.VTEP.IsUnspecified():
 			bad("VTEP", "VTEP %s is unspecified; %s", p.VTEP, want)
-		case p.VTEP.IsMulticast():
+		default:
 			bad("VTEP", "VTEP %s is a multicast address; %s", p.VTEP, want)
 		}
 	}
 
 	switch len(errs) {
 	case 0:
-		return nil
+		return sub, nil
 	case 1:
-		return errs[0]
+		return 0, errs[0]
 	default:
-		return errors.Join(errs...)
+		return 0, errors.Join(errs...)
 	}
 }
 
@@ -125,41 +132,4 @@ func (db *DB) subnetList() string {
 		s[i] = p.String()
 	}
 	return strings.Join(s, ", ")
-}
-
-func (db *DB) validateEvent(ev Event) error {
-	if ev.Prev == nil && ev.Next == nil {
-		return errors.New("peerdb: event has neither Prev nor Next")
-	}
-	var errs []error
-	if ev.Prev != nil {
-		if err := db.Validate(*ev.Prev); err != nil {
-			errs = append(errs, fmt.Errorf("prev: %w", err))
-		}
-	}
-	if ev.Next != nil {
-		if err := db.Validate(*ev.Next); err != nil {
-			errs = append(errs, fmt.Errorf("next: %w", err))
-		}
-	}
-	return errors.Join(errs...)
-}
-
-// check is the fast path of validate: it reports whether validate(*p,
-// checkVTEP) would accept p, without building errors, and the index of the
-// subnet holding p.IP. It must accept exactly what validate accepts.
-func (db *DB) check(p *Peer, checkVTEP bool) (subnet int, ok bool) {
-	if n := len(p.EndpointID); n == 0 || n > MaxEndpointIDLen {
-		return 0, false
-	}
-	if !p.IP.Is4() { // also rejects the zero Addr and IPv4-mapped addresses
-		return 0, false
-	}
-	if !p.MAC.IsUnicast() {
-		return 0, false
-	}
-	if checkVTEP && (!p.VTEP.IsValid() || p.VTEP.IsUnspecified() || p.VTEP.IsMulticast()) {
-		return 0, false
-	}
-	return db.subnet4(ip4(p.IP))
 }

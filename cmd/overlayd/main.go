@@ -25,7 +25,7 @@ func main() {
 
 func run(args []string) int {
 	cmd := "serve"
-	if len(args) > 0 && (args[0] == "serve" || args[0] == "help" || args[0] == "status" || args[0] == "keys") {
+	if len(args) > 0 && (args[0] == "serve" || args[0] == "help" || args[0] == "status" || args[0] == "keys" || args[0] == "leave") {
 		cmd, args = args[0], args[1:]
 	}
 	switch cmd {
@@ -36,6 +36,8 @@ func run(args []string) int {
 		return status(args)
 	case "keys":
 		return keys(args)
+	case "leave":
+		return leave(args)
 	}
 	st, err := config.Parse(args, config.Env)
 	if errors.Is(err, flag.ErrHelp) {
@@ -127,6 +129,27 @@ func keys(args []string) int {
 	body, err := c.Post("/v1/keys/rotate")
 	if err != nil {
 		fmt.Fprintf(os.Stderr, "overlayd keys rotate: %v\n", err)
+		return 1
+	}
+	os.Stdout.Write(body)
+	return 0
+}
+
+// leave handles `overlayd leave`: decommission this host. Stopping the
+// daemon never leaves the cluster (the others keep its peers through a
+// restart); this does, and the others remove its records at once.
+func leave(args []string) int {
+	c, err := controlFlags("leave", args, nil)
+	if errors.Is(err, flag.ErrHelp) {
+		return 0
+	}
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "overlayd leave: %v\n", err)
+		return 2
+	}
+	body, err := c.Post("/v1/leave")
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "overlayd leave: %v\n", err)
 		return 1
 	}
 	os.Stdout.Write(body)

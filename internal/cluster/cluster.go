@@ -130,6 +130,15 @@ func New(cfg Config) (*Cluster, error) {
 		stop:      make(chan struct{}),
 	}
 	c.local = newLocalStore(cfg.NodeName, c.inc, cfg.VTEP, c.now)
+	// This node's records before anything is gossiped: a restarted node's
+	// first snapshot must hold them, or the others' restart grace ends on
+	// a snapshot without them and those peers flap.
+	if errs, _ := c.local.sync(0, cfg.Local); len(errs) > 0 {
+		for _, e := range errs {
+			c.countDrop(DropLocalInvalid)
+			c.log.Warn("refusing an initial local record", "vni", e.vni, "reason", e.reason, "record", e.rec)
+		}
+	}
 	c.store.grace = cfg.RestartGrace
 	c.store.failedGrace = cfg.FailedGrace
 	c.store.dirty = c.markDirtyLocked
@@ -173,9 +182,37 @@ func (c *Cluster) start(f func()) {
 	}()
 }
 
+// LocalMark returns a mark to take before listing the local endpoints for
+// SyncLocal: changes published after it win over the list.
+func (c *Cluster) LocalMark() uint64 { return c.local.mark() }
+
+// SyncLocal makes this node's records exactly recs, a list of every local
+// endpoint taken after mark (LocalMark): each is published (unchanged ones
+// cost nothing and are not re-sent) and records of endpoints the list
+// lacks are withdrawn, except keys published after mark, which stay as
+// they are (a Join or Leave racing with the listing wins). The daemon runs
+// it periodically: level-triggered repair of local records. Like
+// PublishLocalPeer it never blocks.
+func (c *Cluster) SyncLocal(mark uint64, recs []LocalRecord) {
+	errs, changed := c.local.sync(mark, recs)
+	for _, e := range errs {
+		c.countDrop(DropLocalInvalid)
+		select {
+		case c.localErrs <- e:
+		default:
+		}
+		changed = true
+	}
+	if changed {
+		c.wakePublisher()
+	}
+}
+
 // PublishLocalPeer publishes a change of one of this node's endpoints:
 // create (nil, next), update (prev, next) or delete (prev, nil). Records
-// are keyed by (VNI, EndpointID); next.VTEP must be this node's VTEP. It
+// are keyed by (VNI, EndpointID); next.VTEP must be this node's VTEP, or
+// zero: then it gets this node's current VTEP (what the driver does, so a
+// publication racing with SetVTEP is never refused). It
 // never blocks (a short leaf lock, then a wake-up of the publisher) and
 // never calls back into the caller, so it may be called under the
 // caller's network lock. An invalid next is refused, counted and logged,

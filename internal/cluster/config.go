@@ -47,8 +47,11 @@ type Config struct {
 	Key           []byte     // cluster key, 16, 24 or 32 bytes (AES-128/192/256-GCM); required
 	Label         string     // memberlist cluster label; default DefaultLabel
 	Seeds         []string   // "host[:port]" to join, retried in the background with backoff
-	TombstoneTTL  time.Duration
-	Watcher       Watcher // required
+	// Local are this node's records at start (a restarted daemon's
+	// endpoints), in place before anything is gossiped.
+	Local        []LocalRecord
+	TombstoneTTL time.Duration
+	Watcher      Watcher // required
 	// OnMembersChange, if set, is called when a member joins, leaves, dies
 	// or changes its metadata (its VTEP or application state, see
 	// SetAppState and MemberApps). It is called from memberlist's callbacks

@@ -65,13 +65,24 @@ func (l *localStore) tick() uint64 {
 
 // publish records a local change. It returns the reason next was refused
 // (it is then withdrawn: its key is published as deleted, so no stale
-// value stays in force elsewhere) and whether anything changed.
+// value stays in force elsewhere) and whether anything changed. A next
+// without a VTEP gets this node's current one.
 func (l *localStore) publish(vni uint32, prev, next *peerdb.Peer) (DropReason, bool) {
 	if vni == 0 || vni > MaxVNI {
 		return DropInvalidVNI, false
 	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	return l.publishLocked(vni, prev, next)
+}
+
+// publishLocked is publish; expects l.mu held.
+func (l *localStore) publishLocked(vni uint32, prev, next *peerdb.Peer) (DropReason, bool) {
+	if next != nil && !next.VTEP.IsValid() {
+		stamped := *next
+		stamped.VTEP = l.vtep
+		next = &stamped
+	}
 	var reason DropReason
 	changed := false
 	if next != nil {
@@ -107,6 +118,56 @@ func (l *localStore) publish(vni uint32, prev, next *peerdb.Peer) (DropReason, b
 		}
 	}
 	return reason, changed
+}
+
+// LocalRecord is one record of this node's own endpoints.
+type LocalRecord struct {
+	VNI  uint32
+	Peer peerdb.Peer // a zero VTEP means this node's current one
+}
+
+// mark returns the last version issued: every later change has a greater
+// version.
+func (l *localStore) mark() uint64 {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.clock
+}
+
+// sync makes the live local records exactly recs, a list taken after
+// mark: each is published (a no-op when unchanged) and every live record
+// whose key recs lacks is withdrawn; keys changed after mark are left as
+// they are (a publication newer than the list wins). It returns the
+// refusals and whether anything changed.
+func (l *localStore) sync(mark uint64, recs []LocalRecord) ([]localErr, bool) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	want := make(map[recKey]bool, len(recs))
+	var errs []localErr
+	changed := false
+	for i := range recs {
+		r := &recs[i]
+		if r.VNI == 0 || r.VNI > MaxVNI {
+			errs = append(errs, localErr{vni: r.VNI, reason: DropInvalidVNI, rec: r.Peer.String()})
+			continue
+		}
+		k := recKey{r.VNI, r.Peer.EndpointID}
+		want[k] = true
+		if cur := l.recs[k]; cur != nil && cur.rec.Version > mark {
+			continue
+		}
+		reason, ch := l.publishLocked(r.VNI, nil, &r.Peer)
+		changed = changed || ch
+		if reason != "" {
+			errs = append(errs, localErr{vni: r.VNI, reason: reason, rec: r.Peer.String()})
+		}
+	}
+	for k, cur := range l.recs {
+		if !cur.rec.Deleted && !want[k] && cur.rec.Version <= mark {
+			changed = l.deleteLocked(k) || changed
+		}
+	}
+	return errs, changed
 }
 
 // deleteLocked turns k's live record into a tombstone. Expects l.mu held.

@@ -78,6 +78,7 @@ func Usage(w io.Writer, prog string) {
 	fmt.Fprintf(w, "Usage: %s [serve] [flags]        serve the plugin API (the default)\n", prog)
 	fmt.Fprintf(w, "       %s status [--json]       show the running daemon's view (via --control-socket)\n", prog)
 	fmt.Fprintf(w, "       %s keys rotate           start a cluster-wide rotation of the encryption keys\n", prog)
+	fmt.Fprintf(w, "       %s leave                 decommission this host: leave the cluster (stopping does not)\n", prog)
 	fmt.Fprintf(w, "       %s help\n\n", prog)
 	fmt.Fprintf(w, "overlayd is a Docker network plugin joining containers on many hosts over VXLAN.\nWith no command it serves the plugin API.\n\nFlags (each also read from its environment variable; the flag wins):\n")
 	for _, s := range settings {

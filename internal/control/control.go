@@ -1,6 +1,6 @@
 // Package control serves overlayd's local control API on a unix socket
-// (mode 0600: root only) and is its client: `overlayd status` and
-// `overlayd keys rotate` talk to a running daemon through it.
+// (mode 0600: root only) and is its client: `overlayd status`, `overlayd
+// keys rotate` and `overlayd leave` talk to a running daemon through it.
 package control
 
 import (
@@ -22,12 +22,15 @@ type Handlers struct {
 	// Rotate starts a cluster-wide key rotation and returns what the new
 	// target is.
 	Rotate func() (any, error)
+	// Leave makes this host leave the cluster for good (decommissioning).
+	Leave func() (any, error)
 }
 
 // Server is a running control socket.
 type Server struct {
 	srv  *http.Server
 	path string
+	done chan error // receives why serving stopped, once
 }
 
 // Serve listens on path (replacing a stale socket) and serves h until Close.
@@ -53,34 +56,62 @@ func Serve(path string, h Handlers) (*Server, error) {
 		}
 		writeJSON(w, http.StatusOK, h.Status())
 	})
-	mux.HandleFunc("POST /v1/keys/rotate", func(w http.ResponseWriter, r *http.Request) {
-		if h.Rotate == nil {
-			http.Error(w, "key rotation is not available", http.StatusNotImplemented)
-			return
+	action := func(name string, fn func() (any, error)) http.HandlerFunc {
+		return func(w http.ResponseWriter, r *http.Request) {
+			if fn == nil {
+				http.Error(w, name+" is not available", http.StatusNotImplemented)
+				return
+			}
+			res, err := fn()
+			if err != nil {
+				writeJSON(w, http.StatusConflict, map[string]string{"error": err.Error()})
+				return
+			}
+			writeJSON(w, http.StatusOK, res)
 		}
-		res, err := h.Rotate()
-		if err != nil {
-			writeJSON(w, http.StatusConflict, map[string]string{"error": err.Error()})
-			return
+	}
+	mux.HandleFunc("POST /v1/keys/rotate", action("key rotation", h.Rotate))
+	mux.HandleFunc("POST /v1/leave", action("leaving the cluster", h.Leave))
+	s := &Server{srv: &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}, path: path, done: make(chan error, 1)}
+	go func() {
+		err := s.srv.Serve(l)
+		if errors.Is(err, http.ErrServerClosed) {
+			err = nil
 		}
-		writeJSON(w, http.StatusOK, res)
-	})
-	s := &Server{srv: &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}, path: path}
-	go s.srv.Serve(l)
+		s.done <- err
+	}()
 	return s, nil
 }
 
+// Done receives the error that stopped serving other than Close (nil after
+// Close), once.
+func (s *Server) Done() <-chan error { return s.done }
+
+// listenPrivate listens on path with a socket that nobody but its owner can
+// connect to from the first moment: it binds in a fresh directory only the
+// owner can enter, restricts the socket's mode, then renames it into place.
+// (Changing the umask instead would change it for the whole process.)
 func listenPrivate(path string) (net.Listener, error) {
-	// The umask applies to the socket file bind() creates.
-	old := umask(0o177)
-	l, err := net.Listen("unix", path)
-	umask(old)
+	tmpDir, err := os.MkdirTemp(filepath.Dir(path), ".control-")
+	if err != nil {
+		return nil, fmt.Errorf("failed to create a private directory next to %s: %w", path, err)
+	}
+	defer os.RemoveAll(tmpDir)
+	tmp := filepath.Join(tmpDir, "s")
+	l, err := net.Listen("unix", tmp)
 	if err != nil {
 		return nil, fmt.Errorf("failed to listen on control socket %s: %w", path, err)
 	}
-	if err := os.Chmod(path, 0o600); err != nil {
+	// The path changes below: remove the socket in Close, not on the
+	// listener's close.
+	l.(*net.UnixListener).SetUnlinkOnClose(false)
+	if err := os.Chmod(tmp, 0o600); err != nil {
 		l.Close()
-		return nil, fmt.Errorf("failed to set mode of %s: %w", path, err)
+		return nil, fmt.Errorf("failed to set mode of control socket %s: %w", path, err)
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		l.Close()
+		return nil, fmt.Errorf("failed to move control socket into place at %s: %w", path, err)
 	}
 	return l, nil
 }

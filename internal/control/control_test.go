@@ -6,7 +6,9 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
+	"time"
 )
 
 func TestServeStatusAndRotate(t *testing.T) {
@@ -47,6 +49,57 @@ func TestServeStatusAndRotate(t *testing.T) {
 	}
 	if _, err := Serve(path, Handlers{}); err == nil || !strings.Contains(err.Error(), "in use") {
 		t.Fatalf("second server on a live socket: %v", err)
+	}
+	if _, err := c.Post("/v1/leave"); err == nil || !strings.Contains(err.Error(), "not available") {
+		t.Fatalf("leave without a handler: %v", err)
+	}
+	if entries, _ := os.ReadDir(filepath.Dir(path)); len(entries) != 1 {
+		t.Fatalf("the socket's directory holds %v, want only the socket", entries)
+	}
+	s.Close()
+	select {
+	case err := <-s.Done():
+		if err != nil {
+			t.Fatalf("Done after Close: %v", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("Done not signalled after Close")
+	}
+}
+
+// The socket is made without touching the process's umask (the old code
+// changed it for every goroutine of the daemon while binding).
+func TestServeKeepsUmask(t *testing.T) {
+	old := syscall.Umask(0o022)
+	defer syscall.Umask(old)
+	var seen []int
+	stop := make(chan struct{})
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			m := syscall.Umask(0o022) // read it (Umask sets and returns the old one)
+			if m != 0o022 {
+				seen = append(seen, m)
+			}
+		}
+	}()
+	for i := 0; i < 20; i++ {
+		s, err := Serve(filepath.Join(t.TempDir(), "control.sock"), Handlers{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		s.Close()
+	}
+	close(stop)
+	<-done
+	if len(seen) != 0 {
+		t.Fatalf("the process umask changed while serving: saw %o", seen)
 	}
 }
 

@@ -10,194 +10,250 @@ import (
 	"sort"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/overlayd/overlayd/driver"
+	"github.com/overlayd/overlayd/encryption"
 	"github.com/overlayd/overlayd/internal/cluster"
 	"github.com/overlayd/overlayd/internal/config"
-	"github.com/overlayd/overlayd/internal/store"
+	"github.com/overlayd/overlayd/internal/lockorder"
+	"github.com/overlayd/overlayd/internal/statefile"
 	"github.com/overlayd/overlayd/peerdb"
 )
 
-// resyncDelay is how long after joining the daemon waits for the control
-// plane to re-deliver the cluster's records before it makes every sandbox
-// match its peer DB (removing peers that nobody announced while overlayd
-// was down). auditInterval repeats that reconcile as a safety net.
+// Timings of the daemon's level-triggered loops (variables for tests).
 var (
-	resyncDelay   = 10 * time.Second
-	auditInterval = 5 * time.Minute
+	// reconcileInterval: the driver pulls every network's records from the
+	// control plane and makes every sandbox's kernel state match (repairing
+	// anything a notification missed or someone changed); local records
+	// are re-published.
+	reconcileInterval = 5 * time.Second
+	// settleDelay: after the control plane starts, how long the driver
+	// keeps the kernel peers an earlier run programmed that nobody has
+	// re-announced (the cluster re-delivers its records meanwhile).
+	settleDelay = 10 * time.Second
+	// rememberInterval: how often the alive members are saved, so that a
+	// restarted plugin finds the cluster again.
+	rememberInterval = 15 * time.Second
 )
 
-// sink hands the control plane's events to the driver.
-type sink struct{ d *driver.Driver }
-
-func (s sink) ApplyPeerEvents(evs []cluster.Event) error {
-	out := make([]driver.PeerEvent, len(evs))
-	for i, e := range evs {
-		out[i] = driver.PeerEvent{VNI: e.VNI, Prev: e.Prev, Next: e.Next}
-	}
-	return s.d.ApplyPeerEvents(out)
-}
-
-// controlPlane starts the cluster once the local address is known (at once
-// when configured or found on the default route; in swarm, when DiscoverNew
-// announces it) and connects it to the driver.
+// controlPlane owns the cluster's lifetime: it starts it once the driver
+// has settled the local VTEP (at once when configured or found on the
+// default route; in swarm when DiscoverNew announces it), follows VTEP
+// changes, and runs the daemon's periodic reconcile. It is the driver's
+// PeerSource and PeerPublisher, forwarding to the cluster once it runs.
+//
+// Stopping is safe at every point of starting: close marks the plane
+// closed under startMu, so a start in progress finishes first and a later
+// one does nothing.
 type controlPlane struct {
 	st  *config.Settings
-	db  *store.Store // remembers members, so a restarted plugin finds the cluster again
+	db  *statefile.File // remembers members, so a restarted plugin finds the cluster again
 	log *slog.Logger
 	key []byte
+	enc *encryption.Owner
 	d   *driver.Driver
-	// startMu serialises starts; mu guards c and seed. mu is a leaf lock:
-	// PublishLocalPeer takes it under a network lock, so nothing that
-	// takes a driver lock may run while it is held.
-	startMu sync.Mutex
-	mu      sync.Mutex
-	c       *cluster.Cluster // guarded by mu; nil until started
-	km      *keyManager      // guarded by mu; nil until started
-	seed    []string         // seeds learned before the start; guarded by mu
+
+	c atomic.Pointer[cluster.Cluster] // nil until started, and again once left
+
+	// startMu serialises start, close and leave (lockorder.LevelStart:
+	// taken under the driver's VTEP lock, held while publishing local
+	// records under network locks and starting the cluster).
+	startMu *lockorder.Mutex
+	closed  bool // guarded by startMu
+	left    bool // guarded by startMu: `overlayd leave` ran
+	seedMu  *lockorder.Mutex
+	seeds   []string // seeds learned before the start; guarded by seedMu
+	started chan struct{}
 	stop    chan struct{}
 	done    sync.WaitGroup
 }
 
-// PublishLocalPeer implements driver.PeerPublisher. Records published before
-// the cluster starts are republished by start.
+func newControlPlane(st *config.Settings, db *statefile.File, log *slog.Logger, key []byte, enc *encryption.Owner) *controlPlane {
+	return &controlPlane{st: st, db: db, log: log, key: key, enc: enc,
+		startMu: lockorder.New(lockorder.LevelStart), seedMu: lockorder.New(lockorder.LevelLeaf),
+		started: make(chan struct{}), stop: make(chan struct{})}
+}
+
+// Peer implements driver.PeerSource.
+func (cp *controlPlane) Peer(k peerdb.Key) (peerdb.Peer, bool) {
+	if c := cp.c.Load(); c != nil {
+		return c.Peer(k)
+	}
+	return peerdb.Peer{}, false
+}
+
+// Peers implements driver.PeerSource.
+func (cp *controlPlane) Peers(vni uint32) map[peerdb.Key]peerdb.Peer {
+	if c := cp.c.Load(); c != nil {
+		return c.Peers(vni)
+	}
+	return nil
+}
+
+// PublishLocalPeer implements driver.PeerPublisher. Records published
+// before the cluster starts are published by start (and every reconcile).
 func (cp *controlPlane) PublishLocalPeer(vni uint32, prev, next *peerdb.Peer) {
-	cp.mu.Lock()
-	c := cp.c
-	cp.mu.Unlock()
-	if c != nil {
+	if c := cp.c.Load(); c != nil {
 		c.PublishLocalPeer(vni, prev, next)
 	}
 }
 
-// discovered is told of swarm nodes by the driver (DiscoverNew).
-func (cp *controlPlane) discovered(addr netip.Addr, self bool) {
-	if self {
-		cp.tryStart()
+// discovered is told of other swarm nodes by the driver (DiscoverNew).
+func (cp *controlPlane) discovered(addr netip.Addr) {
+	seed := net.JoinHostPort(addr.String(), strconv.Itoa(cp.st.GossipPort))
+	if c := cp.c.Load(); c != nil {
+		c.AddSeeds(seed)
 		return
 	}
-	seed := net.JoinHostPort(addr.String(), strconv.Itoa(cp.st.GossipPort))
-	cp.mu.Lock()
-	c := cp.c
-	if c == nil {
-		cp.seed = append(cp.seed, seed)
-	}
-	cp.mu.Unlock()
-	if c != nil {
+	cp.seedMu.Lock()
+	cp.seeds = append(cp.seeds, seed)
+	cp.seedMu.Unlock()
+	if c := cp.c.Load(); c != nil { // started meanwhile: hand it over too
 		c.AddSeeds(seed)
 	}
 }
 
-// tryStart starts the cluster if the advertise address is known.
+// vtepChanged is the driver's OnVTEPChange: the encryption state follows
+// the VTEP; the first one starts the control plane; a later one is
+// re-announced with every local record.
+func (cp *controlPlane) vtepChanged(vtep netip.Addr) {
+	if err := cp.enc.SetLocal(vtep); err != nil {
+		cp.log.Warn("encryption state for the new VTEP (retried by its loop)", "vtep", vtep, "error", err)
+	}
+	if c := cp.c.Load(); c != nil {
+		if err := c.SetVTEP(vtep); err != nil {
+			cp.log.Error("re-announcing local records with the new VTEP", "vtep", vtep, "error", err)
+		}
+		return
+	}
+	cp.tryStart()
+}
+
+// tryStart starts the cluster if the VTEP is known and the plane is not
+// closed.
 func (cp *controlPlane) tryStart() {
 	cp.startMu.Lock()
 	defer cp.startMu.Unlock()
-	cp.mu.Lock()
-	started, seeds := cp.c != nil, append([]string(nil), cp.seed...)
-	cp.mu.Unlock()
-	if started {
+	if cp.closed || cp.left || cp.c.Load() != nil {
 		return
 	}
-	adv := cp.d.AdvertiseAddr()
-	if !adv.IsValid() {
+	vtep := cp.d.VTEP()
+	if !vtep.IsValid() {
 		return
 	}
 	bind := cp.st.GossipAddr
 	if !bind.IsValid() {
-		bind = adv
+		bind = vtep
 	}
+	cp.seedMu.Lock()
+	seeds := append([]string(nil), cp.seeds...)
+	cp.seeds = nil
+	cp.seedMu.Unlock()
+	all := append(append(append([]string(nil), cp.st.Join...), seeds...), cp.rememberedMembers()...)
+	// Endpoints restored from the state file, or joined before the start,
+	// are the node's records before anything is gossiped (a snapshot
+	// without them would end the others' restart grace and flap them).
+	// Changes racing with the start are caught by the SyncLocal below.
 	c, err := cluster.New(cluster.Config{
+		Local:         localRecords(cp.d),
 		NodeName:      cp.st.NodeName,
 		BindAddr:      bind,
 		BindPort:      cp.st.GossipPort,
-		AdvertiseAddr: adv,
-		VTEP:          adv,
+		AdvertiseAddr: bind,
+		VTEP:          vtep,
 		Key:           cp.key,
-		Seeds:         append(append(append([]string(nil), cp.st.Join...), seeds...), cp.rememberedMembers()...),
-		Sink:          sink{cp.d},
+		Seeds:         all,
+		Watcher:       cp.d,
 		Logger:        cp.log,
-		OnMembersChange: func() {
-			cp.mu.Lock()
-			km := cp.km
-			cp.mu.Unlock()
-			if km != nil {
-				km.poke()
-			}
-		},
+		// Members or their adverts changed: the encryption owner steps
+		// the key rotation soon (Poke never blocks).
+		OnMembersChange: cp.enc.Poke,
 	})
 	if err != nil {
-		cp.log.Error("control plane failed to start; retrying", "error", err)
+		cp.log.Error("control plane failed to start; retrying every second", "error", err)
 		return
 	}
-	km := newKeyManager(cp.d, c, cp.st.NodeName, cp.st.KeyRotationInterval, cp.log.With("component", "keys"))
-	cp.mu.Lock()
-	cp.c, cp.km = c, km
-	late := cp.seed[len(seeds):]
-	cp.mu.Unlock()
-	km.start()
+	mark := c.LocalMark()
+	cp.c.Store(c)
+	c.SyncLocal(mark, localRecords(cp.d))
+	// Seeds learned while the cluster was being made.
+	cp.seedMu.Lock()
+	late := cp.seeds
+	cp.seeds = nil
+	cp.seedMu.Unlock()
 	c.AddSeeds(late...)
-	// Endpoints restored from the state file, or joined before the start:
-	// published under each network's lock, so ordered with Join/Leave
-	// publications that now go to c directly.
-	cp.d.ForEachLocalPeer(func(vni uint32, p peerdb.Peer) { c.PublishLocalPeer(vni, nil, &p) })
+	cp.enc.AttachGossip(keyGossip{c})
 	cp.log.Info("control plane started", "node", cp.st.NodeName, "gossip", net.JoinHostPort(bind.String(), strconv.Itoa(cp.st.GossipPort)),
-		"advertise", adv, "seeds", len(cp.st.Join)+len(seeds)+len(late), "key_fingerprint", cluster.Fingerprint(cp.key))
-	cp.done.Add(1)
-	go cp.reconcileLoop()
+		"vtep", vtep, "seeds", len(all)+len(late), "key_fingerprint", cluster.Fingerprint(cp.key))
+	close(cp.started)
 }
 
-// run retries the start until the address is known, then waits for stop.
+// run retries the start until the VTEP is known, then runs the periodic
+// reconcile until stop.
 func (cp *controlPlane) run() {
 	defer cp.done.Done()
-	t := time.NewTicker(time.Second)
-	defer t.Stop()
+	retry := time.NewTicker(time.Second)
+	defer retry.Stop()
+	reconcile := time.NewTicker(reconcileInterval)
+	defer reconcile.Stop()
+	remember := time.NewTicker(rememberInterval)
+	defer remember.Stop()
+	var settle <-chan time.Time
+	started := cp.started
 	for {
-		cp.mu.Lock()
-		started := cp.c != nil
-		cp.mu.Unlock()
-		if started {
-			return
-		}
-		cp.tryStart()
 		select {
 		case <-cp.stop:
 			return
-		case <-t.C:
+		case <-retry.C:
+			if cp.c.Load() == nil {
+				cp.tryStart()
+			}
+		case <-started:
+			started = nil
+			settle = time.After(settleDelay)
+		case <-settle:
+			if err := cp.d.Settle(); err != nil {
+				cp.log.Warn("settling the encryption state after the restart", "error", err)
+			}
+			cp.reconcile()
+		case <-reconcile.C:
+			cp.reconcile()
+		case <-remember.C:
+			cp.rememberMembers()
 		}
 	}
 }
 
-// reconcileLoop makes the kernel match the peer DBs once the cluster has
-// had time to re-deliver its records, then periodically.
-func (cp *controlPlane) reconcileLoop() {
-	defer cp.done.Done()
-	wait := resyncDelay
-	remember := time.NewTicker(rememberInterval)
-	defer remember.Stop()
-	for {
-		select {
-		case <-cp.stop:
-			return
-		case <-remember.C:
-			cp.rememberMembers()
-			continue
-		case <-time.After(wait):
-		}
-		fixed, err := cp.d.ReconcileAll()
-		if err != nil {
-			cp.log.Warn("reconcile failed", "error", err)
-		}
-		if len(fixed) > 0 {
-			cp.log.Info("reconciled kernel peer state", "corrected", len(fixed), "first", fixed[0])
-		}
-		wait = auditInterval
+// reconcile runs the driver's level-triggered repair and makes the
+// published local records exactly the joined endpoints ("nothing changed
+// on our side" is no reason to skip).
+func (cp *controlPlane) reconcile() {
+	fixed, err := cp.d.Reconcile()
+	if err != nil {
+		cp.log.Warn("reconcile failed; retrying on the next tick", "error", err)
 	}
+	if len(fixed) > 0 {
+		cp.log.Info("reconciled kernel peer state", "corrected", len(fixed), "first", fixed[0])
+	}
+	if c := cp.c.Load(); c != nil {
+		mark := c.LocalMark()
+		c.SyncLocal(mark, localRecords(cp.d))
+	}
+}
+
+// localRecords lists the driver's joined endpoints for the cluster.
+func localRecords(d *driver.Driver) []cluster.LocalRecord {
+	lp := d.LocalPeers()
+	out := make([]cluster.LocalRecord, len(lp))
+	for i, r := range lp {
+		out[i] = cluster.LocalRecord{VNI: r.VNI, Peer: r.Peer}
+	}
+	return out
 }
 
 const membersKey = "cluster.members"
-
-var rememberInterval = 15 * time.Second
 
 // rememberedMembers returns the members saved by an earlier run: a plugin
 // restarted in swarm hears of no other node (dockerd re-announces only
@@ -243,31 +299,8 @@ func (cp *controlPlane) rememberMembers() {
 	}
 }
 
-// rotate starts a cluster-wide key rotation (`overlayd keys rotate`).
-func (cp *controlPlane) rotate() (any, error) {
-	cp.mu.Lock()
-	km := cp.km
-	cp.mu.Unlock()
-	if km == nil {
-		return nil, errors.New("the control plane has not started yet (no advertise address known)")
-	}
-	return km.Rotate()
-}
-
-func (cp *controlPlane) memberKeys() map[string]string {
-	cp.mu.Lock()
-	km := cp.km
-	cp.mu.Unlock()
-	if km == nil {
-		return nil
-	}
-	return km.memberKeys()
-}
-
 func (cp *controlPlane) status() *cluster.Status {
-	cp.mu.Lock()
-	c := cp.c
-	cp.mu.Unlock()
+	c := cp.c.Load()
 	if c == nil {
 		return nil
 	}
@@ -275,24 +308,44 @@ func (cp *controlPlane) status() *cluster.Status {
 	return &st
 }
 
-// close leaves the cluster (so others drop our records at once rather than
-// after failure detection) and stops.
-func (cp *controlPlane) close() {
-	close(cp.stop)
-	cp.mu.Lock()
-	c, km := cp.c, cp.km
-	cp.mu.Unlock()
-	if km != nil {
-		km.close()
+// leave decommissions this host (`overlayd leave`): it leaves the cluster,
+// so every other host removes its records at once, and stops the control
+// plane. The plugin keeps serving; stop the daemon afterwards.
+func (cp *controlPlane) leave() (any, error) {
+	cp.startMu.Lock()
+	defer cp.startMu.Unlock()
+	if cp.left {
+		return map[string]any{"left": true, "note": "already left"}, nil
 	}
-	if c != nil {
+	c := cp.c.Load()
+	if c == nil {
+		return nil, errors.New("the control plane has not started (no VTEP known yet): there is no cluster to leave")
+	}
+	err := c.Leave(5 * time.Second)
+	c.Shutdown()
+	cp.c.Store(nil)
+	cp.left = true
+	if err != nil {
+		return nil, fmt.Errorf("leaving the cluster: %w (the control plane is stopped; the others detect the failure)", err)
+	}
+	cp.log.Info("left the cluster: the other hosts removed this host's records; stop overlayd now")
+	return map[string]any{"left": true, "note": "the other hosts removed this host's records; stop overlayd (or disable the plugin) now"}, nil
+}
+
+// close stops the control plane WITHOUT leaving the cluster: the other
+// hosts see this node fail and keep its records in force for the restart
+// grace, so a restart or an upgrade loses no packet. Leaving for good is
+// `overlayd leave`.
+func (cp *controlPlane) close() {
+	cp.startMu.Lock()
+	cp.closed = true
+	cp.startMu.Unlock()
+	close(cp.stop)
+	cp.done.Wait()
+	if c := cp.c.Load(); c != nil {
 		cp.rememberMembers() // a restart sooner than the next periodic save still finds the cluster
-		if err := c.Leave(2 * time.Second); err != nil {
-			cp.log.Warn("leaving the cluster", "error", err)
-		}
 		c.Shutdown()
 	}
-	cp.done.Wait()
 }
 
 func loadKey(st *config.Settings, log *slog.Logger) ([]byte, error) {

@@ -13,13 +13,14 @@ import (
 	"time"
 
 	"github.com/docker/go-plugins-helpers/network"
+	"github.com/vishvananda/netns"
 
 	"github.com/overlayd/overlayd/driver"
 	"github.com/overlayd/overlayd/encryption"
 	"github.com/overlayd/overlayd/internal/config"
 	"github.com/overlayd/overlayd/internal/control"
 	"github.com/overlayd/overlayd/internal/netnsutil"
-	"github.com/overlayd/overlayd/internal/store"
+	"github.com/overlayd/overlayd/internal/statefile"
 )
 
 // Run serves until ctx is cancelled, then stops accepting, finishes the calls
@@ -31,7 +32,7 @@ func Run(ctx context.Context, st *config.Settings, log *slog.Logger) error {
 	if err := netnsutil.MakeSharedMount(st.NetnsDir); err != nil {
 		return err
 	}
-	db, err := store.Open(st.StateDir)
+	db, err := statefile.Open(st.StateDir)
 	if err != nil {
 		return err
 	}
@@ -40,26 +41,48 @@ func Run(ctx context.Context, st *config.Settings, log *slog.Logger) error {
 	if err != nil {
 		return err
 	}
-	cp := &controlPlane{st: st, db: db, log: log, key: key, stop: make(chan struct{})}
+	hostNS, err := netns.Get()
+	if err != nil {
+		return fmt.Errorf("failed to open the host network namespace: %w", err)
+	}
+	defer hostNS.Close()
+	enc, err := encryption.NewOwner(encryption.OwnerConfig{
+		NS: hostNS, Port: st.VXLANPort, Secret: key, Store: db, Logger: log.With("component", "encryption"),
+		RotateEvery: st.KeyRotationInterval,
+	})
+	if err != nil {
+		return err
+	}
+	defer enc.Close()
+	cp := newControlPlane(st, db, log, key, enc)
 	d, err := driver.New(driver.Config{
 		Scope:         st.Scope,
 		AdvertiseAddr: st.AdvertiseAddr,
 		VXLANPort:     st.VXLANPort,
 		NetnsDir:      st.NetnsDir,
 		Logger:        log,
-		Store:         db,
+		StateFile:     db,
 		Publisher:     cp,
+		Peers:         cp,
 		OnDiscover:    cp.discovered,
-		Secret:        key,
+		OnVTEPChange:  cp.vtepChanged,
+		Encryption:    enc,
+		HostNS:        hostNS,
 	})
 	if err != nil {
 		return err
 	}
 	defer d.Close()
 	cp.d = d
+	if vtep := d.VTEP(); vtep.IsValid() {
+		if err := enc.SetLocal(vtep); err != nil {
+			log.Warn("encryption state for the local VTEP (retried by its loop)", "vtep", vtep, "error", err)
+		}
+	}
+	enc.Start()
 	// Checked at start (and again whenever an encrypted network is created
 	// or joined): say up front whether encrypted networks can work here.
-	if err := encryption.CheckKernelSupport(); err != nil {
+	if err := enc.CheckSupport(); err != nil {
 		log.Warn("encrypted networks are unavailable on this host (they will be refused, never sent in clear)", "reason", err)
 	} else {
 		log.Info("encrypted networks available (ESP/AEAD supported by the kernel)")
@@ -73,36 +96,61 @@ func Run(ctx context.Context, st *config.Settings, log *slog.Logger) error {
 	}
 	ctl, err := control.Serve(st.ControlSocket, control.Handlers{
 		Status: func() any {
-			return &StatusReport{Cluster: cp.status(), Keys: cp.memberKeys(), Driver: d.Status()}
+			r := &StatusReport{Cluster: cp.status(), Driver: d.Status()}
+			if c := cp.c.Load(); c != nil {
+				r.Keys = memberKeys(c)
+			}
+			return r
 		},
-		Rotate: cp.rotate,
+		Rotate: func() (any, error) {
+			target, err := enc.Rotate()
+			if err != nil {
+				return nil, err
+			}
+			return map[string]any{"target_epoch": target, "note": "every host accepts the new epoch, then sends with it, then retires the old one"}, nil
+		},
+		Leave: cp.leave,
 	})
 	if err != nil {
 		l.Close()
 		return err
 	}
 	defer ctl.Close()
-	cp.done.Add(1)
-	go cp.run()
 	g := &gate{d: d, log: log}
 	h := network.NewHandler(g)
 	served := make(chan error, 1)
 	go func() { served <- h.Serve(l) }()
+	// The control plane starts now if the VTEP is known, else when the
+	// driver settles it (DiscoverNew in swarm).
+	cp.done.Add(1)
+	go cp.run()
+	cp.tryStart()
+	vtep := d.VTEP()
 	log.Info("overlayd serving", "socket", st.Socket, "scope", st.Scope, "vxlan_port", st.VXLANPort,
-		"netns_dir", st.NetnsDir, "state_dir", st.StateDir, "advertise_addr", st.AdvertiseAddr)
+		"netns_dir", st.NetnsDir, "state_dir", st.StateDir, "vtep", vtep, "vtep_source", d.Status().VTEPSource)
+	if !vtep.IsValid() {
+		if st.Scope == "global" {
+			log.Info("the control plane waits for the local address: swarm announces it (DiscoverNew) when the engine is in a swarm; or set --advertise-addr")
+		} else {
+			log.Info("the control plane waits for the local address: no default route has an IPv4 address yet (retried every second); or set --advertise-addr")
+		}
+	}
 
+	var runErr error
 	select {
 	case <-ctx.Done():
 	case err := <-served:
-		return fmt.Errorf("plugin server stopped: %w", err)
+		runErr = fmt.Errorf("plugin server stopped: %w", err)
+	case err := <-ctl.Done():
+		runErr = fmt.Errorf("control socket server stopped: %w", err)
 	}
 	log.Info("shutting down: no new calls, waiting for calls in flight")
 	l.Close()
 	g.close()
 	cp.close()
 	os.Remove(st.Socket)
-	log.Info("overlayd stopped; kernel state left in place")
-	return nil
+	log.Info("overlayd stopped; kernel state left in place and the cluster not left (other hosts keep this host's peers through a restart)")
+	return runErr
 }
 
 // listen creates the plugin socket (mode 0660), replacing a stale socket file

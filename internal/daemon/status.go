@@ -5,6 +5,7 @@ import (
 	"io"
 	"sort"
 	"strings"
+	"time"
 
 	"github.com/overlayd/overlayd/driver"
 	"github.com/overlayd/overlayd/internal/cluster"
@@ -51,20 +52,23 @@ func (r *StatusReport) Render(w io.Writer) {
 	}
 	d := r.Driver
 	if e := d.Encryption; e != nil {
-		fmt.Fprintf(w, "\nEncryption: accept %v, send %d, target %d, encrypted VNIs %v\n", e.Accept, e.Send, e.Target, e.VNIs)
+		fmt.Fprintf(w, "\nEncryption: accept %v, send %d, target %d, generation %016x; encrypted VNIs %v, clear VNIs %v; repairs %d\n",
+			e.Accept, e.Send, e.Target, e.Gen, e.EncryptedVNIs, e.ClearVNIs, e.Repairs)
 		for _, p := range e.Pairs {
 			in := []string{}
 			for _, sa := range p.Inbound {
 				in = append(in, fmt.Sprintf("epoch %d spi %#08x installed=%v packets=%d", sa.Epoch, sa.SPI, sa.Installed, sa.Packets))
 			}
-			fmt.Fprintf(w, "  with %-15s send epoch %d (spi %#08x installed=%v packets=%d) policy=%v; inbound: %s\n",
-				p.Remote, p.SendEpoch, p.SendSA.SPI, p.SendSA.Installed, p.SendSA.Packets, p.PolicyFound, strings.Join(in, "; "))
+			fmt.Fprintf(w, "  with %-15s (gen %016x, %d networks) send epoch %d (spi %#08x installed=%v packets=%d) policy=%v; inbound: %s\n",
+				p.Remote, p.RemoteGen, p.Shares, p.SendEpoch, p.SendSA.SPI, p.SendSA.Installed, p.SendSA.Packets, p.PolicyFound, strings.Join(in, "; "))
 		}
 		if e.Error != "" {
 			fmt.Fprintf(w, "  error: %s\n", e.Error)
+		} else if e.LastError != "" {
+			fmt.Fprintf(w, "  last error (%s): %s\n", e.LastErrorAt.Format(time.RFC3339), e.LastError)
 		}
 	}
-	fmt.Fprintf(w, "\nDriver: scope %s, VXLAN port %d, advertise %s\n", d.Scope, d.VXLANPort, d.AdvertiseAddr)
+	fmt.Fprintf(w, "\nDriver: scope %s, VXLAN port %d, VTEP %s (%s)\n", d.Scope, d.VXLANPort, d.AdvertiseAddr, d.VTEPSource)
 	if len(d.Networks) == 0 {
 		fmt.Fprintf(w, "  no networks\n")
 	}
@@ -91,9 +95,12 @@ func (r *StatusReport) Render(w io.Writer) {
 		for _, c := range n.Conflicts {
 			fmt.Fprintf(w, "  conflict on %s: %s wins over %s\n", c.IP, short(c.Active), strings.Join(c.Shadowed, ","))
 		}
-	}
-	if len(d.PendingPeers) > 0 {
-		fmt.Fprintf(w, "\nPeers waiting for networks this host does not have: %v (by VNI)\n", d.PendingPeers)
+		for _, r := range n.Rejected {
+			fmt.Fprintf(w, "  refused record vni %d from %s endpoint %s: %s\n", r.VNI, r.Origin, short(r.EndpointID), r.Reason)
+		}
+		if n.Error != "" {
+			fmt.Fprintf(w, "  error: %s\n", n.Error)
+		}
 	}
 }
 

@@ -20,6 +20,14 @@ type Level int
 // Levels of overlayd's lock hierarchy, top (taken first) to bottom. Each
 // level's comment says what it guards and what may be taken under it.
 const (
+	// LevelVTEP: serialises changes of the local VTEP with their
+	// notification to the control plane and the encryption owner; taken
+	// before any other lock, never under one.
+	LevelVTEP Level = 5
+	// LevelStart: the daemon's control-plane start/stop lock; taken under
+	// the VTEP lock (a settled VTEP starts the control plane) and before
+	// network locks (the start publishes the local records).
+	LevelStart Level = 7
 	// LevelNetwork: network.mu, one per network; held for every
 	// operation on that network. Never two at once.
 	LevelNetwork Level = 10
@@ -49,6 +57,8 @@ const (
 )
 
 var levelNames = map[Level]string{
+	LevelVTEP:          "VTEP lock",
+	LevelStart:         "control-plane start lock",
 	LevelNetwork:       "network.mu",
 	LevelEncryption:    "encryption lock",
 	LevelAlloc:         "allocation lock",
@@ -61,7 +71,7 @@ var levelNames = map[Level]string{
 
 // Levels returns every level of the hierarchy, top to bottom.
 func Levels() []Level {
-	return []Level{LevelNetwork, LevelEncryption, LevelAlloc, LevelDriver, LevelCluster, LevelClusterSender, LevelClusterLocal, LevelLeaf}
+	return []Level{LevelVTEP, LevelStart, LevelNetwork, LevelEncryption, LevelAlloc, LevelDriver, LevelCluster, LevelClusterSender, LevelClusterLocal, LevelLeaf}
 }
 
 func (l Level) String() string {

@@ -1,4 +1,4 @@
-package store
+package statefile
 
 import bolt "go.etcd.io/bbolt"
 

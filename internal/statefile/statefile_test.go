@@ -1,4 +1,4 @@
-package store
+package statefile
 
 import (
 	"errors"
@@ -16,10 +16,11 @@ func TestRoundTrip(t *testing.T) {
 		t.Fatal(err)
 	}
 	n := Network{ID: "n1", VNIs: []uint32{5, 6}, Pools: []string{"192.0.2.0/24", "198.51.100.0/24"}, Gateways: []string{"192.0.2.1/24", ""}, MTU: 1450, Options: map[string]string{"vni": "5,6"}}
-	e1 := Endpoint{Network: "n1", ID: "e1", Addr: "192.0.2.2/24", MAC: "02:42:c0:00:02:02", Joined: true, HostName: "ovdx", SandboxName: "ovsx", VTEP: "203.0.113.1"}
+	e1 := Endpoint{Network: "n1", ID: "e1", Addr: "192.0.2.2/24", MAC: "02:42:c0:00:02:02", Joined: true, HostName: "ovdx", SandboxName: "ovsx"}
 	e2 := Endpoint{Network: "n1", ID: "e2", Addr: "192.0.2.3/24", MAC: "02:42:c0:00:02:03"}
 	other := Endpoint{Network: "n10", ID: "e1", Addr: "203.0.113.9/24"}
-	for _, err := range []error{s.PutNetwork(n), s.PutEndpoint(e1), s.PutEndpoint(e2), s.PutEndpoint(other), s.PutAllocation("swarm", []uint32{4096}),
+	n10 := Network{ID: "n10", VNIs: []uint32{7}, Pools: []string{"203.0.113.0/24"}, Gateways: []string{""}, MTU: 1450}
+	for _, err := range []error{s.PutNetwork(n), s.PutNetwork(n10), s.PutEndpoint(e1), s.PutEndpoint(e2), s.PutEndpoint(other), s.PutAllocation("swarm", []uint32{4096}),
 		s.PutMeta("node", []byte("host-a"))} {
 		if err != nil {
 			t.Fatal(err)
@@ -35,7 +36,7 @@ func TestRoundTrip(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(st.Networks) != 1 || !reflect.DeepEqual(st.Networks[0], n) {
+	if len(st.Networks) != 2 || !reflect.DeepEqual(st.Networks[0], n) {
 		t.Fatalf("networks %+v", st.Networks)
 	}
 	if len(st.Endpoints) != 3 || !reflect.DeepEqual(st.Endpoints[0], e1) {
@@ -52,7 +53,7 @@ func TestRoundTrip(t *testing.T) {
 		t.Fatal(err)
 	}
 	st, _ = s.Load()
-	if len(st.Networks) != 0 || len(st.Endpoints) != 1 || st.Endpoints[0].Network != "n10" {
+	if len(st.Networks) != 1 || len(st.Endpoints) != 1 || st.Endpoints[0].Network != "n10" {
 		t.Fatalf("after delete: %+v", st)
 	}
 	if err := s.PutAllocation("swarm", nil); err != nil {
@@ -113,4 +114,64 @@ func TestNewerSchemaRefused(t *testing.T) {
 	if _, err := Open(dir); err == nil || !strings.Contains(err.Error(), "schema version 99") {
 		t.Fatalf("newer schema: %v", err)
 	}
+}
+
+// Only a missing file is a fresh start: an empty file, a file whose tables
+// or schema version are gone, and endpoint records of a network the file
+// does not hold all stop the start with the recovery message.
+func TestLostStateRefusesToStart(t *testing.T) {
+	recovery := func(t *testing.T, err error, what string) {
+		t.Helper()
+		var ce *CorruptError
+		if !errors.As(err, &ce) || !strings.Contains(err.Error(), what) || !strings.Contains(err.Error(), "mv ") {
+			t.Fatalf("want a CorruptError naming %q with the recovery steps, got %v", what, err)
+		}
+	}
+	t.Run("empty file", func(t *testing.T) {
+		dir := t.TempDir()
+		if err := os.WriteFile(filepath.Join(dir, FileName), nil, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		_, err := Open(dir)
+		recovery(t, err, "empty")
+	})
+	for _, table := range [][]byte{bucketNetworks, bucketEndpoints, bucketAllocs, bucketMeta} {
+		t.Run("missing table "+string(table), func(t *testing.T) {
+			dir := t.TempDir()
+			s, err := Open(dir)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := s.update("x", func(tx *txAlias) error { return tx.DeleteBucket(table) }); err != nil {
+				t.Fatal(err)
+			}
+			s.Close()
+			_, err = Open(dir)
+			recovery(t, err, string(table))
+		})
+	}
+	t.Run("missing schema", func(t *testing.T) {
+		dir := t.TempDir()
+		s, err := Open(dir)
+		if err != nil {
+			t.Fatal(err)
+		}
+		s.update("x", func(tx *txAlias) error { return tx.Bucket(bucketMeta).Delete(keySchema) })
+		s.Close()
+		_, err = Open(dir)
+		recovery(t, err, "schema version is missing")
+	})
+	t.Run("endpoint of a missing network", func(t *testing.T) {
+		dir := t.TempDir()
+		s, err := Open(dir)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer s.Close()
+		if err := s.PutEndpoint(Endpoint{Network: "gone", ID: "e1", Addr: "192.0.2.2/24"}); err != nil {
+			t.Fatal(err)
+		}
+		_, err = s.Load()
+		recovery(t, err, `network "gone"`)
+	})
 }

@@ -1,13 +1,13 @@
-// Package store persists overlayd's state in a bbolt file in the state
+// Package statefile persists overlayd's state in a bbolt file in the state
 // directory: networks, endpoints, VNI allocations and small metadata (the
 // cluster identity). dockerd replays nothing after a restart of the plugin or
 // of itself, so everything the driver has told dockerd must be on disk before
 // the answer is sent.
 //
-// Values are JSON documents; the file carries a schema version. A Store is
+// Values are JSON documents; the file carries a schema version. A File is
 // safe for concurrent use (bbolt serialises writers; its lock is a leaf: no
 // overlayd lock is taken while a transaction runs).
-package store
+package statefile
 
 import (
 	"encoding/json"
@@ -55,7 +55,6 @@ type Endpoint struct {
 	Joined      bool   `json:"joined"`
 	HostName    string `json:"host_name"`
 	SandboxName string `json:"sandbox_name"`
-	VTEP        string `json:"vtep,omitempty"`
 }
 
 // State is everything Load returns.
@@ -65,8 +64,8 @@ type State struct {
 	Allocations map[string][]uint32 // network id → VNIs handed out by AllocateNetwork
 }
 
-// Store is the open state file.
-type Store struct {
+// File is the open state file.
+type File struct {
 	db   *bolt.DB
 	path string
 }
@@ -88,7 +87,7 @@ func (e *CorruptError) Unwrap() error { return e.Err }
 
 // Open opens (creating if needed) the state file in dir. It fails clearly if
 // another process holds the file or if it is corrupt.
-func Open(dir string) (s *Store, err error) {
+func Open(dir string) (s *File, err error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("failed to create state directory %s: %w", dir, err)
 	}
@@ -99,6 +98,18 @@ func Open(dir string) (s *Store, err error) {
 			err = &CorruptError{Path: path, Err: fmt.Errorf("%v", r)}
 		}
 	}()
+	// Only a missing file is a fresh start. An empty one is what a crash
+	// during creation or a truncation by hand leaves: bbolt would quietly
+	// initialise it, and every network of this host would be forgotten.
+	fresh := false
+	switch fi, err := os.Stat(path); {
+	case errors.Is(err, os.ErrNotExist):
+		fresh = true
+	case err != nil:
+		return nil, fmt.Errorf("failed to check state file %s: %w", path, err)
+	case fi.Size() == 0:
+		return nil, &CorruptError{Path: path, Err: errors.New("the file is empty (0 bytes), not a state file")}
+	}
 	db, err := bolt.Open(path, 0o600, &bolt.Options{Timeout: 2 * time.Second})
 	if err != nil {
 		if errors.Is(err, bolt.ErrTimeout) {
@@ -106,15 +117,26 @@ func Open(dir string) (s *Store, err error) {
 		}
 		return nil, &CorruptError{Path: path, Err: err}
 	}
-	s = &Store{db: db, path: path}
+	s = &File{db: db, path: path}
 	err = db.Update(func(tx *bolt.Tx) error {
 		for _, b := range [][]byte{bucketMeta, bucketNetworks, bucketEndpoints, bucketAllocs} {
-			if _, err := tx.CreateBucketIfNotExists(b); err != nil {
+			if tx.Bucket(b) != nil {
+				continue
+			}
+			// A table missing from a file this process did not just
+			// create was lost: re-creating it empty would drop what it
+			// held without a word.
+			if !fresh {
+				return &CorruptError{Path: path, Err: fmt.Errorf("table %q is missing", b)}
+			}
+			if _, err := tx.CreateBucket(b); err != nil {
 				return err
 			}
 		}
 		meta := tx.Bucket(bucketMeta)
-		if v := meta.Get(keySchema); v != nil {
+		if v := meta.Get(keySchema); v == nil && !fresh {
+			return &CorruptError{Path: path, Err: errors.New("the schema version is missing")}
+		} else if v != nil {
 			var ver int
 			if err := json.Unmarshal(v, &ver); err != nil {
 				return &CorruptError{Path: path, Err: fmt.Errorf("schema version %q: %w", v, err)}
@@ -138,10 +160,10 @@ func Open(dir string) (s *Store, err error) {
 }
 
 // Path returns the state file's path.
-func (s *Store) Path() string { return s.path }
+func (s *File) Path() string { return s.path }
 
 // Close closes the file.
-func (s *Store) Close() error { return s.db.Close() }
+func (s *File) Close() error { return s.db.Close() }
 
 func epKey(network, id string) []byte { return []byte(network + "/" + id) }
 
@@ -154,12 +176,12 @@ func put(tx *bolt.Tx, bucket, key []byte, v any) error {
 }
 
 // PutNetwork stores n, replacing a network with the same id.
-func (s *Store) PutNetwork(n Network) error {
+func (s *File) PutNetwork(n Network) error {
 	return s.update("network "+n.ID, func(tx *bolt.Tx) error { return put(tx, bucketNetworks, []byte(n.ID), n) })
 }
 
 // DeleteNetwork removes a network and its endpoints.
-func (s *Store) DeleteNetwork(id string) error {
+func (s *File) DeleteNetwork(id string) error {
 	return s.update("network "+id, func(tx *bolt.Tx) error {
 		if err := tx.Bucket(bucketNetworks).Delete([]byte(id)); err != nil {
 			return err
@@ -180,18 +202,18 @@ func (s *Store) DeleteNetwork(id string) error {
 }
 
 // PutEndpoint stores e, replacing an endpoint with the same ids.
-func (s *Store) PutEndpoint(e Endpoint) error {
+func (s *File) PutEndpoint(e Endpoint) error {
 	return s.update("endpoint "+e.ID, func(tx *bolt.Tx) error { return put(tx, bucketEndpoints, epKey(e.Network, e.ID), e) })
 }
 
 // DeleteEndpoint removes an endpoint.
-func (s *Store) DeleteEndpoint(network, id string) error {
+func (s *File) DeleteEndpoint(network, id string) error {
 	return s.update("endpoint "+id, func(tx *bolt.Tx) error { return tx.Bucket(bucketEndpoints).Delete(epKey(network, id)) })
 }
 
 // PutAllocation records the VNIs AllocateNetwork handed to a network; nil
 // removes the record.
-func (s *Store) PutAllocation(network string, vnis []uint32) error {
+func (s *File) PutAllocation(network string, vnis []uint32) error {
 	return s.update("allocation "+network, func(tx *bolt.Tx) error {
 		if vnis == nil {
 			return tx.Bucket(bucketAllocs).Delete([]byte(network))
@@ -201,7 +223,7 @@ func (s *Store) PutAllocation(network string, vnis []uint32) error {
 }
 
 // PutMeta stores a small value under key (e.g. the cluster identity).
-func (s *Store) PutMeta(key string, value []byte) error {
+func (s *File) PutMeta(key string, value []byte) error {
 	if key == string(keySchema) {
 		return fmt.Errorf("meta key %q is reserved", key)
 	}
@@ -209,7 +231,7 @@ func (s *Store) PutMeta(key string, value []byte) error {
 }
 
 // GetMeta returns the value stored under key, or nil.
-func (s *Store) GetMeta(key string) ([]byte, error) {
+func (s *File) GetMeta(key string) ([]byte, error) {
 	var v []byte
 	err := s.view(func(tx *bolt.Tx) error {
 		v = append([]byte(nil), tx.Bucket(bucketMeta).Get([]byte(key))...)
@@ -223,7 +245,7 @@ func (s *Store) GetMeta(key string) ([]byte, error) {
 
 // Load reads the whole state. A record that does not decode is reported as
 // corruption rather than skipped.
-func (s *Store) Load() (*State, error) {
+func (s *File) Load() (*State, error) {
 	st := &State{Allocations: map[string][]uint32{}}
 	err := s.view(func(tx *bolt.Tx) error {
 		if err := tx.Bucket(bucketNetworks).ForEach(func(k, v []byte) error {
@@ -236,10 +258,22 @@ func (s *Store) Load() (*State, error) {
 		}); err != nil {
 			return err
 		}
+		nets := make(map[string]bool, len(st.Networks))
+		for _, n := range st.Networks {
+			nets[n.ID] = true
+		}
 		if err := tx.Bucket(bucketEndpoints).ForEach(func(k, v []byte) error {
 			var e Endpoint
 			if err := json.Unmarshal(v, &e); err != nil {
 				return fmt.Errorf("endpoint %q: %w", k, err)
+			}
+			if string(k) != string(epKey(e.Network, e.ID)) {
+				return fmt.Errorf("endpoint record %q names network %q and endpoint %q", k, e.Network, e.ID)
+			}
+			if !nets[e.Network] {
+				// Its network's record is gone: the endpoint (maybe a
+				// running container) would be forgotten silently.
+				return fmt.Errorf("endpoint %q belongs to network %q, which the file does not hold", e.ID, e.Network)
 			}
 			st.Endpoints = append(st.Endpoints, e)
 			return nil
@@ -261,7 +295,7 @@ func (s *Store) Load() (*State, error) {
 	return st, nil
 }
 
-func (s *Store) update(what string, fn func(*bolt.Tx) error) (err error) {
+func (s *File) update(what string, fn func(*bolt.Tx) error) (err error) {
 	defer func() {
 		if r := recover(); r != nil {
 			err = &CorruptError{Path: s.path, Err: fmt.Errorf("%v", r)}
@@ -273,7 +307,7 @@ func (s *Store) update(what string, fn func(*bolt.Tx) error) (err error) {
 	return nil
 }
 
-func (s *Store) view(fn func(*bolt.Tx) error) (err error) {
+func (s *File) view(fn func(*bolt.Tx) error) (err error) {
 	defer func() {
 		if r := recover(); r != nil {
 			err = &CorruptError{Path: s.path, Err: fmt.Errorf("%v", r)}

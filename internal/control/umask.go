@@ -1,5 +1,0 @@
-package control
-
-import "syscall"
-
-func umask(m int) int { return syscall.Umask(m) }

@@ -1,0 +1,134 @@
+package peerdb
+
+import (
+	"bytes"
+	"fmt"
+	"slices"
+	"strings"
+)
+
+// refreshClaim brings the FDB proposals up to date after the claimants of
+// claim ci changed; old is what the claim contributed before. (The neighbour
+// entry of a claim is derived from the claim itself.)
+func (db *DB) refreshClaim(ci int32, old contrib) {
+	c := &db.claims[ci]
+	cur := c.contrib()
+	if cur == old {
+		return
+	}
+	sub := int(c.sub)
+	if old.ok {
+		fi, ok := db.fdbIdx[sub].get(macKey(old.mac))
+		if !ok {
+			panic(fmt.Sprintf("peerdb: internal error: no FDB record for the proposal of %s", addr4(c.ip)))
+		}
+		db.noteFDB(fi, sub, old.mac)
+		if cur.ok && cur.mac == old.mac {
+			// Same key, another VTEP.
+			db.recomputeFDB(fi)
+			return
+		}
+		db.removeProposer(fi, ci)
+		db.recomputeFDB(fi)
+	}
+	if cur.ok {
+		fi := db.fdbFor(sub, cur.mac)
+		db.noteFDB(fi, sub, cur.mac)
+		db.addProposer(fi, ci)
+		db.recomputeFDB(fi)
+	}
+}
+
+// fdbFor returns the FDB record of (sub, mac), creating an empty one if there
+// is none.
+func (db *DB) fdbFor(sub int, mac MAC) int32 {
+	x := &db.fdbIdx[sub]
+	k := macKey(mac)
+	slot, ok := x.slot(k)
+	if ok {
+		return x.at(slot)
+	}
+	var fi int32
+	if n := len(db.freeFDB); n > 0 {
+		fi = db.freeFDB[n-1]
+		db.freeFDB = db.freeFDB[:n-1]
+		db.fdbs[fi] = fdbRec{one: -1}
+	} else {
+		fi = int32(len(db.fdbs))
+		db.fdbs = append(db.fdbs, fdbRec{one: -1})
+	}
+	x.set(slot, k, fi)
+	return fi
+}
+
+func (db *DB) addProposer(fi, ci int32) {
+	r := &db.fdbs[fi]
+	if r.one < 0 {
+		r.one = ci
+		return
+	}
+	if db.fdbMore == nil {
+		db.fdbMore = make(map[int32][]int32)
+	}
+	db.fdbMore[fi] = append(db.fdbMore[fi], ci)
+	r.multi = true
+}
+
+func (db *DB) removeProposer(fi, ci int32) {
+	r := &db.fdbs[fi]
+	if r.one == ci && !r.multi {
+		r.one = -1
+		return
+	}
+	more := db.fdbMore[fi]
+	if r.one == ci {
+		r.one = more[len(more)-1]
+		more = more[:len(more)-1]
+	} else {
+		i := slices.Index(more, ci)
+		if i < 0 {
+			panic(fmt.Sprintf("peerdb: internal error: no FDB proposal of %s", addr4(db.claims[ci].ip)))
+		}
+		more = swapRemove(more, i)
+	}
+	if len(more) == 0 {
+		delete(db.fdbMore, fi)
+		r.multi = false
+	} else {
+		db.fdbMore[fi] = more
+	}
+}
+
+// recomputeFDB recomputes the desired value of FDB record fi: the VTEP of the
+// proposer with the smallest IP, unless a local entry has the MAC.
+func (db *DB) recomputeFDB(fi int32) {
+	r := &db.fdbs[fi]
+	if r.local > 0 || r.one < 0 {
+		r.cur, r.ok = 0, false
+		return
+	}
+	best := r.one
+	if r.multi {
+		for _, ci := range db.fdbMore[fi] {
+			if db.claims[ci].ip < db.claims[best].ip {
+				best = ci
+			}
+		}
+	}
+	r.cur, r.ok = db.claims[best].vtep, true
+}
+
+// compareRemote orders remote claimants of one IP: EndpointID, MAC, VTEP
+// (IP last, so the order is total even across IPs).
+func compareRemote(a, b Peer) int {
+	if c := strings.Compare(a.EndpointID, b.EndpointID); c != 0 {
+		return c
+	}
+	if c := bytes.Compare(a.MAC[:], b.MAC[:]); c != 0 {
+		return c
+	}
+	if c := a.VTEP.Compare(b.VTEP); c != 0 {
+		return c
+	}
+	return a.IP.Compare(b.IP)
+}

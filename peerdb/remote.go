@@ -1,0 +1,205 @@
+package peerdb
+
+import (
+	"errors"
+	"fmt"
+	"iter"
+	"slices"
+)
+
+// Event is a remote peer change as delivered by the cluster layer:
+// create (nil, next), update (prev, next) or delete (prev, nil).
+type Event struct{ Prev, Next *Peer }
+
+// applyEvent applies one remote event with set semantics, so it is idempotent:
+// the entry equal to *Prev is removed if present (absent is not an error: it
+// may already be gone), then *Next is inserted (already present is a no-op).
+// Prev and Next are validated first; on error nothing is changed. The Delta is
+// the net change of desired state across the whole event, so an update that
+// moves an IP to another MAC yields a single NeighSet.
+func (db *DB) applyEvent(ev Event) (Delta, error) {
+	sub, err := db.checkEvent(&ev)
+	if err != nil {
+		return Delta{}, err
+	}
+	db.begin()
+	db.apply(&ev, sub)
+	return db.finish(), nil
+}
+
+// applyEvents applies events in order, as applyEvent does. Invalid events are skipped
+// and reported: errs[i] is the error of events[i], nil when it was applied,
+// and errs is nil when every event was applied. The Delta is the net change
+// across all events: per key, the desired value before the first event is
+// compared with the value after the last, and unchanged keys are omitted.
+// Its cost is proportional to the number of keys the events touch.
+func (db *DB) applyEvents(events []Event) (Delta, []error) {
+	db.begin()
+	if len(events) > 1 {
+		db.reserve(len(events), func(yield func(*Peer) bool) {
+			for i := range events {
+				if p := events[i].Next; p != nil && !yield(p) {
+					return
+				}
+			}
+		})
+	}
+	var errs []error
+	for i := range events {
+		ev := &events[i]
+		sub, err := db.checkEvent(ev)
+		if err != nil {
+			if errs == nil {
+				errs = make([]error, len(events))
+			}
+			errs[i] = fmt.Errorf("event %d: %w", i, err)
+			continue
+		}
+		db.apply(ev, sub)
+	}
+	return db.finish(), errs
+}
+
+// reserve makes room for a batch of n changes whose new records nexts
+// yields. Every change touches about one neighbour and one FDB key; a batch
+// loaded into an empty DB also sizes the indexes for its creates, saving
+// their incremental growth.
+func (db *DB) reserve(n int, nexts iter.Seq[*Peer]) {
+	db.tx.neigh = slices.Grow(db.tx.neigh, n)
+	db.tx.fdb = slices.Grow(db.tx.fdb, n)
+	if db.byIP.len() != 0 || n < 64 {
+		return
+	}
+	perSubnet := make([]int, len(db.subnets))
+	total := 0
+	for p := range nexts {
+		if p.IP.Is4() {
+			if s, ok := db.subnet4(ip4(p.IP)); ok {
+				perSubnet[s]++
+				total++
+			}
+		}
+	}
+	if total == 0 {
+		return
+	}
+	db.byIP.reserve(total)
+	if len(db.claims) == 0 {
+		db.claims = make([]claim, 0, total)
+	}
+	if len(db.fdbs) == 0 {
+		db.fdbs = make([]fdbRec, 0, total)
+	}
+	for s, n := range perSubnet {
+		if n > 0 {
+			db.fdbIdx[s].reserve(db.fdbIdx[s].len() + n)
+		}
+	}
+}
+
+// checkEvent validates ev and returns the subnet of Next's IP.
+func (db *DB) checkEvent(ev *Event) (nextSubnet int, err error) {
+	if ev.Prev == nil && ev.Next == nil {
+		return 0, errors.New("peerdb: event has neither Prev nor Next")
+	}
+	var errs []error
+	if ev.Prev != nil {
+		if _, err := db.validate(ev.Prev, true); err != nil {
+			errs = append(errs, fmt.Errorf("prev: %w", err))
+		}
+	}
+	if ev.Next != nil {
+		sub, err := db.validate(ev.Next, true)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("next: %w", err))
+		}
+		nextSubnet = sub
+	}
+	return nextSubnet, errors.Join(errs...)
+}
+
+func (db *DB) apply(ev *Event, nextSubnet int) {
+	if ev.Prev != nil {
+		db.removeRemote(ev.Prev)
+	}
+	if ev.Next != nil {
+		db.addRemote(ev.Next, nextSubnet)
+	}
+}
+
+// addRemote inserts p as a remote claimant of its IP; it returns false if
+// p is there already (set semantics).
+func (db *DB) addRemote(p *Peer, sub int) bool {
+	ip := ip4(p.IP)
+	slot, ok := db.byIP.slot(uint64(ip))
+	var ci int32
+	if ok {
+		ci = db.byIP.at(slot)
+		if db.findRemote(&db.claims[ci], p) != notFound {
+			return false
+		}
+	} else {
+		ci = db.newClaim(ip, sub)
+		db.byIP.set(slot, uint64(ip), ci)
+	}
+	db.nRemote++
+	db.noteNeigh(ci)
+	c := &db.claims[ci]
+	old := c.contrib()
+	r := remote{id: p.EndpointID, mac: p.MAC, vtep: db.vteps.ref(p.VTEP)}
+	switch {
+	case c.id == "":
+		c.setHead(r)
+	default:
+		if c.x == nil {
+			c.x = new(claimExtra)
+		}
+		if h := c.head(); db.lessRemote(&r, &h) {
+			c.x.remotes = append(c.x.remotes, h)
+			c.setHead(r)
+		} else {
+			c.x.remotes = append(c.x.remotes, r)
+		}
+	}
+	db.refreshClaim(ci, old)
+	return true
+}
+
+func (db *DB) removeRemote(p *Peer) {
+	ci, ok := db.byIP.get(uint64(ip4(p.IP)))
+	if !ok {
+		return
+	}
+	c := &db.claims[ci]
+	pos := db.findRemote(c, p)
+	if pos == notFound {
+		return
+	}
+	db.nRemote--
+	db.noteNeigh(ci)
+	old := c.contrib()
+	var gone uint32
+	if pos == headPos {
+		gone = c.vtep
+		if c.x == nil || len(c.x.remotes) == 0 {
+			c.setHead(remote{})
+		} else {
+			// Promote the smallest of the others.
+			rs := c.x.remotes
+			best := 0
+			for i := 1; i < len(rs); i++ {
+				if db.lessRemote(&rs[i], &rs[best]) {
+					best = i
+				}
+			}
+			c.setHead(rs[best])
+			c.x.remotes = swapRemove(rs, best)
+		}
+	} else {
+		gone = c.x.remotes[pos].vtep
+		c.x.remotes = swapRemove(c.x.remotes, pos)
+	}
+	c.tidy()
+	db.vteps.unref(gone)
+	db.refreshClaim(ci, old)
+}

@@ -1,0 +1,235 @@
+package peerdb
+
+import (
+	"cmp"
+	"slices"
+)
+
+// txn records, for one mutation (one call of Apply, ApplyAll, AddLocal or
+// RemoveLocal), the desired value of every neighbour and FDB key it touched
+// as it was before the first touch, so the net Delta can be computed at the
+// end in time proportional to the touched keys. A claim or FDB record is
+// noted once per transaction (its mark is the transaction's id). Its slices
+// are scratch space reused by the next transaction.
+//
+// Claims, FDB records and interned VTEPs that become unused are only freed
+// when the transaction ends, so the indexes noted stay valid throughout.
+type txn struct {
+	id    uint32
+	neigh []note
+	fdb   []note
+}
+
+// note records a neighbour or FDB key touched by a transaction and its
+// value before the transaction; finish replaces the value with the one to
+// report.
+type note struct {
+	// key orders the Delta: subnet<<32 | IP for a neighbour, and for an
+	// FDB key subnet<<48 | MAC, or just the subnet when subnet indexes do
+	// not fit in 16 bits (see DB.fdbNoteKey).
+	key  uint64
+	idx  int32  // the claim or FDB record
+	vtep uint32 // FDB: the value (interned VTEP)
+	mac  MAC    // neighbour: the value; FDB: the MAC of the key
+	ok   bool   // the value is valid
+	set  bool   // set by finish: the key is Set (rather than Del)
+}
+
+func (db *DB) begin() {
+	t := &db.tx
+	t.id++
+	if t.id == 0 { // wrapped: forget every mark
+		for i := range db.claims {
+			db.claims[i].mark = 0
+		}
+		for i := range db.fdbs {
+			db.fdbs[i].mark = 0
+		}
+		t.id = 1
+	}
+	t.neigh = t.neigh[:0]
+	t.fdb = t.fdb[:0]
+}
+
+func (db *DB) noteNeigh(ci int32) {
+	c := &db.claims[ci]
+	if c.mark == db.tx.id {
+		return
+	}
+	c.mark = db.tx.id
+	k := c.contrib()
+	db.tx.neigh = append(db.tx.neigh, note{key: uint64(c.sub)<<32 | uint64(c.ip), idx: ci, mac: k.mac, ok: k.ok})
+}
+
+func (db *DB) noteFDB(fi int32, sub int, mac MAC) {
+	r := &db.fdbs[fi]
+	if r.mark == db.tx.id {
+		return
+	}
+	r.mark = db.tx.id
+	db.tx.fdb = append(db.tx.fdb, note{key: db.fdbNoteKey(sub, mac), idx: fi, mac: mac, vtep: r.cur, ok: r.ok})
+}
+
+// fdbNoteKey returns the sort key of the note of FDB key (sub, mac): the
+// whole order when subnet indexes fit in 16 bits, else only the subnet.
+func (db *DB) fdbNoteKey(sub int, mac MAC) uint64 {
+	if db.wideSubnets {
+		return uint64(sub)
+	}
+	return uint64(sub)<<48 | macKey(mac)
+}
+
+// fdbNoteSubnet returns the subnet of an FDB note.
+func (db *DB) fdbNoteSubnet(n *note) int {
+	if db.wideSubnets {
+		return int(n.key)
+	}
+	return int(n.key >> 48)
+}
+
+// finish ends the transaction and returns its Delta. It compares each noted
+// key with its current value, keeping only the changed ones, and frees the
+// claims and FDB records left unused (in note order, which is mostly the
+// order in which they were allocated); then it sorts what changed and
+// builds the Delta.
+func (db *DB) finish() Delta {
+	t := &db.tx
+	// When no entry is left, everything is dropped at once below.
+	keep := db.nRemote != 0 || len(db.local) != 0
+
+	var nSet, nDel int
+	out := t.neigh[:0]
+	for _, n := range t.neigh {
+		c := &db.claims[n.idx]
+		k := c.contrib()
+		switch {
+		case k.ok && (!n.ok || n.mac != k.mac):
+			if !n.ok {
+				db.nNeigh++
+			}
+			n.mac, n.set = k.mac, true
+			out = append(out, n)
+			nSet++
+		case !k.ok && n.ok:
+			db.nNeigh--
+			out = append(out, n)
+			nDel++
+		}
+		if keep && c.empty() {
+			db.byIP.del(uint64(c.ip))
+			*c = claim{}
+			db.freeClaims = append(db.freeClaims, n.idx)
+		}
+	}
+	t.neigh = out
+
+	var fSet, fDel int
+	fout := t.fdb[:0]
+	for _, f := range t.fdb {
+		r := &db.fdbs[f.idx]
+		switch {
+		case r.ok && (!f.ok || f.vtep != r.cur):
+			if !f.ok {
+				db.nFDB++
+			}
+			f.vtep, f.set = r.cur, true
+			fout = append(fout, f)
+			fSet++
+		case !r.ok && f.ok:
+			db.nFDB--
+			fout = append(fout, f)
+			fDel++
+		}
+		if keep && r.one < 0 && r.local == 0 {
+			db.fdbIdx[db.fdbNoteSubnet(&f)].del(macKey(f.mac))
+			*r = fdbRec{}
+			db.freeFDB = append(db.freeFDB, f.idx)
+		}
+	}
+	t.fdb = fout
+
+	var d Delta
+	if nSet+nDel > 0 {
+		sortNotes(t.neigh)
+		if nSet > 0 {
+			d.NeighSet = make([]Neigh, 0, nSet)
+		}
+		if nDel > 0 {
+			d.NeighDel = make([]Neigh, 0, nDel)
+		}
+		for i := range t.neigh {
+			n := &t.neigh[i]
+			e := Neigh{Subnet: int(n.key >> 32), IP: addr4(uint32(n.key)), MAC: n.mac}
+			if n.set {
+				d.NeighSet = append(d.NeighSet, e)
+			} else {
+				d.NeighDel = append(d.NeighDel, e)
+			}
+		}
+	}
+	if fSet+fDel > 0 {
+		if db.wideSubnets {
+			slices.SortFunc(t.fdb, func(a, b note) int {
+				return cmp.Or(cmp.Compare(a.key, b.key), cmp.Compare(macKey(a.mac), macKey(b.mac)))
+			})
+		} else {
+			sortNotes(t.fdb)
+		}
+		if fSet > 0 {
+			d.FDBSet = make([]FDB, 0, fSet)
+		}
+		if fDel > 0 {
+			d.FDBDel = make([]FDB, 0, fDel)
+		}
+		vt := db.vteps.addr
+		for i := range t.fdb {
+			f := &t.fdb[i]
+			e := FDB{Subnet: db.fdbNoteSubnet(f), MAC: f.mac, VTEP: vt[f.vtep]}
+			if f.set {
+				d.FDBSet = append(d.FDBSet, e)
+			} else {
+				d.FDBDel = append(d.FDBDel, e)
+			}
+		}
+	}
+
+	if keep {
+		db.vteps.sweep()
+	} else {
+		// Start afresh, returning the memory of large indexes.
+		db.reset()
+	}
+	// Drop scratch space much larger than the DB.
+	const small = 1024
+	if cap(t.neigh) > small && cap(t.neigh) > 4*db.byIP.len() {
+		t.neigh = nil
+	}
+	if live := len(db.fdbs) - len(db.freeFDB); cap(t.fdb) > small && cap(t.fdb) > 4*live {
+		t.fdb = nil
+	}
+	return d
+}
+
+// reset empties the indexes of a DB that holds no entry.
+func (db *DB) reset() {
+	const small = 256
+	db.byIP.clear()
+	if len(db.claims) > small {
+		db.claims, db.freeClaims = nil, nil
+	} else {
+		clear(db.claims)
+		db.claims, db.freeClaims = db.claims[:0], db.freeClaims[:0]
+	}
+	for s := range db.fdbIdx {
+		db.fdbIdx[s].clear()
+	}
+	big := len(db.fdbs) > small
+	if big {
+		db.fdbs, db.freeFDB = nil, nil
+	} else {
+		db.fdbs, db.freeFDB = db.fdbs[:0], db.freeFDB[:0]
+	}
+	db.fdbMore = nil
+	db.vteps = vtepTable{}
+	db.nNeigh, db.nFDB = 0, 0
+}
