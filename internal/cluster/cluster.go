@@ -395,10 +395,24 @@ func (c *Cluster) SetAppState(app []byte) error {
 		return fmt.Errorf("cluster: node %s cannot set its application state: shut down", c.cfg.NodeName)
 	}
 	c.local.setApp(append([]byte{}, app...))
-	if err := c.ml.UpdateNode(c.cfg.TCPTimeout); err != nil {
+	if err := c.updateNode(); err != nil {
 		return fmt.Errorf("cluster: gossiping the application state of node %s: %w", c.cfg.NodeName, err)
 	}
 	return nil
+}
+
+// updateNode gossips this node's new metadata and waits until it is sent
+// (at most TCPTimeout), or until Shutdown: a stopping daemon must not wait
+// the whole timeout for a broadcast that will never go out.
+func (c *Cluster) updateNode() error {
+	done := make(chan error, 1)
+	go func() { done <- c.ml.UpdateNode(c.cfg.TCPTimeout) }()
+	select {
+	case err := <-done:
+		return err
+	case <-c.stop:
+		return fmt.Errorf("node %s shut down before its metadata was gossiped", c.cfg.NodeName)
+	}
 }
 
 // SetVTEP changes this node's VTEP: its metadata is updated and gossiped,
@@ -422,7 +436,7 @@ func (c *Cluster) SetVTEP(v netip.Addr) error {
 		return nil
 	}
 	c.log.Info("VTEP changed; records re-published", "from", old, "to", v, "records", n)
-	err := c.ml.UpdateNode(c.cfg.TCPTimeout)
+	err := c.updateNode()
 	c.wakePublisher() // the deltas follow the metadata
 	if err != nil {
 		return fmt.Errorf("cluster: gossiping VTEP %v of node %s: %w", v, c.cfg.NodeName, err)

@@ -73,6 +73,7 @@ type host struct {
 	dir      string
 	netnsDir string
 	cmd      *exec.Cmd
+	join0    []string // seeds it was first started with
 	logs     *syncBuffer
 	plugin   *http.Client
 }
