@@ -49,8 +49,8 @@ import (
 
 // Defaults shared by the daemon and tests.
 const (
-	DefaultVXLANPort = 4799 // not 4789: Docker's own overlay uses that
-	DefaultNetnsDir  = "/run/overlayd/netns"
+	DefaultVXLANPort = sandbox.DefaultVXLANPort // not 4789: Docker's own overlay uses that
+	DefaultNetnsDir  = sandbox.DefaultNetnsDir
 	DefaultVNIStart  = 4096
 	MaxVNI           = 1<<24 - 1
 	vxlanOverhead4   = 50
@@ -100,10 +100,9 @@ type Config struct {
 	// StateFile, if set, persists networks, endpoints and allocations; New
 	// restores them and adopts the kernel state an earlier run left.
 	StateFile *statefile.File
-	// Trace, if set, is told of every state change that succeeded, under the
-	// lock that linearises it (see TraceEvent). It must be fast and must not
-	// call into the Driver. For tests.
-	Trace func(TraceEvent)
+	// TestHooks are empty in normal builds; test builds (tag testhooks)
+	// have the stress harness's trace there.
+	TestHooks
 }
 
 // Driver is the overlay network driver.

@@ -46,7 +46,7 @@ type network struct {
 
 // trace emits the creation of n; expects n.mu held.
 func (n *network) trace(d *Driver, kind TraceKind) {
-	if d.cfg.Trace == nil {
+	if !traceEnabled {
 		return
 	}
 	ev := TraceEvent{Kind: kind, Network: n.id, VNIs: n.vnis(), Pools: n.pools(), MTU: n.mtu, Internal: n.internal, Encrypted: n.encrypted}

@@ -63,9 +63,3 @@ type TraceEvent struct {
 	VNI uint32
 }
 
-// trace emits ev to the configured tracer; expects the linearising lock held.
-func (d *Driver) trace(ev TraceEvent) {
-	if d.cfg.Trace != nil {
-		d.cfg.Trace(ev)
-	}
-}

@@ -22,7 +22,7 @@ import (
 // Cluster is this node's membership in the overlayd control plane.
 //
 // Locks (levels of internal/lockorder; see doc.go): mu (LevelCluster)
-// guards the replicated store, the senders map and the shards' dirty sets;
+// guards the replica (the remote records), the senders map and the shards' dirty sets;
 // each sender's queue lock (LevelClusterSender) is taken under mu or
 // alone; local.mu (LevelClusterLocal) guards our own records and metadata;
 // dropMu, the rate limiter's and the joiner's locks are leaves
@@ -40,10 +40,10 @@ type Cluster struct {
 	now     func() time.Time
 	local   *localStore // our records and metadata; its own lock
 
-	mu     *lockorder.Mutex // LevelCluster
-	store  *store           // guarded by mu
-	dests  map[string]*dest // guarded by mu
-	shards []*shard         // fixed; each shard's dirty set guarded by mu
+	mu      *lockorder.Mutex // LevelCluster
+	replica *replica         // guarded by mu
+	dests   map[string]*dest // guarded by mu
+	shards  []*shard         // fixed; each shard's dirty set guarded by mu
 
 	dropMu  *lockorder.Mutex      // LevelLeaf
 	dropped map[DropReason]uint64 // guarded by dropMu
@@ -119,7 +119,7 @@ func New(cfg Config) (*Cluster, error) {
 		budget:    cfg.packetBudget(),
 		now:       time.Now,
 		mu:        lockorder.New(lockorder.LevelCluster),
-		store:     newStore(cfg.NodeName),
+		replica:   newReplica(cfg.NodeName),
 		dests:     make(map[string]*dest),
 		dropMu:    lockorder.New(lockorder.LevelLeaf),
 		dropped:   make(map[DropReason]uint64),
@@ -139,11 +139,11 @@ func New(cfg Config) (*Cluster, error) {
 			c.log.Warn("refusing an initial local record", "vni", e.vni, "reason", e.reason, "record", e.rec)
 		}
 	}
-	c.store.grace = cfg.RestartGrace
-	c.store.failedGrace = cfg.FailedGrace
-	c.store.dirty = c.markDirtyLocked
-	c.store.requestSync = func(name string) { c.destFlagLocked(name, func(d *dest) { d.syncReq = true }) }
-	c.store.sendSnapshot = func(name string) { c.destFlagLocked(name, func(d *dest) { d.snapshot = true }) }
+	c.replica.grace = cfg.RestartGrace
+	c.replica.failedGrace = cfg.FailedGrace
+	c.replica.dirty = c.markDirtyLocked
+	c.replica.requestSync = func(name string) { c.destFlagLocked(name, func(d *dest) { d.syncReq = true }) }
+	c.replica.sendSnapshot = func(name string) { c.destFlagLocked(name, func(d *dest) { d.snapshot = true }) }
 	for range cfg.DeliveryShards {
 		c.shards = append(c.shards, &shard{dirty: make(map[uint32]map[pkey]struct{}), wake: make(chan struct{}, 1)})
 	}
@@ -374,7 +374,7 @@ func (c *Cluster) handleMessage(b []byte) {
 		return
 	}
 	c.mu.Lock()
-	reason, detail := c.store.apply(m, c.now())
+	reason, detail := c.replica.apply(m, c.now())
 	c.mu.Unlock()
 	if reason != "" {
 		c.drop(reason, detail)
@@ -461,7 +461,7 @@ func (c *Cluster) AppStates() map[string][]byte {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	out := map[string][]byte{}
-	for name, m := range c.store.members {
+	for name, m := range c.replica.members {
 		if m.state == StateAlive && m.metaErr == nil && name != c.cfg.NodeName {
 			out[name] = append([]byte(nil), m.meta.App...)
 		}
@@ -484,7 +484,7 @@ func (c *Cluster) MemberApps() []MemberApp {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	var out []MemberApp
-	for name, m := range c.store.members {
+	for name, m := range c.replica.members {
 		if name != c.cfg.NodeName && m.state == StateAlive && m.metaErr == nil {
 			out = append(out, MemberApp{Name: name, VTEP: m.meta.VTEP, App: append([]byte(nil), m.meta.App...)})
 		}
@@ -513,7 +513,7 @@ func (c *Cluster) memberAlive(n *memberlist.Node) {
 			c.dests[n.Name] = fresh
 		}
 	}
-	c.store.memberAlive(n, c.now()) // may queue a sync request to it
+	c.replica.memberAlive(n, c.now()) // may queue a sync request to it
 	if fresh != nil {
 		// Then our digest: a member back from dead (same incarnation)
 		// missed our changes meanwhile and asks for a snapshot if so.
@@ -532,9 +532,9 @@ func (c *Cluster) memberAlive(n *memberlist.Node) {
 // memberGone handles memberlist's leave event (a node dead or left).
 func (c *Cluster) memberGone(n *memberlist.Node) {
 	c.mu.Lock()
-	state := c.store.memberGone(n, c.now())
+	state := c.replica.memberGone(n, c.now())
 	var until time.Time
-	if m := c.store.members[n.Name]; m != nil && m.failedGrace {
+	if m := c.replica.members[n.Name]; m != nil && m.failedGrace {
 		until = m.failedUntil
 	}
 	if d := c.dests[n.Name]; d != nil {
@@ -559,7 +559,7 @@ func (c *Cluster) memberGone(n *memberlist.Node) {
 func (c *Cluster) memberInfo(name string) (MemberState, time.Time, string) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	m := c.store.members[name]
+	m := c.replica.members[name]
 	if m == nil {
 		return "", time.Time{}, ""
 	}
@@ -570,7 +570,7 @@ func (c *Cluster) memberInfo(name string) (MemberState, time.Time, string) {
 func (c *Cluster) suspected(name string) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if m := c.store.members[name]; m != nil && m.state == StateAlive {
+	if m := c.replica.members[name]; m != nil && m.state == StateAlive {
 		m.suspectSince = c.now()
 	}
 }
@@ -628,7 +628,7 @@ func (d *delegate) NotifyPingComplete(other *memberlist.Node, rtt time.Duration,
 	c := d.c
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if m := c.store.members[other.Name]; m != nil {
+	if m := c.replica.members[other.Name]; m != nil {
 		m.suspectSince = time.Time{}
 		m.rtt = rtt
 	}

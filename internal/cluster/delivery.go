@@ -107,7 +107,7 @@ func (c *Cluster) Peer(k peerdb.Key) (peerdb.Peer, bool) {
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	return c.store.effective(k.VNI, pkey{k.Origin, k.EndpointID})
+	return c.replica.effective(k.VNI, pkey{k.Origin, k.EndpointID})
 }
 
 // Peers returns every record in force for vni, by key (an empty map if
@@ -116,10 +116,10 @@ func (c *Cluster) Peer(k peerdb.Key) (peerdb.Peer, bool) {
 func (c *Cluster) Peers(vni uint32) map[peerdb.Key]peerdb.Peer {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	keys := c.store.byVNI[vni]
+	keys := c.replica.byVNI[vni]
 	out := make(map[peerdb.Key]peerdb.Peer, len(keys))
 	for k := range keys {
-		if p, ok := c.store.effective(vni, k); ok {
+		if p, ok := c.replica.effective(vni, k); ok {
 			out[peerdb.Key{VNI: vni, Origin: k.Origin, EndpointID: k.EndpointID}] = p
 		}
 	}

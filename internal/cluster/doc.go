@@ -133,7 +133,7 @@
 // pulls the values with Peer or Peers, which take Cluster.mu briefly and
 // compute what is in force on the spot: there is no copy of what was
 // delivered, and nothing to redeliver. Peers visits only the keys of its
-// VNI (an index by VNI of every key the store holds: records, tombstones
+// VNI (an index by VNI of every key the replica holds: records, tombstones
 // and previous records; kept on every merge, snapshot, digest, reap,
 // grace end, restart and origin removal). Keys are marked when their
 // value may change; a merge that keeps the value (a restarted node
@@ -165,7 +165,7 @@
 // a lock only while every lock it holds has a strictly lower level (is
 // higher in the hierarchy; the lockcheck build panics otherwise):
 //
-//   - Cluster.mu (LevelCluster): the replicated store, the senders map and
+//   - Cluster.mu (LevelCluster): the replica (remote records), the senders map and
 //     the shards' dirty sets. Taken by memberlist callbacks, the
 //     periodic loop, Status, and by Peer/Peers under the caller's network
 //     lock (LevelNetwork, above it).

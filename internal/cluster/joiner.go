@@ -305,7 +305,7 @@ func (c *Cluster) memberAddrs() map[netip.AddrPort]bool {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	out := make(map[netip.AddrPort]bool)
-	for _, m := range c.store.members {
+	for _, m := range c.replica.members {
 		if m.state == StateAlive {
 			if ip, ok := netip.AddrFromSlice(m.node.Addr); ok {
 				out[netip.AddrPortFrom(ip.Unmap(), m.node.Port)] = true
@@ -331,7 +331,7 @@ func (c *Cluster) pickMember(ok func(*member) bool) (string, bool) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	var cands []string
-	for name, m := range c.store.members {
+	for name, m := range c.replica.members {
 		if name != c.cfg.NodeName && m.state == StateAlive && ok(m) {
 			cands = append(cands, net.JoinHostPort(net.IP(m.node.Addr).String(), strconv.Itoa(int(m.node.Port))))
 		}
@@ -350,7 +350,7 @@ func (c *Cluster) reconnectCandidate() (string, bool) {
 	defer c.mu.Unlock()
 	var cands []string
 	now := c.now()
-	for name, m := range c.store.members {
+	for name, m := range c.replica.members {
 		if name == c.cfg.NodeName || (m.state != StateDead && m.state != StateLeft) || now.Sub(m.since) > c.cfg.ReconnectTimeout {
 			continue
 		}

@@ -259,9 +259,9 @@ func (c *Cluster) periodicLoop() {
 			var expired []string
 			c.mu.Lock()
 			if reap {
-				expired = c.store.reap(now, c.cfg.TombstoneTTL, c.cfg.ReconnectTimeout)
+				expired = c.replica.reap(now, c.cfg.TombstoneTTL, c.cfg.ReconnectTimeout)
 			} else {
-				expired = c.store.tick(now)
+				expired = c.replica.tick(now)
 			}
 			c.mu.Unlock()
 			for _, name := range expired {

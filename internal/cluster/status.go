@@ -124,7 +124,7 @@ func (c *Cluster) Status() Status {
 
 	c.mu.Lock()
 	alive := 0
-	for _, m := range c.store.members {
+	for _, m := range c.replica.members {
 		if m.state == StateAlive {
 			alive++
 		}
@@ -133,7 +133,7 @@ func (c *Cluster) Status() Status {
 	// maximum suspicion time; past that, a stale suspicion means nothing.
 	suspicionMax := time.Duration(float64(c.cfg.SuspicionMaxTimeoutMult*c.cfg.SuspicionMult) *
 		max(1, math.Log10(float64(alive))) * float64(c.cfg.ProbeInterval))
-	for name, m := range c.store.members {
+	for name, m := range c.replica.members {
 		ms := MemberStatus{Name: name, Port: m.node.Port, State: m.state, Since: m.since,
 			LastHeard: m.lastHeard, Self: name == c.cfg.NodeName}
 		if ip, ok := netip.AddrFromSlice(m.node.Addr); ok {
@@ -155,13 +155,13 @@ func (c *Cluster) Status() Status {
 		if m.rtt > 0 {
 			ms.RTT = m.rtt.String()
 		}
-		if o := c.store.origins[name]; o != nil {
+		if o := c.replica.origins[name]; o != nil {
 			ms.Records = o.live
 		}
 		st.Members = append(st.Members, ms)
 	}
-	c.store.eachEffective(func(vni uint32, _ pkey, _ peerdb.Peer) { vs(vni).Remote++ })
-	ss := c.store.stats
+	c.replica.eachEffective(func(vni uint32, _ pkey, _ peerdb.Peer) { vs(vni).Remote++ })
+	ss := c.replica.stats
 	c.mu.Unlock()
 
 	slices.SortFunc(st.Members, func(a, b MemberStatus) int { return cmp.Compare(a.Name, b.Name) })

@@ -17,7 +17,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/overlayd/overlayd/driver"
+	"github.com/overlayd/overlayd/internal/sandbox"
 )
 
 // Settings are the daemon's settings after parsing and validation.
@@ -61,8 +61,8 @@ var settings = []setting{
 	{"state-dir", "OVERLAYD_STATE_DIR", DefaultStateDir, "directory for overlayd's persistent state"},
 	{"scope", "OVERLAYD_SCOPE", "local", "driver scope announced to dockerd: local (standalone engines) or global (swarm)"},
 	{"advertise-addr", "OVERLAYD_ADVERTISE_ADDR", "", "local VTEP address; default: learned from swarm (DiscoverNew), else the default route's device address"},
-	{"vxlan-port", "OVERLAYD_VXLAN_PORT", strconv.Itoa(driver.DefaultVXLANPort), "VXLAN UDP port (not 4789, which Docker's own overlay uses)"},
-	{"netns-dir", "OVERLAYD_NETNS_DIR", driver.DefaultNetnsDir, "directory where network sandbox namespaces are mounted"},
+	{"vxlan-port", "OVERLAYD_VXLAN_PORT", strconv.Itoa(sandbox.DefaultVXLANPort), "VXLAN UDP port (not 4789, which Docker's own overlay uses)"},
+	{"netns-dir", "OVERLAYD_NETNS_DIR", sandbox.DefaultNetnsDir, "directory where network sandbox namespaces are mounted"},
 	{"log-level", "OVERLAYD_LOG_LEVEL", "info", "log level: debug, info, warn or error"},
 	{"gossip-addr", "OVERLAYD_GOSSIP_ADDR", "", "address the gossip (memberlist) binds to; default: the advertise address"},
 	{"gossip-port", "OVERLAYD_GOSSIP_PORT", strconv.Itoa(DefaultGossipPort), "gossip port, TCP and UDP (not 7946, which swarm uses)"},

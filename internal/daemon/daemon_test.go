@@ -9,12 +9,15 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/overlayd/overlayd/driver"
+	"github.com/overlayd/overlayd/encryption"
 	"github.com/overlayd/overlayd/internal/config"
 	"github.com/overlayd/overlayd/internal/netnsutil"
 	"github.com/overlayd/overlayd/internal/testutil/nstest"
@@ -269,5 +272,54 @@ func TestRestartKeepsState(t *testing.T) {
 	}
 	if entries, _ := os.ReadDir(netnsDir); len(entries) != 0 {
 		t.Fatalf("sandboxes left: %v", entries)
+	}
+}
+
+// A stop during start-up never leaves a control plane running: a start
+// attempted after close (the retry loop, or a VTEP settled by a late
+// DiscoverNew) does nothing. Before, tryStart did not know the plane was
+// closed and started the cluster and the key manager anyway, leaking them.
+func TestStartAfterStopDoesNothing(t *testing.T) {
+	nstest.RequireRoot(t)
+	host := nstest.NewNS(t, "host")
+	dir := t.TempDir()
+	st, err := config.Parse([]string{"--state-dir", dir, "--node-name", "n1", "--gossip-port", "17947"}, func(string) string { return "" })
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = netnsutil.DoIn(host.Handle, func() error {
+		lo, err := host.NL.LinkByName("lo")
+		if err != nil {
+			return err
+		}
+		if err := host.NL.LinkSetUp(lo); err != nil {
+			return err
+		}
+		enc, err := encryption.NewOwner(encryption.OwnerConfig{NS: host.Handle, Port: 4799})
+		if err != nil {
+			return err
+		}
+		defer enc.Close()
+		cp := newControlPlane(st, nil, slog.New(slog.NewTextHandler(io.Discard, nil)), make([]byte, 32), enc)
+		d, err := driver.New(driver.Config{HostNS: host.Handle, NetnsDir: nstest.NetnsDir(t), AdvertiseAddr: netip.MustParseAddr("127.0.0.1"),
+			Peers: cp, Publisher: cp})
+		if err != nil {
+			return err
+		}
+		defer d.Close()
+		cp.d = d
+		cp.done.Add(1)
+		go cp.run()
+		cp.close()
+		cp.tryStart()
+		cp.vtepChanged(netip.MustParseAddr("127.0.0.1"))
+		if c := cp.c.Load(); c != nil {
+			c.Shutdown()
+			return fmt.Errorf("the control plane started after it was stopped")
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
 	}
 }

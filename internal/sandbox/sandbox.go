@@ -58,6 +58,16 @@ type Subnet struct {
 const LinkGroup = 0x6f766c64 // "ovld"
 
 // BridgeName and VXLANName name the links of subnet vni inside a sandbox.
+// Defaults of the settings the sandboxes depend on (the daemon's flags and
+// the driver's zero Config use them).
+const (
+	// DefaultVXLANPort is overlayd's VXLAN UDP port: not 4789, which
+	// Docker's own overlay uses.
+	DefaultVXLANPort = 4799
+	// DefaultNetnsDir is where network sandboxes are mounted.
+	DefaultNetnsDir = "/run/overlayd/netns"
+)
+
 func BridgeName(vni uint32) string { return fmt.Sprintf("ovbr-%d", vni) }
 func VXLANName(vni uint32) string  { return fmt.Sprintf("ovvx-%d", vni) }
 

@@ -24,14 +24,14 @@ func mlNode(name string, inc uint64, vtep string) *memberlist.Node {
 
 // receiver is a store that knows origin "o" (incarnation inc, VTEP vtep).
 type receiver struct {
-	s      *store
+	s      *replica
 	syncs  int
 	syncTo map[string]int
 	snaps  int
 }
 
 func newReceiver(inc uint64, vtep string) *receiver {
-	r := &receiver{s: newStore("me"), syncTo: map[string]int{}}
+	r := &receiver{s: newReplica("me"), syncTo: map[string]int{}}
 	r.s.syncMinInterval = 0
 	r.s.grace = time.Minute
 	r.s.requestSync = func(name string) { r.syncs++; r.syncTo[name]++ }
@@ -345,7 +345,7 @@ func TestSyncRequestRepeated(t *testing.T) {
 // checkIndex verifies the per-VNI index against the origins: it holds
 // exactly the keys they store (records, tombstones, previous records), and
 // peers(vni) is the effective set of that VNI.
-func checkIndex(t *testing.T, s *store) {
+func checkIndex(t *testing.T, s *replica) {
 	t.Helper()
 	want := map[uint32]map[pkey]struct{}{}
 	add := func(vni uint32, k pkey) {

@@ -130,11 +130,11 @@ type storeStats struct {
 	FailedGraceExpired                             uint64
 }
 
-// store is the replicated remote state: membership as memberlist reports
+// replica is the replicated remote state: membership as memberlist reports
 // it and the records of every origin. It is not safe for concurrent use:
 // the Cluster calls it with Cluster.mu held. Its hooks are called with that
 // lock held and must not block.
-type store struct {
+type replica struct {
 	self            string
 	members         map[string]*member
 	origins         map[string]*origin
@@ -156,8 +156,8 @@ type store struct {
 	sendSnapshot func(requester string)
 }
 
-func newStore(self string) *store {
-	return &store{
+func newReplica(self string) *replica {
+	return &replica{
 		self:            self,
 		members:         make(map[string]*member),
 		origins:         make(map[string]*origin),
@@ -170,7 +170,7 @@ func newStore(self string) *store {
 }
 
 // index notes that the origin of k holds (vni, k).
-func (s *store) index(vni uint32, k pkey) {
+func (s *replica) index(vni uint32, k pkey) {
 	set := s.byVNI[vni]
 	if set == nil {
 		set = make(map[pkey]struct{})
@@ -181,7 +181,7 @@ func (s *store) index(vni uint32, k pkey) {
 
 // unindex removes (vni, {name, k}) from the index unless the current
 // origin of name still holds it.
-func (s *store) unindex(name string, k recKey) {
+func (s *replica) unindex(name string, k recKey) {
 	if s.origins[name].holds(k) {
 		return
 	}
@@ -197,7 +197,7 @@ func (s *store) unindex(name string, k recKey) {
 // current one. Keys the old origin held and nu does not are marked dirty
 // and leave the index; nu's keys are indexed. A key nu holds in prev keeps
 // its value (prev is the set that was in force).
-func (s *store) setOrigin(name string, nu *origin) {
+func (s *replica) setOrigin(name string, nu *origin) {
 	old := s.origins[name]
 	if nu == nil {
 		delete(s.origins, name)
@@ -247,14 +247,14 @@ func recordHash(r *record) uint64 {
 
 // inForce reports whether the records of member m (named name) are in
 // force: it is alive with usable metadata, or dead within FailedGrace.
-func (s *store) inForce(name string, m *member) bool {
+func (s *replica) inForce(name string, m *member) bool {
 	return m != nil && name != s.self && m.metaErr == nil &&
 		(m.state == StateAlive || m.state == StateDead && m.failedGrace)
 }
 
 // memberAlive records that memberlist considers n alive (join, update, or
 // back from dead), reading its metadata.
-func (s *store) memberAlive(n *memberlist.Node, now time.Time) {
+func (s *replica) memberAlive(n *memberlist.Node, now time.Time) {
 	meta, err := decodeMeta(n.Meta)
 	m := s.members[n.Name]
 	if m == nil {
@@ -335,7 +335,7 @@ func (s *store) memberAlive(n *memberlist.Node, now time.Time) {
 // records stop being in force at once. A dead node's records stay in force
 // for FailedGrace (its return within it changes nothing), then stop being
 // in force but are kept, so a healed partition restores them at once.
-func (s *store) memberGone(n *memberlist.Node, now time.Time) MemberState {
+func (s *replica) memberGone(n *memberlist.Node, now time.Time) MemberState {
 	m := s.members[n.Name]
 	if m == nil {
 		m = &member{name: n.Name, node: *n}
@@ -371,14 +371,14 @@ func (s *store) memberGone(n *memberlist.Node, now time.Time) MemberState {
 // memberLeft handles a leave announced by a member memberlist already
 // declared dead (its msgLeave arrived after the death): it is forgotten
 // at once, as if the leave had come first.
-func (s *store) memberLeft(m *member, now time.Time) {
+func (s *replica) memberLeft(m *member, now time.Time) {
 	m.state, m.since, m.leaving = StateLeft, now, true
 	m.failedGrace, m.failedUntil = false, time.Time{}
 	s.setOrigin(m.name, nil)
 }
 
 // markOrigin marks every key o holds or shadows dirty.
-func (s *store) markOrigin(name string, o *origin) {
+func (s *replica) markOrigin(name string, o *origin) {
 	for k := range o.recs {
 		s.dirty(k.VNI, pkey{name, k.EndpointID})
 	}
@@ -388,7 +388,7 @@ func (s *store) markOrigin(name string, o *origin) {
 }
 
 // effectiveSet returns o's peers in force under meta.
-func (s *store) effectiveSet(o *origin, meta nodeMeta) map[recKey]peerdb.Peer {
+func (s *replica) effectiveSet(o *origin, meta nodeMeta) map[recKey]peerdb.Peer {
 	set := make(map[recKey]peerdb.Peer, o.live+len(o.prev))
 	for k := range o.prev {
 		if p, ok := o.value(k, meta.VTEP); ok {
@@ -403,7 +403,7 @@ func (s *store) effectiveSet(o *origin, meta nodeMeta) map[recKey]peerdb.Peer {
 	return set
 }
 
-func (s *store) syncFrom(name string, o *origin, now time.Time) {
+func (s *replica) syncFrom(name string, o *origin, now time.Time) {
 	if o == nil {
 		o = s.origins[name]
 	}
@@ -422,7 +422,7 @@ func (s *store) syncFrom(name string, o *origin, now time.Time) {
 // of the current incarnation of an origin whose records are in force (see
 // inForce) and whose VTEP is the origin's, or else a previous record
 // (restart or VTEP change) during its grace. Never one of ours.
-func (s *store) effective(vni uint32, k pkey) (peerdb.Peer, bool) {
+func (s *replica) effective(vni uint32, k pkey) (peerdb.Peer, bool) {
 	m := s.members[k.Origin]
 	if !s.inForce(k.Origin, m) {
 		return peerdb.Peer{}, false
@@ -436,7 +436,7 @@ func (s *store) effective(vni uint32, k pkey) (peerdb.Peer, bool) {
 
 // peers returns every peer in force for vni (visiting only the keys of
 // vni).
-func (s *store) peers(vni uint32) map[pkey]peerdb.Peer {
+func (s *replica) peers(vni uint32) map[pkey]peerdb.Peer {
 	keys := s.byVNI[vni]
 	out := make(map[pkey]peerdb.Peer, len(keys))
 	for k := range keys {
@@ -449,7 +449,7 @@ func (s *store) peers(vni uint32) map[pkey]peerdb.Peer {
 
 // apply validates m against the membership and merges it. It returns a
 // drop reason (and detail) if m is refused; then nothing of it was applied.
-func (s *store) apply(m *message, now time.Time) (DropReason, string) {
+func (s *replica) apply(m *message, now time.Time) (DropReason, string) {
 	if m.Origin == s.self {
 		return DropSelfOrigin, "message claims to come from this node"
 	}
@@ -522,7 +522,7 @@ func (s *store) apply(m *message, now time.Time) (DropReason, string) {
 // merge is a last-writer-wins register per key ordered by the origin's
 // version: idempotent, commutative and associative, so reordered,
 // duplicated or coalesced messages converge.
-func (s *store) mergeRecord(name string, o *origin, r *record, now time.Time, fromSnapshot bool) {
+func (s *replica) mergeRecord(name string, o *origin, r *record, now time.Time, fromSnapshot bool) {
 	k := r.key()
 	cur := o.recs[k]
 	if cur != nil && r.Version <= cur.rec.Version || cur == nil && r.Version <= o.floor && !fromSnapshot {
@@ -551,7 +551,7 @@ func (s *store) mergeRecord(name string, o *origin, r *record, now time.Time, fr
 // m.AsOf: records it lacks whose version is <= AsOf were deleted at the
 // origin (their tombstones may be reaped there), so they go; newer ones
 // stay.
-func (s *store) applySnapshot(name string, o *origin, m *message, now time.Time) {
+func (s *replica) applySnapshot(name string, o *origin, m *message, now time.Time) {
 	if m.AsOf < o.floor {
 		s.stats.StaleSnapshots++
 		return
@@ -589,7 +589,7 @@ func (s *store) applySnapshot(name string, o *origin, m *message, now time.Time)
 
 // applyDigest compares the origin's summary with ours. A match makes our
 // view complete as of the digest's clock; a mismatch asks for a snapshot.
-func (s *store) applyDigest(name string, o *origin, m *message, now time.Time) {
+func (s *replica) applyDigest(name string, o *origin, m *message, now time.Time) {
 	s.stats.Digests++
 	if o.maxVer > m.AsOf {
 		return // older than what we hold; the next one will tell
@@ -613,7 +613,7 @@ func (s *store) applyDigest(name string, o *origin, m *message, now time.Time) {
 	s.syncFrom(name, o, now)
 }
 
-func (s *store) setComplete(name string, o *origin) {
+func (s *replica) setComplete(name string, o *origin) {
 	o.complete = true
 	o.awaiting = false
 	s.dropPrev(name, o)
@@ -622,7 +622,7 @@ func (s *store) setComplete(name string, o *origin) {
 // dropPrev ends o's previous records (restart or VTEP change). Keys whose
 // value changes are marked dirty; a key whose current record has the same
 // value as the previous one is not (nothing changes for it).
-func (s *store) dropPrev(name string, o *origin) {
+func (s *replica) dropPrev(name string, o *origin) {
 	if o.prev == nil {
 		return
 	}
@@ -656,7 +656,7 @@ const syncRetry = time.Second
 // unanswered sync requests. It visits no record unless a grace ends, and
 // runs often. It returns the members whose FailedGrace ended (their
 // records are no longer in force).
-func (s *store) tick(now time.Time) (expired []string) {
+func (s *replica) tick(now time.Time) (expired []string) {
 	for name, m := range s.members {
 		if m.failedGrace && !now.Before(m.failedUntil) {
 			m.failedGrace, m.failedUntil = false, time.Time{}
@@ -684,7 +684,7 @@ func (s *store) tick(now time.Time) (expired []string) {
 // reap removes tombstones older than ttl and forgets members gone for
 // longer than retention. It visits every record: the Cluster runs it a few
 // times per TombstoneTTL.
-func (s *store) reap(now time.Time, ttl, retention time.Duration) (expired []string) {
+func (s *replica) reap(now time.Time, ttl, retention time.Duration) (expired []string) {
 	expired = s.tick(now)
 	for name, o := range s.origins {
 		for k, r := range o.recs {
@@ -705,7 +705,7 @@ func (s *store) reap(now time.Time, ttl, retention time.Duration) (expired []str
 }
 
 // eachEffective calls f for every remote record in force.
-func (s *store) eachEffective(f func(vni uint32, k pkey, p peerdb.Peer)) {
+func (s *replica) eachEffective(f func(vni uint32, k pkey, p peerdb.Peer)) {
 	for vni := range s.byVNI {
 		for k, p := range s.peers(vni) {
 			f(vni, k, p)
