@@ -35,7 +35,9 @@
 // cause finds nothing to do, changes nothing and is echoed no further, so
 // nothing loops. "Nothing changed on our side" is never a reason to skip:
 // a flushed table, a deleted policy or SA is back within a reconcile
-// (measured: 2–20 ms after the notification, ≤ Tick without one). A
+// (measured on a real kernel: 4–20 ms after the notification, one Tick
+// without notifications; under the VM's software emulation 60–340 ms, and
+// 0.2–0.65 s until both hosts hold a new generation's SAs). A
 // reconcile that changes the kernel although the desired state did not
 // change is a repair; Status counts them and says what the last one did.
 //
@@ -213,6 +215,19 @@
 // container needs; the generation and SAs are kept, so peers notice
 // nothing. The driver's older record ({"keys":…,"remotes":…}) is read as
 // version 0: its epochs are kept, with a new generation.
+//
+// # Integration
+//
+// The daemon makes one Owner for the host namespace (NewOwner), calls
+// SetLocal with the settled VTEP (and again when it changes), Start, and
+// Restored once the driver has restored its networks; AttachGossip when the
+// control plane runs (adverts travel as Advert.Encode in the member's
+// application state; DecodeAdvert on the way in), and Poke when members or
+// their application states change. The driver calls Update(id, share,
+// true) before programming a network's peers and Update(id, share, false)
+// after, Remove when the network goes, CheckSupport before accepting an
+// encrypted network, and shows Status and Audit. `overlayd keys rotate`
+// calls Rotate; OwnerConfig.RotateEvery rotates periodically.
 //
 // # Cost
 //

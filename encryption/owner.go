@@ -524,6 +524,16 @@ func (o *Owner) Status() Status {
 	if o.lastErr != nil {
 		st.LastError, st.LastErrorAt = o.lastErr.Error(), o.lastErrAt
 	}
+	if st.Accept == nil {
+		st.Accept = []uint32{}
+	}
+	if st.ClearVNIs == nil {
+		st.ClearVNIs = []uint32{}
+	}
+	if st.EncryptedVNIs == nil {
+		st.EncryptedVNIs = []uint32{}
+	}
+	st.Pairs = []PairStatus{}
 	if o.prog != nil && o.local.IsValid() && !d.Empty() {
 		if ax, err := o.prog.xfrmDump(); err == nil {
 			d.KeepOutbound = o.keptLocked(&d, ax)
@@ -535,7 +545,9 @@ func (o *Owner) Status() Status {
 		for i := range pairs {
 			pairs[i].Shares = o.need.Get(pairs[i].Remote)
 		}
-		st.Pairs = pairs
+		if pairs != nil {
+			st.Pairs = pairs
+		}
 	}
 	return st
 }
@@ -949,7 +961,7 @@ func (o *Owner) stepLocked(adverts map[netip.Addr]Advert, why string) {
 		}
 	}
 	for r := range o.remoteGens {
-		if !seen[r] && o.need.Get(r) == 0 {
+		if !seen[r] && o.need.Get(r) == 0 && !(o.adopting && slices.Contains(o.adopted.remotes, r)) {
 			delete(o.remoteGens, r)
 		}
 	}
