@@ -76,7 +76,8 @@ type Desired struct {
 	KeepOutbound []netip.Addr
 	// Blocked are remotes (of Remotes) whose outbound SA must not be
 	// installed now (its reservation could not be persisted): their policy
-	// points at no SA, so their traffic is dropped.
+	// is left pointing at the SA it points at if that SA exists (traffic
+	// goes on with the previous keys), else at no SA (dropped).
 	Blocked []netip.Addr
 	Accept  []uint32 // epochs accepted inbound (NodeKeys.Accept)
 	// Send is the epoch used outbound (NodeKeys.Send); 0 while keys are not
@@ -182,6 +183,9 @@ type wantPolicy struct {
 	spi    uint32     // template SPI: the outbound SA of the Send epoch
 	epoch  uint32
 	clear  bool
+	// blocked: the outbound SA may not be installed now; an existing
+	// policy pointing at an existing SA is left alone.
+	blocked bool
 }
 
 // polKey identifies an outbound policy: its selector and mark (direction is
@@ -291,8 +295,8 @@ func xfrmOf(d *Desired) (*desiredXfrm, error) {
 				}
 			}
 		}
-		wp := &wantPolicy{remote: r, spi: blockSPI}
-		if d.Send != 0 && !slices.Contains(d.Blocked, r) {
+		wp := &wantPolicy{remote: r, spi: blockSPI, blocked: slices.Contains(d.Blocked, r)}
+		if d.Send != 0 && !wp.blocked {
 			w, err := derive(local, r, r, d.Send, d.Gen, true)
 			if err != nil {
 				return nil, err

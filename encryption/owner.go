@@ -524,6 +524,16 @@ func (o *Owner) Status() Status {
 	if o.lastErr != nil {
 		st.LastError, st.LastErrorAt = o.lastErr.Error(), o.lastErrAt
 	}
+	if st.Accept == nil {
+		st.Accept = []uint32{}
+	}
+	if st.ClearVNIs == nil {
+		st.ClearVNIs = []uint32{}
+	}
+	if st.EncryptedVNIs == nil {
+		st.EncryptedVNIs = []uint32{}
+	}
+	st.Pairs = []PairStatus{}
 	if o.prog != nil && o.local.IsValid() && !d.Empty() {
 		if ax, err := o.prog.xfrmDump(); err == nil {
 			d.KeepOutbound = o.keptLocked(&d, ax)
@@ -535,7 +545,9 @@ func (o *Owner) Status() Status {
 		for i := range pairs {
 			pairs[i].Shares = o.need.Get(pairs[i].Remote)
 		}
-		st.Pairs = pairs
+		if pairs != nil {
+			st.Pairs = pairs
+		}
 	}
 	return st
 }
@@ -676,10 +688,12 @@ func (o *Owner) applyLocked(why string, fromUpdate bool) error {
 		o.noteErrLocked(err)
 		return err
 	}
+	drift := false
 	if !o.verified && base.Send != 0 && !base.NoSAs && len(base.Remotes) > 0 {
 		o.verified = true
 		if !o.fresh && !o.anyOutboundLocked(ax) {
 			o.newGenLocked("the kernel holds no outbound SA of this host (first start on this kernel, reboot, or a restored state file)")
+			drift = true
 			base = o.desiredLocked()
 		}
 	}
@@ -697,6 +711,7 @@ func (o *Owner) applyLocked(why string, fromUpdate bool) error {
 					spi = w.key.spi
 				}
 				o.newGenLocked(fmt.Sprintf("outbound SA to %v (epoch %d, spi 0x%08x) vanished from the kernel", r, d.Send, spi))
+				drift = true
 				base = o.desiredLocked()
 				d = base
 				break
@@ -763,15 +778,15 @@ func (o *Owner) applyLocked(why string, fromUpdate bool) error {
 	}
 	fp := base.fingerprint()
 	if err == nil && len(res.collisions) == 0 {
-		if fp == o.applied && changes > 0 {
+		// A repair: the kernel had to change although nothing we want
+		// did (or only our generation, because the kernel lost an SA).
+		if (fp == o.applied || drift) && changes > 0 {
 			o.repairs++
 			o.lastRepair = now
 			o.lastRepairWhat = fmt.Sprintf("%s: %v", why, o.prog.Stats().Sub(statsBefore))
 			o.log.Warn("repaired encryption state that changed behind overlayd's back", "trigger", why, "kernel", o.prog.Stats().Sub(statsBefore).String())
 		}
 		o.applied = fp
-	} else {
-		o.applied = ""
 	}
 	o.held = err == nil
 	if err == nil && len(res.collisions) > 0 {
@@ -946,7 +961,7 @@ func (o *Owner) stepLocked(adverts map[netip.Addr]Advert, why string) {
 		}
 	}
 	for r := range o.remoteGens {
-		if !seen[r] && o.need.Get(r) == 0 {
+		if !seen[r] && o.need.Get(r) == 0 && !(o.adopting && slices.Contains(o.adopted.remotes, r)) {
 			delete(o.remoteGens, r)
 		}
 	}
@@ -960,6 +975,27 @@ func (o *Owner) stepLocked(adverts map[netip.Addr]Advert, why string) {
 	o.keys = next
 	err := o.applyLocked(why, false)
 	if err != nil && !o.held && !next.Equal(prev) {
+		// Try the part of the step that needs no new outbound SA: accept
+		// (and retire) as Step says but keep sending with the previous
+		// epoch — always safe, and it lets the others go on (a switch
+		// fails, e.g., when the record of a new SA cannot be persisted).
+		if next.Send != prev.Send && prev.Send != 0 {
+			part := next.Clone()
+			part.Send = prev.Send
+			if !part.Accepts(prev.Send) {
+				part.Accept = normAccept(append(part.Accept, prev.Send))
+			}
+			o.keys = part
+			if perr := o.applyLocked(why+" (keeping the send epoch)", false); perr == nil || o.held {
+				err = fmt.Errorf("encryption: cannot switch to send epoch %d, still sending with %d (%v): %w", next.Send, prev.Send, part, err)
+				o.applyErr = err
+				o.noteErrLocked(err)
+				if !prev.Equal(part) {
+					o.log.Info("key epochs", "accept", part.Accept, "send", part.Send, "target", part.Target)
+				}
+				return
+			}
+		}
 		o.keys = prev
 		rerr := o.applyLocked("restore previous keys", false)
 		err = fmt.Errorf("encryption: installing key epochs %v failed, kept %v: %w", next, prev, err)

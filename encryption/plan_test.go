@@ -234,6 +234,35 @@ func TestPlanNoKeys(t *testing.T) {
 	}
 }
 
+// TestPlanBlockedKeepsPreviousKeys: a remote whose new outbound SA may not
+// be installed (its reservation could not be persisted) stays on the SA
+// its policy points at, and that SA is not deleted.
+func TestPlanBlockedKeepsPreviousKeys(t *testing.T) {
+	a := emptyActual()
+	d := testDesired(2)
+	d.Accept = []uint32{1, 2}
+	fakeApply(t, d, a)
+	r := d.Remotes[0]
+	old, _ := outboundWant(&d, r)
+	d.Send = 2
+	d.Blocked = []netip.Addr{r}
+	dx, _ := xfrmOf(&d)
+	pl := planXfrm(dx, a, d.Port, d.Local)
+	for _, rc := range pl.remotes {
+		if rc.want.remote == r {
+			t.Fatalf("blocked remote %v changed: %+v", r, rc)
+		}
+	}
+	for _, s := range pl.stateDel {
+		if uint32(s.Spi) == old.key.spi {
+			t.Fatalf("the SA the blocked remote's policy points at (0x%08x) is deleted", old.key.spi)
+		}
+	}
+	if len(pl.remotes) != 1 || len(pl.stateDel) != 1 {
+		t.Fatalf("the other remote should switch: %d remote changes, %d deletions", len(pl.remotes), len(pl.stateDel))
+	}
+}
+
 // TestPolicyShapes pins the fail-closed selectors: a remote's policy has no
 // mark and selects any source, the clear policy is selected by the whole
 // clear mark, has no template and wins on priority.

@@ -77,7 +77,7 @@ func NewProgrammer(ns netns.NsHandle) (*Programmer, error) {
 		unix.Close(fd)
 		return nil, fmt.Errorf("failed to open xfrm netlink socket: %w", err)
 	}
-	nft, err := nftables.New(nftables.WithNetNSFd(fd))
+	nft, err := newNftConn(fd)
 	if err != nil {
 		nl.Close()
 		unix.Close(fd)
@@ -94,7 +94,24 @@ func (p *Programmer) Close() error {
 	}
 	p.nl.Close()
 	p.nl = nil
+	p.nft.CloseLasting()
 	return unix.Close(p.nsfd)
+}
+
+// newNftConn opens one nftables socket in the namespace, kept for every
+// request (a new socket per request costs a namespace switch each: most of
+// a reconcile's time on a slow machine).
+func newNftConn(nsfd int) (*nftables.Conn, error) {
+	return nftables.New(nftables.WithNetNSFd(nsfd), nftables.AsLasting())
+}
+
+// nftFailed replaces the nftables socket after a failed request, so that
+// nothing a failure left unread on it confuses the next request.
+func (p *Programmer) nftFailed() {
+	if c, err := newNftConn(p.nsfd); err == nil {
+		p.nft.CloseLasting()
+		p.nft = c
+	}
 }
 
 // Stats returns the cumulative kernel request counters.
@@ -161,6 +178,7 @@ func (p *Programmer) apply(d *Desired, ax *actualXfrm) (execResult, error) {
 	dn := nftOf(d)
 	an, err := p.nftDump(dn)
 	if err != nil {
+		p.nftFailed()
 		return execResult{}, err
 	}
 	if ax == nil {
@@ -171,13 +189,18 @@ func (p *Programmer) apply(d *Desired, ax *actualXfrm) (execResult, error) {
 	// 1.
 	if err := p.nftWiden(dn, an); err != nil {
 		// Without the fail-closed rules nothing else may change.
+		p.nftFailed()
 		return execResult{}, err
 	}
 	// 2.-6.
 	res, err := p.execute(planXfrm(dx, ax, d.Port, d.Local), ax, d.Port, d.Local)
 	res.collisions = dx.collisions
 	// 7.
-	return res, errors.Join(err, p.nftNarrow(dn, an))
+	nerr := p.nftNarrow(dn, an)
+	if nerr != nil {
+		p.nftFailed()
+	}
+	return res, errors.Join(err, nerr)
 }
 
 // Audit returns the differences between the kernel and d, one line each;
@@ -196,6 +219,7 @@ func (p *Programmer) Audit(d Desired) []string {
 	dn := nftOf(&d)
 	an, err := p.nftDump(dn)
 	if err != nil {
+		p.nftFailed()
 		return []string{err.Error()}
 	}
 	ax, err := p.xfrmDump()

@@ -252,7 +252,7 @@ func (pl *xfrmPlan) Ops() (states, policies int) {
 
 func planXfrm(d *desiredXfrm, a *actualXfrm, port int, local netip.Addr) *xfrmPlan {
 	pl := &xfrmPlan{}
-	wanted := map[stateKey]bool{}
+	wanted := map[stateKey]bool{} // desired, or kept for a blocked remote
 	keys := slices.SortedFunc(func(yield func(stateKey) bool) {
 		for k := range d.states {
 			if !yield(k) {
@@ -304,6 +304,11 @@ func planXfrm(d *desiredXfrm, a *actualXfrm, port int, local netip.Addr) *xfrmPl
 			op = polUpdate
 			if len(got.Tmpls) > 0 {
 				oldSPI = uint32(got.Tmpls[0].Spi)
+			}
+			if w.blocked && len(got.Tmpls) == 1 && a.has(stateKey{k.dst.Addr(), oldSPI}) {
+				// Keep the previous keys rather than drop.
+				op = polNone
+				wanted[stateKey{k.dst.Addr(), oldSPI}] = true
 			}
 		}
 		if w.clear {

@@ -195,9 +195,12 @@ func TestRotationCost(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer p.Close()
-			d := encryption.Desired{Local: netip.MustParseAddr("198.18.0.1"), Port: vxlanPort, VNIs: []uint32{100, 200}, Accept: []uint32{1}, Send: 1, Secret: secret}
+			d := encryption.Desired{Local: netip.MustParseAddr("203.0.113.1"), Port: vxlanPort, VNIs: []uint32{100, 200}, Accept: []uint32{1}, Send: 1, Gen: 1, Secret: secret,
+				RemoteGens: map[netip.Addr]uint64{}}
 			for i := 0; i < n; i++ {
-				d.Remotes = append(d.Remotes, netip.AddrFrom4([4]byte{198, 19, byte(i / 250), byte(1 + i%250)}))
+				r := netip.AddrFrom4([4]byte{198, 51, 100, byte(1 + i)})
+				d.Remotes = append(d.Remotes, r)
+				d.RemoteGens[r] = uint64(1000 + i)
 			}
 			step := func(name string, accept []uint32, send uint32) {
 				d.Accept, d.Send = accept, send

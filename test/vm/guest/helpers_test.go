@@ -58,10 +58,11 @@ func newPair(t *testing.T, vni uint32) [2]*host {
 			t.Fatalf("programmer: %v", err)
 		}
 		t.Cleanup(func() { p.Close() })
-		hs[i] = &host{ns: nss[i], addr: addrs[i], prog: p, inner: netip.AddrFrom4([4]byte{10, 99, 0, byte(1 + i)})}
+		hs[i] = &host{ns: nss[i], addr: addrs[i], prog: p, inner: netip.AddrFrom4([4]byte{198, 51, 100, byte(1 + i)})}
 		hs[i].want = encryption.Desired{
 			Local: addrs[i], Port: vxlanPort, VNIs: []uint32{vni}, Remotes: []netip.Addr{addrs[1-i]},
-			Accept: []uint32{1}, Send: 1, Secret: secret,
+			RemoteGens: map[netip.Addr]uint64{addrs[1-i]: uint64(101 + 1 - i)},
+			Accept:     []uint32{1}, Send: 1, Gen: uint64(101 + i), Secret: secret,
 		}
 	}
 	for i, h := range hs {
