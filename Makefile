@@ -5,8 +5,13 @@ BIN       := bin/overlayd
 # Fuzz budgets are execution counts, not durations: a duration ends the run
 # through a context deadline, which go test sometimes reports as a failure
 # ("context deadline exceeded") while workers are shutting down.
-FUZZ_DB     ?= 60000x
+FUZZ_DB     ?= 40000x
+FUZZ_KEYED  ?= 40000x
 FUZZ_DECODE ?= 100000x
+FUZZ_ADVERT ?= 50000x
+# Test builds check the lock hierarchy (lockcheck) and carry the driver's
+# trace for the stress harness (testhooks); faultinject adds deliberate bugs.
+TAGS      := lockcheck testhooks
 PKGS      := ./...
 
 .PHONY: all build test unit fuzz lint bench run clean plugin
@@ -21,24 +26,26 @@ build:
 test: lint unit fuzz
 
 unit:
-	$(GO) test -race -count=1 -tags lockcheck $(PKGS)
-	$(GO) test -race -count=1 -tags 'lockcheck faultinject' -run '^TestFaultsAreCaught$$' ./test/stress
+	$(GO) test -race -count=1 -tags '$(TAGS)' $(PKGS)
+	$(GO) test -race -count=1 -tags '$(TAGS) faultinject' -run '^TestFaultsAreCaught$$' ./test/stress
 
 fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzDB$$' -fuzztime $(FUZZ_DB) -fuzzminimizetime 1s ./peerdb
+	$(GO) test -run '^$$' -fuzz '^FuzzKeyed$$' -fuzztime $(FUZZ_KEYED) -fuzzminimizetime 1s ./peerdb
 	$(GO) test -run '^$$' -fuzz '^FuzzDecode$$' -fuzztime $(FUZZ_DECODE) -fuzzminimizetime 1s ./internal/cluster
+	$(GO) test -run '^$$' -fuzz '^FuzzDecodeAdvert$$' -fuzztime $(FUZZ_ADVERT) -fuzzminimizetime 1s ./encryption
 
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
 	if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	$(GO) vet $(PKGS)
-	$(GO) vet -tags lockcheck $(PKGS)
-	$(GO) vet -tags 'lockcheck faultinject' ./test/stress ./driver
+	$(GO) vet -tags '$(TAGS)' $(PKGS)
+	$(GO) vet -tags '$(TAGS) faultinject' ./test/stress ./driver
 
 bench:
 	$(GO) test -run '^$$' -bench . -benchmem -benchtime 5x ./driver ./internal/nlbatch
 	$(GO) test -run '^$$' -bench . -benchmem ./peerdb
-	$(GO) test -run '^$$' -bench . -benchtime 20000x ./test/stress
+	$(GO) test -run '^$$' -tags testhooks -bench . -benchtime 20000x ./test/stress
 
 # Serve the plugin on the default socket with the embedded defaults.
 run: build

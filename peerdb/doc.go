@@ -9,16 +9,29 @@
 //
 // A DB holds two kinds of entry, each a [Peer]:
 //
-//   - remote entries, learnt from the cluster as events (prev, next) and kept
-//     as a set: an entry is present or not, adding it twice or removing it
-//     when absent changes nothing ([DB.Apply] has set semantics, so replayed
-//     or reordered gossip is harmless);
+//   - remote entries, pulled from their owner (the control plane) by [Key]
+//     (VNI, origin host, endpoint): [DB.SetRemotes] sets what the owner has
+//     in force for some keys, [DB.SyncVNI] makes a whole VNI match the
+//     owner's set. An update names no previous value: the table knows what
+//     each key holds, so repeated, reordered or coalesced notifications
+//     converge. Keys with equal records share one entry (it stays while any
+//     of them holds it).
 //   - local entries, the endpoints joined on this host, keyed by EndpointID
 //     ([DB.AddLocal] replaces the previous local entry of that id).
 //
-// Every entry is validated before it is stored ([DB.Validate]): its IP must
-// be IPv4 and inside one of the network's subnets, whose index is the Subnet
-// of the kernel entries it yields.
+// Every entry is validated before it is stored, by one validator
+// ([DB.Validate]): its IP must be IPv4 and inside one of the network's
+// subnets, whose index is the Subnet of the kernel entries it yields. A
+// remote record must also carry its key's endpoint id and, for a DB made
+// with VNIs, lie in the subnet of its key's VNI. A record that fails is not
+// held (the key's previous record goes too: it is no longer in force) and
+// is listed by [DB.Rejected] until its key is updated: it stays with its
+// owner, and is taken as soon as it fits.
+//
+// The code is split by concern: db.go (the table and its claims),
+// keyed.go (remote records by key), remote.go (remote claimants),
+// local.go, fdb.go (FDB proposals), txn.go (deltas), vtep.go (interned
+// VTEPs), views.go (snapshots), validate.go.
 //
 // # Deterministic conflict resolution
 //
@@ -69,7 +82,8 @@
 // The DB keeps indexes (claimants per IP, active remote claimants per FDB
 // key, local MACs per subnet) so a mutation costs time proportional to the
 // number of claimants of the IPs and MACs it touches, not to the size of the
-// DB; [DB.ApplyAll] costs time proportional to the keys its events touch.
+// DB; [DB.SetRemotes] costs time proportional to the updates, [DB.SyncVNI]
+// to the records of the VNI plus those the table holds.
 // Snapshots ([DB.Desired], [DB.Remote], [DB.Local], [DB.Conflicts]) are
 // proportional to the DB size.
 package peerdb

@@ -5,7 +5,7 @@ import (
 	"slices"
 )
 
-// txn records, for one mutation (one call of Apply, ApplyAll, AddLocal or
+// txn records, for one mutation (one call of SetRemotes, applyEvents, AddLocal or
 // RemoveLocal), the desired value of every neighbour and FDB key it touched
 // as it was before the first touch, so the net Delta can be computed at the
 // end in time proportional to the touched keys. A claim or FDB record is

@@ -17,17 +17,16 @@ import (
 // encryption package's own kernel tests, which on an ESP-capable kernel
 // check the supported path.
 //
-// The driver's encrypted networks end to end ({"driver.test", "./driver",
-// "^TestEncryptedNetwork"}, and the TestEncryptedNetworkRealPath check
-// below) are out until the driver uses encryption.Owner: its own
-// encryption state predates the send generation and the clear policy.
+// The driver's encrypted networks end to end run too, and the whole daemon
+// under flushes (TestDaemonEncryptedFlushesVM in the guest package).
 var guestPackages = []struct{ name, pkg, run string }{
 	{"guest.test", "./test/vm/guest", ""},
 	{"encryption.test", "./encryption", ""},
+	{"driver.test", "./driver", "^TestEncryptedNetwork"},
 }
 
 // mustPass are guest tests that must have passed (not skipped) in the VM.
-var mustPass = []string{"TestEncryptedOverlay", "TestOwnerFlushesVM", "TestOwnerGenerationsVM", "TestOwnerRepairsOnNotification", "TestOwnerRotation"}
+var mustPass = []string{"TestDaemonEncryptedFlushesVM", "TestEncryptedNetworkRealPath", "TestEncryptedOverlay", "TestOwnerFlushesVM", "TestOwnerGenerationsVM", "TestOwnerRepairsOnNotification", "TestOwnerRotation"}
 
 func moduleRoot(t *testing.T) string {
 	out, err := exec.Command("go", "env", "GOMOD").Output()
