@@ -1,29 +1,40 @@
-// Package driver implements the libnetwork remote network driver: Docker's
-// plugin API (through go-plugins-helpers' api.Driver), the networks and
-// endpoints it creates, and the entry point through which the control plane
-// hands it remote peers.
+// Package driver implements the libnetwork remote driver: Docker's plugin
+// API (through go-plugins-helpers' api.Driver), the networks and endpoints
+// it creates, and the owner of the local VTEP.
+//
+// # Data flow
+//
+// Remote peers are pulled, never pushed: the control plane owns them
+// (PeerSource) and tells the driver which records of a VNI may have
+// changed (PeersChanged); the network with that VNI pulls their current
+// values under its lock into its peer table (peerdb), and programs the
+// difference. Networks also pull everything when created and on Reconcile
+// (the daemon's periodic level-triggered repair). Encryption is the
+// encryption owner's (EncryptionOwner): each network hands it its share.
 //
 // # Locking
 //
-// The lock hierarchy, from top to bottom:
+// The lock hierarchy, from top to bottom (internal/lockorder has every
+// level, the control plane's included):
 //
-//	network.mu  — one per network; held for every operation on that network
-//	              (create/delete, endpoints, join/leave, peer events, kernel
-//	              programming of its sandbox)
-//	Driver.encMu — the encryption state lock (keys, per-peer SA state and their
-//	              kernel programming); ordered before the peer programming
-//	              that needs it
+//	Driver.vtepMu  — serialises VTEP changes with their notification
+//	network.mu     — one per network; held for every operation on that
+//	                 network (create/delete, endpoints, join/leave, pulls,
+//	                 kernel programming of its sandbox)
+//	encryption owner's lock — taken by the owner's Update/Remove, which a
+//	                 network calls with its lock held
 //	Driver.allocMu — VNI allocation for AllocateNetwork/FreeNetwork (swarm
-//	              leader); held while the allocation is persisted
-//	Driver.mu   — the driver's maps; bottom: never take another lock while
-//	              holding it
+//	                 leader); held while the allocation is persisted
+//	Driver.mu      — the driver's maps and the VTEP; never held while
+//	                 calling out of the driver
+//	cluster locks  — the PeerSource's, taken by a pull under network.mu
 //
 // A lock may only be taken while holding locks above it, and never two
-// network locks at once. The locks are lockorder.Mutexes: test builds (tag
-// lockcheck) check every acquisition against this hierarchy. The caller takes a
-// lock, not the callee: every method says which lock it expects held.
-// Operations on distinct networks never wait for each other except for the
-// short Driver.mu sections.
+// network locks at once. Every lock is made by lockorder.New with its level:
+// test builds (tag lockcheck) check every acquisition against the
+// hierarchy. The caller takes a lock, not the callee: every method says
+// which lock it expects held. Operations on distinct networks never wait
+// for each other except for the short Driver.mu sections.
 package driver
 
 import (

@@ -62,4 +62,3 @@ type TraceEvent struct {
 	// TracePull: the VNI pulled.
 	VNI uint32
 }
-
