@@ -42,6 +42,9 @@ type network struct {
 	// logged: rejected remote records already logged, with the reason;
 	// guarded by mu.
 	logged map[peerdb.Key]string
+	// pullUps, pullVals: scratch space of pull; guarded by mu.
+	pullUps  []peerdb.Update
+	pullVals []peerdb.Peer
 }
 
 // trace emits the creation of n; expects n.mu held.

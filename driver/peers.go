@@ -3,6 +3,7 @@ package driver
 import (
 	"errors"
 	"fmt"
+	"slices"
 
 	"github.com/overlayd/overlayd/peerdb"
 )
@@ -60,19 +61,27 @@ func (d *Driver) pull(n *network, vni uint32, keys []peerdb.Key) error {
 	if keys == nil {
 		delta, rej = n.peers.SyncVNI(vni, src.Peers(vni))
 	} else {
-		ups := make([]peerdb.Update, len(keys))
-		vals := make([]peerdb.Peer, len(keys))
-		for i, k := range keys {
-			ups[i].Key = k
+		// Scratch space of the network (guarded by n.mu), reused by every
+		// pull: notifications come one key at a time as often as in bursts.
+		ups := slices.Grow(n.pullUps[:0], len(keys))
+		vals := slices.Grow(n.pullVals[:0], len(keys)) // no reallocation below: ups point into it
+		for _, k := range keys {
 			if k.VNI != vni {
 				continue // not ours to pull: leave it unchanged
 			}
-			if p, ok := src.Peer(k); ok {
-				vals[i] = p
-				ups[i].Peer = &vals[i]
+			p, ok := src.Peer(k)
+			vals = append(vals, p)
+			ups = append(ups, peerdb.Update{Key: k})
+			if ok {
+				ups[len(ups)-1].Peer = &vals[len(vals)-1]
 			}
 		}
 		delta, rej = n.peers.SetRemotes(ups)
+		clear(ups)
+		clear(vals)
+		if cap(ups) <= maxPullScratch {
+			n.pullUps, n.pullVals = ups[:0], vals[:0]
+		}
 	}
 	n.noteRejections(d, rej)
 	d.trace(TraceEvent{Kind: TracePull, Network: n.id, VNI: vni})
@@ -81,6 +90,9 @@ func (d *Driver) pull(n *network, vni uint32, keys []peerdb.Key) error {
 	}
 	return d.program(n, delta)
 }
+
+// maxPullScratch bounds the scratch space a network keeps between pulls.
+const maxPullScratch = 4096
 
 // pullAll pulls every VNI of n. Expects n.mu held.
 func (d *Driver) pullAll(n *network) error {
