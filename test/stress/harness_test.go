@@ -450,16 +450,23 @@ func (w *watchdog) loop() {
 			return
 		case <-tick.C:
 		}
-		var blocked []string
+		var blocked, others []string
 		for i := range w.slots {
-			if p := w.slots[i].Load(); p != nil && time.Since(p.start) > w.limit {
-				blocked = append(blocked, fmt.Sprintf("slot %d: %s (blocked for %v)", i, p.desc, time.Since(p.start).Round(time.Millisecond)))
+			if p := w.slots[i].Load(); p != nil {
+				l := fmt.Sprintf("slot %d: %s (for %v)", i, p.desc, time.Since(p.start).Round(time.Millisecond))
+				if time.Since(p.start) > w.limit {
+					blocked = append(blocked, l)
+				} else {
+					others = append(others, l)
+				}
 			}
 		}
 		if len(blocked) > 0 {
+			// The others in flight too: the operation that holds what the
+			// blocked ones wait for may have started later.
 			w.once.Do(func() {
-				w.msg = fmt.Sprintf("DEADLOCK: %d operation(s) blocked for more than %v:\n  %s\n\nall goroutines:\n%s",
-					len(blocked), w.limit, strings.Join(blocked, "\n  "), allStacks())
+				w.msg = fmt.Sprintf("DEADLOCK: %d operation(s) blocked for more than %v:\n  %s\nother operations in flight:\n  %s\n\nall goroutines:\n%s",
+					len(blocked), w.limit, strings.Join(blocked, "\n  "), strings.Join(others, "\n  "), allStacks())
 				close(w.fired)
 			})
 			return
