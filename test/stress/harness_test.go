@@ -401,9 +401,10 @@ var strictESP = os.Getenv("OVERLAYD_STRICT_ESP") == "1"
 // that error while any encrypted network needs a remote, and the driver
 // takes it as a failure of the operation at hand (a CreateNetwork of a
 // plain network fails and is undone, a Join building any sandbox fails and
-// is rolled back, a Leave or a Reconcile that programs an encrypted
-// network's peers returns it although it did its work). The harness
-// tolerates (and counts) exactly these errors, unless OVERLAYD_STRICT_ESP=1.
+// is rolled back, a Leave of any network's last endpoint, or a Leave or a
+// Reconcile that programs an encrypted network's peers, returns it although
+// it did its work). The harness tolerates (and counts) exactly these
+// errors, unless OVERLAYD_STRICT_ESP=1; TestKnownESPDefect reproduces it.
 func espDefect(err error) bool {
 	return !strictESP && errors.Is(err, encryption.ErrKernelUnsupported)
 }
