@@ -401,15 +401,6 @@ func (m *model) settled() error {
 	return fmt.Errorf("the trace implied deletions of networks %s that were never traced: events for them were traced as if they no longer existed", strings.Join(ids, ", "))
 }
 
-func sortedAddrs(s map[netip.Addr]bool) []netip.Addr {
-	var out []netip.Addr
-	for a := range s {
-		out = append(out, a)
-	}
-	slices.SortFunc(out, netip.Addr.Compare)
-	return out
-}
-
 // vethNames recomputes the driver's veth names of an endpoint (driver's
 // linkNames): sha256 of "netID/epID", hex, first 12 digits, prefixed "ovd"
 // (host end) and "ovs" (sandbox end).
