@@ -248,6 +248,8 @@ func dumpEncryption(e *env) (*encDump, error) {
 //     network with a sandbox needs (encNeeds, without the local VTEP), its
 //     template ESP in transport mode from the local VTEP to the remote,
 //     with overlayd's reqid; no other policy exists;
+//   - without keys, the templates point at a reserved SPI no SA can have
+//     (with keys, compareOwner checks the derived SPI);
 //   - on this kernel, which cannot hold ESP states, no SA exists.
 func compareEncryption(e *env, m *model, local netip.Addr, es *encStats) []string {
 	got, err := dumpEncryption(e)
@@ -281,6 +283,11 @@ func compareEncryption(e *env, m *model, local netip.Addr, es *encStats) []strin
 		if p.tmplSrc != local || p.tmplDst != p.remote || p.reqid != encryption.ReqID || !p.transport || p.markSet {
 			bad("outbound policy to %v: template %v→%v reqid %#x transport=%v mark=%v, want %v→%v reqid %#x transport without mark",
 				p.remote, p.tmplSrc, p.tmplDst, p.reqid, p.transport, p.markSet, local, p.remote, encryption.ReqID)
+		}
+		if !e.keys && (p.spi == 0 || p.spi > 255) {
+			// Without keys the policy must point at an SPI in the reserved
+			// range, which no SA ever has: it drops.
+			bad("outbound policy to %v points at spi %#x without keys, want one in the reserved range 1..255", p.remote, p.spi)
 		}
 	}
 	if !slices.Equal(remotes, wantRemotes) {
