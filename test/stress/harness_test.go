@@ -5,16 +5,17 @@ import (
 	"compress/gzip"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
-	"math/rand"
 	"net/netip"
 	"os"
 	"regexp"
 	"runtime"
 	"slices"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -24,14 +25,17 @@ import (
 	api "github.com/docker/go-plugins-helpers/network"
 
 	"github.com/overlayd/overlayd/driver"
+	"github.com/overlayd/overlayd/encryption"
 	"github.com/overlayd/overlayd/internal/lockorder"
 	"github.com/overlayd/overlayd/internal/testutil/nstest"
+	"github.com/overlayd/overlayd/peerdb"
 )
 
 // ---------------------------------------------------------------------------
 // Environment: a host namespace with an underlay address, a sandbox
-// directory and one driver, all removed in t.Cleanup (also when a check
-// fails or the watchdog fires).
+// directory, the control plane's stand-in (the source of remote records and
+// the publisher of local ones), an encryption owner and one driver, all
+// removed in t.Cleanup (also when a check fails or the watchdog fires).
 
 type env struct {
 	host     *nstest.NS
@@ -39,38 +43,70 @@ type env struct {
 	fixedAdv netip.Addr // the configured advertise address (invalid: learnt from DiscoverNew)
 	netnsDir string
 	d        *driver.Driver
+	src      *source
+	owner    *encryption.Owner
+	pub      *publisher
 	rec      *recorder
 	logs     *logCapture
 	underlay []string // the host namespace's links before the driver ran, as dump lines
 	// kernelOnly: compareAll checks the kernel only (see runConfig).
 	kernelOnly bool
+	// keys: the owner is attached to a gossip hub once the local VTEP is
+	// known (as the daemon starts its control plane then), and then
+	// establishes its keys (epoch 1).
+	keys   bool
+	attach sync.Once
 
 	announceMu sync.Mutex
 	announced  []netip.Addr // DiscoverNew Self addresses, recorded before each call
 }
 
-func newEnv(t testing.TB, fixedAdv, trace bool) *env {
+// newEnv makes the environment. With trace, the driver's trace is
+// recorded (and the source remembers what each pull read); with keys, the
+// encryption owner is attached to a lone gossip hub as soon as the local
+// VTEP is known (at once with a configured address, else at the first
+// DiscoverNew Self), as a daemon alone in its cluster, and establishes
+// epoch 1; with a configured address newEnv waits until it has.
+func newEnv(t testing.TB, fixedAdv, trace, keys bool) *env {
 	t.Helper()
 	nstest.RequireRoot(t)
 	hosts, vteps := nstest.Hosts(t, 1, false)
-	e := &env{host: hosts[0], vtep: vteps[0], netnsDir: nstest.NetnsDir(t), rec: &recorder{}, logs: &logCapture{}}
+	e := &env{host: hosts[0], vtep: vteps[0], netnsDir: nstest.NetnsDir(t), src: newSource(trace), pub: newPublisher(),
+		logs: &logCapture{}, keys: keys}
+	e.rec = &recorder{src: e.src}
 	if os.Getenv("OVERLAYD_TEST_LOG") != "" {
 		e.logs.verbose = os.Stderr
 	}
 	if fixedAdv {
 		e.fixedAdv = e.vtep
 	}
+	// The encryption owner, as the daemon makes it: this kernel has xfrm
+	// policies and nftables but no ESP states, so a stand-in passes the
+	// kernel check (as in driver.TestEncryptedNetworkFailsClosedWithoutSAs)
+	// and the owner finds out, and reports, when it first adds an SA.
+	o, err := encryption.NewOwner(encryption.OwnerConfig{NS: e.host.Handle, Port: driver.DefaultVXLANPort, Secret: stressSecret,
+		Logger:      slog.New(&capHandler{c: e.logs, attrs: []slog.Attr{slog.String("component", "encryption")}}),
+		CheckKernel: func() error { return nil }})
+	if err != nil {
+		t.Fatalf("encryption.NewOwner: %v", err)
+	}
+	t.Cleanup(o.Close) // after the driver's Close (cleanups run last first)
+	e.owner = o
 	cfg := driver.Config{
 		HostNS:        e.host.Handle,
 		NetnsDir:      e.netnsDir,
 		AdvertiseAddr: e.fixedAdv,
 		Logger:        slog.New(&capHandler{c: e.logs}),
-		OnDiscover:    func(netip.Addr, bool) {},
-		// Encrypted networks on a kernel with xfrm policies and nftables
-		// but no ESP states: a stand-in passes the kernel check (as in
-		// driver.TestEncryptedNetworkFailsClosedWithoutSAs).
-		Secret:          stressSecret,
-		CheckEncryption: func() error { return nil },
+		OnDiscover:    func(netip.Addr) {},
+		Peers:         e.src,
+		Publisher:     e.pub,
+		Encryption:    o,
+		// As the daemon's controlPlane.vtepChanged: the encryption state
+		// follows the VTEP.
+		OnVTEPChange: func(a netip.Addr) {
+			e.logs.noteErr("encryption SetLocal("+a.String()+") on a VTEP change", o.SetLocal(a))
+			e.attachGossip()
+		},
 	}
 	if trace {
 		cfg.Trace = e.rec.trace
@@ -81,10 +117,40 @@ func newEnv(t testing.TB, fixedAdv, trace bool) *env {
 	}
 	e.d = d
 	t.Cleanup(func() { d.Close() })
+	if v := d.VTEP(); v.IsValid() {
+		e.logs.noteErr("encryption SetLocal("+v.String()+")", o.SetLocal(v))
+	}
+	o.Start()
+	if keys && d.VTEP().IsValid() {
+		e.attachGossip()
+		if err := e.waitKeys(10 * time.Second); err != nil {
+			t.Fatalf("encryption owner attached to a lone gossip hub: %v", err)
+		}
+	}
 	if e.underlay, err = dumpKernel(e.host.NL, e.netnsDir); err != nil {
 		t.Fatalf("dumping the fresh host namespace: %v", err)
 	}
 	return e
+}
+
+// attachGossip attaches the encryption owner to a lone gossip hub (once,
+// with keys): the owner bootstraps epoch 1 through it.
+func (e *env) attachGossip() {
+	if e.keys {
+		e.attach.Do(func() { newGossipHub().attach(e.vtep, e.owner) })
+	}
+}
+
+// waitKeys waits until the owner has established and advertised epoch 1
+// (it needs the local VTEP for that).
+func (e *env) waitKeys(limit time.Duration) error {
+	return nstest.Eventually(limit, 5*time.Millisecond, func() error {
+		if st := e.owner.Status(); st.Send != 1 || !slices.Equal(st.Accept, []uint32{1}) || st.Target != 1 || !st.Advertised {
+			return fmt.Errorf("keys not established: send %d accept %v target %d advertised %v gossip %v local %v error %q last error %q",
+				st.Send, st.Accept, st.Target, st.Advertised, st.GossipAttached, st.Local, st.Error, st.LastError)
+		}
+		return nil
+	})
 }
 
 func (e *env) announce(a netip.Addr) {
@@ -93,12 +159,124 @@ func (e *env) announce(a netip.Addr) {
 	e.announceMu.Unlock()
 }
 
+// gossipHub stands in for the control plane's key gossip (as in the
+// driver's tests): every Advertise pokes the other owners. The harness's
+// host is alone in it, so its owner bootstraps epoch 1 and keeps it.
+type gossipHub struct {
+	mu      sync.Mutex
+	adverts map[netip.Addr]encryption.Advert
+	owners  map[netip.Addr]*encryption.Owner
+}
+
+func newGossipHub() *gossipHub {
+	return &gossipHub{adverts: map[netip.Addr]encryption.Advert{}, owners: map[netip.Addr]*encryption.Owner{}}
+}
+
+type hubMember struct {
+	h    *gossipHub
+	self netip.Addr
+}
+
+func (m hubMember) Adverts() map[netip.Addr]encryption.Advert {
+	m.h.mu.Lock()
+	defer m.h.mu.Unlock()
+	out := map[netip.Addr]encryption.Advert{}
+	for v, a := range m.h.adverts {
+		if v != m.self {
+			out[v] = a
+		}
+	}
+	return out
+}
+
+func (m hubMember) Advertise(a encryption.Advert) error {
+	m.h.mu.Lock()
+	m.h.adverts[m.self] = a
+	var others []*encryption.Owner
+	for v, o := range m.h.owners {
+		if v != m.self {
+			others = append(others, o)
+		}
+	}
+	m.h.mu.Unlock()
+	for _, o := range others {
+		o.Poke()
+	}
+	return nil
+}
+
+func (h *gossipHub) attach(self netip.Addr, o *encryption.Owner) {
+	h.mu.Lock()
+	h.owners[self] = o
+	h.mu.Unlock()
+	o.AttachGossip(hubMember{h: h, self: self})
+}
+
+// publisher is the control plane's other half: it keeps the local records
+// the driver publishes (PublishLocalPeer, called under a network lock, so
+// its lock is at LevelClusterLocal like the cluster's) and notes every
+// call that is not a possible sequence (a withdrawal of a record that was
+// not published, a record published twice, a record with a VTEP of its
+// own).
+type publisher struct {
+	mu   *lockorder.Mutex
+	recs map[pubKey]peerdb.Peer // guarded by mu
+	bad  []string               // guarded by mu
+}
+
+type pubKey struct {
+	vni uint32
+	ep  string
+}
+
+func newPublisher() *publisher {
+	return &publisher{mu: lockorder.New(lockorder.LevelClusterLocal), recs: map[pubKey]peerdb.Peer{}}
+}
+
+func (p *publisher) PublishLocalPeer(vni uint32, prev, next *peerdb.Peer) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	switch {
+	case prev == nil && next != nil:
+		k := pubKey{vni, next.EndpointID}
+		if cur, ok := p.recs[k]; ok {
+			p.bad = append(p.bad, fmt.Sprintf("published %s on VNI %d while %s is published", fmtPeer(next), vni, fmtPeer(&cur)))
+		}
+		if next.VTEP.IsValid() {
+			p.bad = append(p.bad, fmt.Sprintf("published %s on VNI %d with a VTEP of its own (the control plane stamps its own)", fmtPeer(next), vni))
+		}
+		p.recs[k] = *next
+	case prev != nil && next == nil:
+		k := pubKey{vni, prev.EndpointID}
+		if cur, ok := p.recs[k]; !ok || cur != *prev {
+			p.bad = append(p.bad, fmt.Sprintf("withdrew %s on VNI %d, which is not what was published (%v)", fmtPeer(prev), vni, fmtPeer(&cur)))
+		}
+		delete(p.recs, k)
+	default:
+		p.bad = append(p.bad, fmt.Sprintf("PublishLocalPeer(%d, %s, %s): want exactly one of prev and next", vni, fmtPeer(prev), fmtPeer(next)))
+	}
+}
+
+// lines renders the published records (and takes the bad calls).
+func (p *publisher) lines() (lines, bad []string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for k, r := range p.recs {
+		lines = append(lines, fmt.Sprintf("local vni=%d %s", k.vni, fmtPeer(&r)))
+	}
+	bad, p.bad = p.bad, nil
+	sort.Strings(lines)
+	return lines, bad
+}
+
 // recorder keeps the driver's trace. The callback runs under the driver's
-// linearising lock: it only appends.
+// linearising lock: it only appends (and, for a pull, takes from the
+// source what the pull read: the source's lock is below the network's).
 type recorder struct {
+	src  *source
 	mu   sync.Mutex
-	evs  []driver.TraceEvent // since the last take
-	n    int                 // events taken before
+	evs  []tev // since the last take
+	n    int   // events taken before
 	hook func(driver.TraceEvent)
 }
 
@@ -106,15 +284,18 @@ func (r *recorder) trace(ev driver.TraceEvent) {
 	if r.hook != nil {
 		r.hook(ev) // tests only: runs under the driver's lock
 	}
-	ev = copyTrace(ev)
+	t := tev{TraceEvent: copyTrace(ev)}
+	if ev.Kind == driver.TracePull {
+		t.Full, t.Read = r.src.takeReads(ev.VNI)
+	}
 	r.mu.Lock()
-	r.evs = append(r.evs, ev)
+	r.evs = append(r.evs, t)
 	r.mu.Unlock()
 }
 
 // take returns the events since the last take and the sequence number of
 // the first one.
-func (r *recorder) take() ([]driver.TraceEvent, int) {
+func (r *recorder) take() ([]tev, int) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	evs, first := r.evs, r.n
@@ -123,17 +304,33 @@ func (r *recorder) take() ([]driver.TraceEvent, int) {
 	return evs, first
 }
 
-// logCapture collects the driver's warnings and errors that a correct run
-// never logs (a failed delta that needed a reconcile, a failed rollback).
+// logCapture collects the warnings and errors of the driver and of the
+// encryption owner that a correct run never logs (a failed delta that
+// needed a reconcile, a failed rollback, a repair of encryption state that
+// nobody changed behind the owner's back). Those of the known ESP defect
+// (see espDefect) are counted instead, unless OVERLAYD_STRICT_ESP=1.
 type logCapture struct {
 	mu         sync.Mutex
 	unexpected []string
+	espLines   int // lines of the known ESP defect tolerated
 	verbose    io.Writer
 }
 
+// expectedWarnings are logged by a correct driver in this workload: a
+// CreateNetwork with invalid options, a record the source holds that a
+// network refuses (it stays at the source and is listed in Status), a VTEP
+// that DiscoverNew moves to another address.
 var expectedWarnings = []string{
 	"CreateNetwork rejected",
-	"dropping early peer that does not fit the network",
+	"refusing a remote peer record (it stays with the control plane and is taken when valid)",
+	"local VTEP changed: local endpoints are re-announced with the new address",
+}
+
+// expectedErrors are errors a correct encryption owner logs here: this
+// kernel cannot install ESP states (logged when it first finds out, and
+// again after each retry a minute later).
+var expectedErrors = []string{
+	"this kernel cannot install ESP states: encrypted networks' traffic is dropped both ways",
 }
 
 func (c *logCapture) take() []string {
@@ -142,6 +339,21 @@ func (c *logCapture) take() []string {
 	u := c.unexpected
 	c.unexpected = nil
 	return u
+}
+
+// noteErr records the error of a call the harness makes as the daemon
+// would (and logs there): unexpected, unless it is the known ESP defect.
+func (c *logCapture) noteErr(what string, err error) {
+	if err == nil {
+		return
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if espDefect(err) {
+		c.espLines++
+		return
+	}
+	c.unexpected = append(c.unexpected, fmt.Sprintf("%s: %v", what, err))
 }
 
 type capHandler struct {
@@ -171,6 +383,15 @@ func (h *capHandler) Handle(_ context.Context, r slog.Record) error {
 				return nil
 			}
 		}
+		for _, m := range expectedErrors {
+			if r.Level == slog.LevelError && r.Message == m && !espKernel() {
+				return nil
+			}
+		}
+		if !strictESP && strings.Contains(b.String(), encryption.ErrKernelUnsupported.Error()) {
+			h.c.espLines++
+			return nil
+		}
 		h.c.unexpected = append(h.c.unexpected, b.String())
 	}
 	return nil
@@ -181,6 +402,24 @@ func (h *capHandler) WithAttrs(as []slog.Attr) slog.Handler {
 }
 
 func (h *capHandler) WithGroup(string) slog.Handler { return h }
+
+// strictESP (OVERLAYD_STRICT_ESP=1) fails a run on the known ESP defect
+// instead of counting it (see espDefect and README.md, "Known defects").
+var strictESP = os.Getenv("OVERLAYD_STRICT_ESP") == "1"
+
+// espDefect reports whether err is the known defect this kernel provokes:
+// once the encryption owner has found that the kernel cannot install ESP
+// states (ESPUnsupported), every Update and Remove of any share returns
+// that error while any encrypted network needs a remote, and the driver
+// takes it as a failure of the operation at hand (a CreateNetwork of a
+// plain network fails and is undone, a Join building any sandbox fails and
+// is rolled back, a Leave of any network's last endpoint, or a Leave or a
+// Reconcile that programs an encrypted network's peers, returns it although
+// it did its work). The harness tolerates (and counts) exactly these
+// errors, unless OVERLAYD_STRICT_ESP=1; TestKnownESPDefect reproduces it.
+func espDefect(err error) bool {
+	return !strictESP && errors.Is(err, encryption.ErrKernelUnsupported)
+}
 
 // ---------------------------------------------------------------------------
 // Deadlock watchdog: every operation (and every quiet-point check) runs in a
@@ -224,16 +463,23 @@ func (w *watchdog) loop() {
 			return
 		case <-tick.C:
 		}
-		var blocked []string
+		var blocked, others []string
 		for i := range w.slots {
-			if p := w.slots[i].Load(); p != nil && time.Since(p.start) > w.limit {
-				blocked = append(blocked, fmt.Sprintf("slot %d: %s (blocked for %v)", i, p.desc, time.Since(p.start).Round(time.Millisecond)))
+			if p := w.slots[i].Load(); p != nil {
+				l := fmt.Sprintf("slot %d: %s (for %v)", i, p.desc, time.Since(p.start).Round(time.Millisecond))
+				if time.Since(p.start) > w.limit {
+					blocked = append(blocked, l)
+				} else {
+					others = append(others, l)
+				}
 			}
 		}
 		if len(blocked) > 0 {
+			// The others in flight too: the operation that holds what the
+			// blocked ones wait for may have started later.
 			w.once.Do(func() {
-				w.msg = fmt.Sprintf("DEADLOCK: %d operation(s) blocked for more than %v:\n  %s\n\nall goroutines:\n%s",
-					len(blocked), w.limit, strings.Join(blocked, "\n  "), allStacks())
+				w.msg = fmt.Sprintf("DEADLOCK: %d operation(s) blocked for more than %v:\n  %s\nother operations in flight:\n  %s\n\nall goroutines:\n%s",
+					len(blocked), w.limit, strings.Join(blocked, "\n  "), strings.Join(others, "\n  "), allStacks())
 				close(w.fired)
 			})
 			return
@@ -324,6 +570,10 @@ type runConfig struct {
 	label      string // extra words for the report (the injected fault)
 	teardown   bool   // delete every network at the end and check nothing is left
 	keepTrace  bool   // keep the trace file even if the run is clean
+	// noKeys: the encryption owner is attached to no gossip, so it never
+	// has keys (every policy points at no SA), as a daemon before its
+	// control plane started.
+	noKeys bool
 }
 
 type runResult struct {
@@ -336,7 +586,8 @@ type runResult struct {
 	deadlock  bool
 	stats     modelStats
 	inferred  []string // trace events the model had to reorder (see model.inferDelete)
-	keys      keysStats
+	enc       encStats
+	work      workStats
 	traceFile string
 }
 
@@ -354,12 +605,15 @@ type harness struct {
 
 	mu         sync.Mutex
 	unexpected []string // operations whose outcome was impossible
+	espOps     int      // operations that failed with the known ESP defect (tolerated)
+	espPlain   int      // ... of which on a network that is never encrypted
 	oplog      [][]string
-	phaseTrace []driver.TraceEvent
+	phaseTrace []tev
 	phaseFirst int
 
-	keysRng   *rand.Rand // the key states probeKeys sets
-	keysStats keysStats
+	gens            []*gen
+	enc             encStats
+	quietReconciles int // Reconcile calls at quiet points after lost notifications
 }
 
 // runStress runs the seeded workload and checks every quiet point; it
@@ -374,20 +628,23 @@ func runStress(t testing.TB, cfg runConfig) *runResult {
 		cfg.universe = stressUniverse
 	}
 	inv := installLockCheck(t)
-	e := newEnv(t, cfg.fixedAdv, true)
+	e := newEnv(t, cfg.fixedAdv, true, !cfg.noKeys)
 	e.rec.hook = cfg.traceHook
-	h := &harness{cfg: cfg, e: e, u: cfg.universe(e.vtep), m: newModel(e.fixedAdv), inv: inv}
+	h := &harness{cfg: cfg, e: e, u: cfg.universe(e.vtep), m: newModel(), inv: inv}
 	if cfg.mix != nil {
 		h.u.mix = *cfg.mix
 	}
 	if cfg.kernelOnly {
-		h.u.mix.audit = 0
+		// The driver's own checks and repairs are left out: Audit, and
+		// Reconcile (concurrent, or after a lost notification), which
+		// would repair what an injected fault breaks.
+		h.u.mix.audit, h.u.mix.reconcile = 0, 0
+		h.u.noLost = true
 		h.e.kernelOnly = true
 	}
 	if !cfg.fixedAdv {
 		h.u.plainOnly()
 	}
-	h.keysRng = rand.New(rand.NewSource(cfg.seed))
 	h.wd = newWatchdog(cfg.watchdog, cfg.workers+1)
 	defer h.wd.close()
 	// The linearised trace of the whole run, gzipped JSON lines: kept when
@@ -410,8 +667,9 @@ func runStress(t testing.TB, cfg runConfig) *runResult {
 
 	gens := make([]*gen, cfg.workers)
 	for w := range gens {
-		gens[w] = newGen(h.u, cfg.seed*1_000_003+int64(w)*7919, e.announce)
+		gens[w] = newGen(h.u, e.src, cfg.seed*1_000_003+int64(w)*7919, e.announce)
 	}
+	h.gens = gens
 	start := time.Now()
 	more := func() bool {
 		if cfg.ops > 0 {
@@ -442,9 +700,22 @@ func runStress(t testing.TB, cfg runConfig) *runResult {
 					if err != nil {
 						res = "error: " + err.Error()
 					}
-					line := fmt.Sprintf("w%02d.%d %s => %s", w, i, o.desc, res)
+					desc := o.desc
+					if o.detail != nil && *o.detail != "" {
+						desc += ":" + *o.detail
+					}
+					line := fmt.Sprintf("w%02d.%d %s => %s", w, i, desc, res)
 					h.oplog[w] = append(h.oplog[w], line)
-					if !o.ok(err) {
+					switch {
+					case o.ok(err):
+					case o.esp && espDefect(err):
+						h.mu.Lock()
+						h.espOps++
+						if o.plain {
+							h.espPlain++
+						}
+						h.mu.Unlock()
+					default:
 						h.mu.Lock()
 						h.unexpected = append(h.unexpected, "impossible outcome: "+line)
 						h.mu.Unlock()
@@ -503,7 +774,8 @@ func runStress(t testing.TB, cfg runConfig) *runResult {
 			return h.fail(res, res.phases, start, diffs)
 		}
 	}
-	res.ops, res.elapsed, res.stats, res.inferred, res.keys = h.ops.Load(), time.Since(start), h.m.stats, h.m.inferred, h.keysStats
+	res.ops, res.elapsed, res.stats, res.inferred = h.ops.Load(), time.Since(start), h.m.stats, h.m.inferred
+	h.finishStats(res)
 	return res
 }
 
@@ -559,27 +831,35 @@ func (h *harness) quietPoint(t testing.TB) ([]string, bool) {
 
 func (h *harness) check() []string {
 	var diffs []string
+	if lost := h.e.src.takeLost(); lost > 0 && !h.e.kernelOnly {
+		// Some changes were never notified: the daemon's periodic
+		// reconcile (full pull, then kernel dump and diff) repairs them.
+		// Its pulls program the differences, so the dump and diff find
+		// nothing left to fix.
+		h.quietReconciles++
+		fixed, err := h.e.d.Reconcile()
+		if err != nil && !espDefect(err) {
+			diffs = append(diffs, fmt.Sprintf("Reconcile after %d lost notification(s): %v", lost, err))
+		} else if err != nil {
+			h.espOps++
+		}
+		for _, f := range fixed {
+			diffs = append(diffs, fmt.Sprintf("Reconcile after %d lost notification(s) fixed the kernel after its own pulls: %s", lost, f))
+		}
+	}
 	evs, first := h.e.rec.take()
 	h.phaseTrace, h.phaseFirst = evs, first
 	h.writeTrace(evs)
-	h.e.announceMu.Lock()
-	for _, a := range h.e.announced {
-		h.m.advertised[a] = true
-	}
-	h.e.announceMu.Unlock()
 	for i, ev := range evs {
 		if ev.Kind == driver.TraceCreateNetwork {
-			enc, err := h.u.checkCreate(ev)
-			if err != nil {
+			if err := h.u.checkCreate(ev.TraceEvent); err != nil {
 				diffs = append(diffs, "trace: "+err.Error())
 			}
-			h.m.nextEncrypted = enc
 		}
 		h.m.seq = first + i
 		if err := h.m.apply(ev); err != nil {
 			diffs = append(diffs, fmt.Sprintf("trace #%d is not a possible sequential history: %v", first+i, err))
 		}
-		h.m.nextEncrypted = false
 	}
 	if err := h.m.settled(); err != nil {
 		diffs = append(diffs, "trace: "+err.Error())
@@ -588,16 +868,16 @@ func (h *harness) check() []string {
 		diffs = append(diffs, fmt.Sprintf("trace: %d DeleteNetwork event(s) traced after events that depend on them (OVERLAYD_STRICT_TRACE):\n  %s",
 			h.m.stats.inferredDeletes, strings.Join(h.m.inferred, "\n  ")))
 	}
-	diffs = append(diffs, compareAll(h.e, h.m, h.u)...)
-	if len(diffs) == 0 && !h.e.kernelOnly {
-		diffs = append(diffs, h.probeKeys()...)
-	}
+	// The level-triggered contract: with every operation returned, each
+	// network holds what the source has for its VNIs.
+	h.m.syncRemotes(h.e.src.snapshot())
+	diffs = append(diffs, compareAll(h.e, h.m, h.u, &h.enc)...)
 	h.mu.Lock()
 	diffs = append(diffs, h.unexpected...)
 	h.unexpected = nil
 	h.mu.Unlock()
 	for _, l := range h.e.logs.take() {
-		diffs = append(diffs, "driver logged: "+l)
+		diffs = append(diffs, "logged: "+l)
 	}
 	if n := h.inv.n.Load(); n > 0 {
 		h.inv.mu.Lock()
@@ -607,9 +887,28 @@ func (h *harness) check() []string {
 	return diffs
 }
 
-// compareAll compares the model with the kernel (netlink dumps), with the
-// driver's Audit and with the driver's view of every endpoint.
-func compareAll(e *env, m *model, u *universe) []string {
+// finishStats copies the counters of a run whose workers all returned.
+func (h *harness) finishStats(res *runResult) {
+	for _, g := range h.gens {
+		res.work.add(g.count)
+	}
+	res.enc = h.enc
+	res.work.quietReconciles = h.quietReconciles
+	res.work.espOps, res.work.espPlain = h.espOps, h.espPlain
+	h.e.logs.mu.Lock()
+	res.work.espLines = h.e.logs.espLines
+	h.e.logs.mu.Unlock()
+}
+
+// compareAll compares the model with the kernel (netlink dumps: links,
+// neighbours, FDB, nftables and xfrm) and, unless kernelOnly, with the
+// driver's and the encryption owner's own views: Status, Audit,
+// EndpointInfo, the published local records, the VTEP. es (may be nil)
+// counts the encryption checks.
+func compareAll(e *env, m *model, u *universe, es *encStats) []string {
+	if es == nil {
+		es = &encStats{}
+	}
 	var diffs []string
 	have, err := dumpKernel(e.host.NL, e.netnsDir)
 	if err != nil {
@@ -619,18 +918,21 @@ func compareAll(e *env, m *model, u *universe) []string {
 			diffs = append(diffs, "kernel vs model: "+l)
 		}
 	}
-	diffs = append(diffs, compareEncryption(e, m, nil)...)
+	local := e.d.VTEP()
+	diffs = append(diffs, compareEncryption(e, m, local, es)...)
 	if e.kernelOnly {
 		return diffs
 	}
 	diffs = append(diffs, compareStatus(e, m)...)
+	diffs = append(diffs, compareOwner(e, m, local, es)...)
 	problems, err := e.d.Audit()
 	if err != nil {
 		diffs = append(diffs, "driver Audit: "+err.Error())
 	}
-	for _, p := range problems {
+	for _, p := range filterAudit(e, "encryption: ", problems, es) {
 		diffs = append(diffs, "driver Audit: "+p)
 	}
+	diffs = append(diffs, compareLocal(e, m, local)...)
 	// The driver's view of the endpoints (EndpointInfo) against the model.
 	var nets, eps []string
 	if u != nil {
@@ -674,6 +976,56 @@ func compareAll(e *env, m *model, u *universe) []string {
 	return diffs
 }
 
+// compareLocal checks the local side against the model: the records the
+// driver published (and LocalPeers, what the daemon re-publishes from) are
+// exactly the joined endpoints, each under the VNI of its subnet and
+// without a VTEP of its own; the driver's VTEP is the configured one, or
+// the last one DiscoverNew announced (none before the first).
+func compareLocal(e *env, m *model, local netip.Addr) []string {
+	var diffs []string
+	var want []string
+	for _, n := range m.nets {
+		for _, ep := range n.eps {
+			if ep.joined {
+				p := peerdb.Peer{EndpointID: ep.id, IP: ep.addr.Addr(), MAC: ep.mac}
+				want = append(want, fmt.Sprintf("local vni=%d %s", n.subnets[ep.subnet].vni, fmtPeer(&p)))
+			}
+		}
+	}
+	sort.Strings(want)
+	pub, bad := e.pub.lines()
+	for _, b := range bad {
+		diffs = append(diffs, "published: "+b)
+	}
+	for _, l := range diffLines(want, pub) {
+		diffs = append(diffs, "published vs model: "+l)
+	}
+	var lp []string
+	for _, r := range e.d.LocalPeers() {
+		lp = append(lp, fmt.Sprintf("local vni=%d %s", r.VNI, fmtPeer(&r.Peer)))
+	}
+	sort.Strings(lp)
+	for _, l := range diffLines(want, lp) {
+		diffs = append(diffs, "LocalPeers vs model: "+l)
+	}
+	e.announceMu.Lock()
+	announced := slices.Clone(e.announced)
+	e.announceMu.Unlock()
+	switch {
+	case e.fixedAdv.IsValid():
+		if local != e.fixedAdv {
+			diffs = append(diffs, fmt.Sprintf("driver VTEP %v, configured %v", local, e.fixedAdv))
+		}
+	case len(announced) == 0:
+		if local.IsValid() {
+			diffs = append(diffs, fmt.Sprintf("driver VTEP %v before DiscoverNew announced one (no default route)", local))
+		}
+	case !slices.Contains(announced, local):
+		diffs = append(diffs, fmt.Sprintf("driver VTEP %v was never announced (DiscoverNew Self: %v)", local, announced))
+	}
+	return diffs
+}
+
 // deadlock reports a fired watchdog. If it fired during a quiet-point
 // check, that check may still be running: the model and the trace file are
 // left alone (the trace file misses the last phase).
@@ -706,7 +1058,7 @@ func (h *harness) flushTrace() {
 	h.writeTrace(evs)
 }
 
-func (h *harness) writeTrace(evs []driver.TraceEvent) {
+func (h *harness) writeTrace(evs []tev) {
 	enc := json.NewEncoder(h.tw)
 	for _, ev := range evs {
 		enc.Encode(ev)
@@ -715,12 +1067,18 @@ func (h *harness) writeTrace(evs []driver.TraceEvent) {
 	h.gz.Flush()
 }
 
-var idWord = regexp.MustCompile(`[A-Za-z0-9_.-]+`)
+var (
+	idWord = regexp.MustCompile(`[A-Za-z0-9_.-]+`)
+	// vniWord finds the VNIs an op log line names: "vni=N", or a key
+	// "N/origin/endpoint".
+	vniWord = regexp.MustCompile(`vni=(\d+)|\b(\d+)/(?:host|stale)-`)
+)
 
 func (h *harness) fail(res *runResult, phase int, start time.Time, diffs []string) *runResult {
 	h.flushTrace()
 	res.failed, res.diffs = true, diffs
 	res.ops, res.elapsed, res.phases, res.stats = h.ops.Load(), time.Since(start), phase, h.m.stats
+	h.finishStats(res)
 
 	// The networks the differences name, and their VNIs, to cut the logs.
 	nets := map[string]bool{}
@@ -749,7 +1107,7 @@ func (h *harness) fail(res *runResult, phase int, start time.Time, diffs []strin
 			}
 		}
 	}
-	relevant := func(ev driver.TraceEvent) bool {
+	relevant := func(ev tev) bool {
 		if len(nets) == 0 || nets[ev.Network] || vnis[ev.VNI] && ev.VNI != 0 {
 			return true
 		}
@@ -800,6 +1158,16 @@ func (h *harness) fail(res *runResult, phase int, start time.Time, diffs []strin
 		fmt.Fprintf(&b, "\nmodel state of %s:\n", id)
 		writeTail(&b, h.m.describe(id), 100)
 	}
+	recs := h.e.src.snapshot()
+	var src []string
+	for _, k := range sortedKeys(recs) {
+		if len(nets) == 0 || vnis[k.VNI] {
+			p := recs[k]
+			src = append(src, fmtKey(k)+" = "+fmtPeer(&p))
+		}
+	}
+	fmt.Fprintf(&b, "\nthe source's records of their VNIs: %d\n", len(src))
+	writeTail(&b, src, 200)
 	fmt.Fprintf(&b, "\nmodel: %s\n", h.m.stats)
 	res.report = b.String()
 	return res
@@ -811,12 +1179,13 @@ func mentions(line string, nets map[string]bool, vnis map[uint32]bool) bool {
 			return true
 		}
 	}
-	for v := range vnis {
-		if strings.Contains(line, fmt.Sprintf("vni=%d ", v)) {
+	for _, m := range vniWord.FindAllStringSubmatch(line, -1) {
+		v, _ := strconv.ParseUint(m[1]+m[2], 10, 32)
+		if vnis[uint32(v)] {
 			return true
 		}
 	}
-	return strings.Contains(line, "Audit")
+	return strings.Contains(line, "Audit") || strings.Contains(line, "Reconcile")
 }
 
 func writeTail(b *strings.Builder, lines []string, max int) {

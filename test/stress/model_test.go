@@ -16,20 +16,23 @@ import (
 
 // The model is the oracle's sequential reference: it is fed the driver's
 // trace (driver.Config.Trace), which records every state change that
-// succeeded in the order the driver linearised them, and it derives from its
-// own state the kernel state the driver must have programmed. It deliberately
-// re-implements the rules of peerdb/doc.go and of the driver in the simplest
-// way (whole-state recomputation, no indexes, no deltas) and never calls
+// succeeded in the order the driver linearised them, and at every quiet
+// point the source's records; from its own state it derives the kernel
+// state the driver must have programmed. It deliberately re-implements the
+// rules of peerdb/doc.go and of the driver in the simplest way
+// (whole-state recomputation, no indexes, no deltas) and never calls
 // peerdb's derivation, so that a bug there shows up as a difference.
 //
 // Rules (see README.md for the full list):
-//   - CreateNetwork registers the network and drains the pending remote peers
-//     of each of its VNIs; a pending peer whose IP lies in no subnet of the
-//     network is dropped.
-//   - DeleteNetwork forgets the network and its endpoints and returns every
-//     remote peer to the pending set of the VNI of the subnet holding its IP.
-//   - PeerEvents: per event, remove Prev from the network's remote set, then
-//     add Next (set semantics). Pending: the same on the VNI's pending set.
+//   - CreateNetwork registers the network; DeleteNetwork forgets it and
+//     its endpoints. Records are never handed over: they stay at the source.
+//   - Remote records are level-triggered: at a quiet point (every operation
+//     returned) a network holds exactly the source's records of its VNIs
+//     that are valid for it (peerdb's rules: a valid record, whose
+//     EndpointID is its key's and whose IP lies in the subnet of its key's
+//     VNI), as a set of values; every other record of its VNIs is refused
+//     and listed in Status. Pull events only have to be possible (the
+//     network exists and has the VNI).
 //   - Join adds a local entry {endpoint, IP, MAC}; Leave removes it. A
 //     network has a sandbox iff at least one of its endpoints is joined.
 //   - For each IP with claimants: a local claimant wins (no neighbour);
@@ -39,22 +42,12 @@ import (
 //     the smallest IP wins; no FDB entry for a (subnet, MAC) that a joined
 //     endpoint of that subnet has.
 type model struct {
-	nets    map[string]*mNetwork
-	pending map[uint32]map[peerdb.Peer]struct{}
+	nets map[string]*mNetwork
 
 	// owed counts DeleteNetwork trace events still to come for a network
 	// whose deletion the model had to infer from a later event (see
 	// inferDelete); every owed delete must arrive before the quiet point.
 	owed map[string]int
-
-	// advertised holds the addresses DiscoverNew announced as Self, plus the
-	// configured advertise address: the VTEP a Join records must be one.
-	advertised map[netip.Addr]bool
-	fixedAdv   netip.Addr // configured advertise address, if any
-
-	// nextEncrypted tells apply whether the CreateNetwork being applied is
-	// of an encrypted spec (the harness knows from the spec it matches).
-	nextEncrypted bool
 
 	seq      int      // sequence number of the event being applied (for notes)
 	inferred []string // how each inferred deletion was detected and settled (first few)
@@ -66,17 +59,21 @@ type modelStats struct {
 	creates, deletes, epCreates, epDeletes int
 	encryptedCreates                       int
 	joins, leaves, sandboxesBuilt          int
-	peerBatches, peerEvents, peerOnSandbox int
-	pendingBatches, pendingEvents          int
-	earlyApplied, earlyDropped             int
+	pulls, fullPulls, pullsOnSandbox       int
+	readsPulled                            int // records (or absences) the pulls read
+	takenAtCreate, refusedAtCreate         int // valid and refused records a new network found at the source
+	quietPoints                            int
+	held, heldMax, rejected, rejectedMax   int // records held/refused by the networks, summed over quiet points, and the peak
 	inferredDeletes                        int
 }
 
 func (s modelStats) String() string {
 	return fmt.Sprintf("networks created %d (encrypted %d) deleted %d; endpoints created %d deleted %d; joins %d (sandboxes built %d) leaves %d; "+
-		"peer events %d in %d batches (%d on a network with a sandbox); pending events %d in %d batches; early peers applied %d dropped %d; inferred deletes %d",
+		"pulls %d (%d of a whole VNI, %d on a network with a sandbox, %d records read); records found by a new network: %d taken, %d refused; "+
+		"records held per quiet point %.1f (max %d), refused %.1f (max %d); inferred deletes %d",
 		s.creates, s.encryptedCreates, s.deletes, s.epCreates, s.epDeletes, s.joins, s.sandboxesBuilt, s.leaves,
-		s.peerEvents, s.peerBatches, s.peerOnSandbox, s.pendingEvents, s.pendingBatches, s.earlyApplied, s.earlyDropped, s.inferredDeletes)
+		s.pulls, s.fullPulls, s.pullsOnSandbox, s.readsPulled, s.takenAtCreate, s.refusedAtCreate,
+		float64(s.held)/float64(max(1, s.quietPoints)), s.heldMax, float64(s.rejected)/float64(max(1, s.quietPoints)), s.rejectedMax, s.inferredDeletes)
 }
 
 type mSubnet struct {
@@ -100,21 +97,21 @@ type mNetwork struct {
 	internal  bool
 	encrypted bool
 	eps       map[string]*mEndpoint
-	remote    map[peerdb.Peer]struct{}
+	// remote and rejected are derived from the source at quiet points
+	// (syncRemotes): the valid records of the network's VNIs, as a set of
+	// values, and the keys of the others.
+	remote   map[peerdb.Peer]struct{}
+	rejected []peerdb.Key
+	// pulled: the network has pulled since its CreateNetwork (the first
+	// pulls of its VNIs count what it found at the source).
+	pulled map[uint32]bool
 }
 
-func newModel(fixedAdv netip.Addr) *model {
-	m := &model{
-		nets:       map[string]*mNetwork{},
-		pending:    map[uint32]map[peerdb.Peer]struct{}{},
-		owed:       map[string]int{},
-		advertised: map[netip.Addr]bool{},
-		fixedAdv:   fixedAdv,
+func newModel() *model {
+	return &model{
+		nets: map[string]*mNetwork{},
+		owed: map[string]int{},
 	}
-	if fixedAdv.IsValid() {
-		m.advertised[fixedAdv] = true
-	}
-	return m
 }
 
 func (n *mNetwork) subnetOf(ip netip.Addr) (int, bool) {
@@ -136,27 +133,37 @@ func (n *mNetwork) joined() int {
 	return c
 }
 
+// hasVNI returns the index of the subnet of vni.
+func (n *mNetwork) hasVNI(vni uint32) (int, bool) {
+	for i, s := range n.subnets {
+		if s.vni == vni {
+			return i, true
+		}
+	}
+	return 0, false
+}
+
 // owner returns the network that has vni.
 func (m *model) owner(vni uint32) *mNetwork {
 	for _, n := range m.nets {
-		for _, s := range n.subnets {
-			if s.vni == vni {
-				return n
-			}
+		if _, ok := n.hasVNI(vni); ok {
+			return n
 		}
 	}
 	return nil
 }
 
-// validRemote is what the peer DB accepts as a remote entry of n.
-func (n *mNetwork) validRemote(p peerdb.Peer) bool {
-	if p.EndpointID == "" || len(p.EndpointID) > peerdb.MaxEndpointIDLen {
+// validFor is what the network's peer table accepts as the record of key
+// k (peerdb's Validate, then its keyed rules): a non-empty EndpointID of at
+// most MaxEndpointIDLen bytes that is k's, a plain IPv4 address in the
+// subnet of k's VNI, a non-zero unicast MAC and a VTEP that is neither
+// unspecified nor multicast.
+func (n *mNetwork) validFor(k peerdb.Key, p peerdb.Peer) bool {
+	if p.EndpointID == "" || len(p.EndpointID) > peerdb.MaxEndpointIDLen || p.EndpointID != k.EndpointID {
 		return false
 	}
-	if !p.IP.Is4() {
-		return false
-	}
-	if _, ok := n.subnetOf(p.IP); !ok {
+	sub, ok := n.hasVNI(k.VNI)
+	if !ok || !p.IP.Is4() || !n.subnets[sub].pool.Contains(p.IP) {
 		return false
 	}
 	if p.MAC == (peerdb.MAC{}) || p.MAC[0]&1 != 0 {
@@ -165,45 +172,55 @@ func (n *mNetwork) validRemote(p peerdb.Peer) bool {
 	return p.VTEP.IsValid() && !p.VTEP.IsUnspecified() && !p.VTEP.IsMulticast()
 }
 
-// validPending is what the driver checks before keeping a pending record.
-func validPending(p peerdb.Peer) bool {
-	return p.EndpointID != "" && p.IP.Is4() && p.MAC != (peerdb.MAC{}) && p.MAC[0]&1 == 0 &&
-		p.VTEP.IsValid() && !p.VTEP.IsUnspecified() && !p.VTEP.IsMulticast()
-}
-
-func (m *model) addPending(vni uint32, p peerdb.Peer) {
-	set := m.pending[vni]
-	if set == nil {
-		set = map[peerdb.Peer]struct{}{}
-		m.pending[vni] = set
+// syncRemotes sets every network's remote set and refused keys from the
+// source's records: the level-triggered contract, checked when every
+// operation has returned.
+func (m *model) syncRemotes(recs map[peerdb.Key]peerdb.Peer) {
+	held, rejected := 0, 0
+	for _, n := range m.nets {
+		n.remote = map[peerdb.Peer]struct{}{}
+		n.rejected = nil
 	}
-	set[p] = struct{}{}
-}
-
-// deleteNet forgets n, returning its remote peers to the pending sets.
-func (m *model) deleteNet(n *mNetwork) {
-	for p := range n.remote {
-		vni := n.subnets[0].vni
-		if i, ok := n.subnetOf(p.IP); ok {
-			vni = n.subnets[i].vni
+	for k, p := range recs {
+		n := m.owner(k.VNI)
+		if n == nil {
+			continue
 		}
-		m.addPending(vni, p)
+		if n.validFor(k, p) {
+			n.remote[p] = struct{}{}
+		} else {
+			n.rejected = append(n.rejected, k)
+		}
 	}
+	for _, n := range m.nets {
+		slices.SortFunc(n.rejected, compareKey)
+		held += len(n.remote)
+		rejected += len(n.rejected)
+	}
+	m.stats.quietPoints++
+	m.stats.held += held
+	m.stats.rejected += rejected
+	m.stats.heldMax = max(m.stats.heldMax, held)
+	m.stats.rejectedMax = max(m.stats.rejectedMax, rejected)
+}
+
+// deleteNet forgets n; its records stay at the source.
+func (m *model) deleteNet(n *mNetwork) {
 	delete(m.nets, n.id)
 }
 
 // inferDelete handles a trace event that is only possible if n was deleted
-// already although its DeleteNetwork trace event has not arrived: the driver
-// unregisters a network (and returns its peers to pending) under driver.mu but
-// emits the trace afterwards, under the network's lock only, so another
-// goroutine's CreateNetwork of the same id or VNI, or a Pending event for one
-// of its VNIs, can be traced in between. The model applies the deletion now
-// and owes the trace event; quiet points fail if it never comes.
+// already although its DeleteNetwork trace event has not arrived (a
+// CreateNetwork of the same id or of one of its VNIs). The driver traces
+// DeleteNetwork under driver.mu while it unregisters the network, so this
+// must not happen (OVERLAYD_STRICT_TRACE, on by default, fails the run);
+// with OVERLAYD_STRICT_TRACE=0 the model applies the deletion now and owes
+// the trace event; quiet points fail if it never comes.
 func (m *model) inferDelete(n *mNetwork, ev driver.TraceEvent) {
 	m.deleteNet(n)
 	m.owed[n.id]++
 	m.stats.inferredDeletes++
-	m.note(fmt.Sprintf("trace #%d %q is only possible once network %s is deleted, whose DeleteNetwork is not traced yet", m.seq, fmtTrace(ev), n.id))
+	m.note(fmt.Sprintf("trace #%d %q is only possible once network %s is deleted, whose DeleteNetwork is not traced yet", m.seq, fmtTrace(tev{TraceEvent: ev}), n.id))
 }
 
 func (m *model) note(s string) {
@@ -215,21 +232,22 @@ func (m *model) note(s string) {
 // apply feeds one trace event to the model. An error means the trace is not
 // a possible sequential history (for example a Join of an endpoint that does
 // not exist): the driver linearised something wrongly.
-func (m *model) apply(ev driver.TraceEvent) error {
+func (m *model) apply(ev tev) error {
 	switch ev.Kind {
 	case driver.TraceCreateNetwork:
 		if len(ev.VNIs) == 0 || len(ev.VNIs) != len(ev.Pools) || len(ev.Gateways) != len(ev.Pools) {
 			return fmt.Errorf("CreateNetwork %s: %d VNIs, %d pools, %d gateways", ev.Network, len(ev.VNIs), len(ev.Pools), len(ev.Gateways))
 		}
 		if old := m.nets[ev.Network]; old != nil {
-			m.inferDelete(old, ev)
+			m.inferDelete(old, ev.TraceEvent)
 		}
 		for _, v := range ev.VNIs {
 			if old := m.owner(v); old != nil {
-				m.inferDelete(old, ev)
+				m.inferDelete(old, ev.TraceEvent)
 			}
 		}
-		n := &mNetwork{id: ev.Network, mtu: ev.MTU, internal: ev.Internal, encrypted: m.nextEncrypted, eps: map[string]*mEndpoint{}, remote: map[peerdb.Peer]struct{}{}}
+		n := &mNetwork{id: ev.Network, mtu: ev.MTU, internal: ev.Internal, encrypted: ev.Encrypted, eps: map[string]*mEndpoint{},
+			remote: map[peerdb.Peer]struct{}{}, pulled: map[uint32]bool{}}
 		for i := range ev.VNIs {
 			n.subnets = append(n.subnets, mSubnet{vni: ev.VNIs[i], pool: ev.Pools[i], gw: ev.Gateways[i]})
 		}
@@ -237,17 +255,6 @@ func (m *model) apply(ev driver.TraceEvent) error {
 		m.stats.creates++
 		if n.encrypted {
 			m.stats.encryptedCreates++
-		}
-		for _, v := range ev.VNIs {
-			for p := range m.pending[v] {
-				if n.validRemote(p) {
-					n.remote[p] = struct{}{}
-					m.stats.earlyApplied++
-				} else {
-					m.stats.earlyDropped++
-				}
-			}
-			delete(m.pending, v)
 		}
 	case driver.TraceDeleteNetwork:
 		if m.owed[ev.Network] > 0 {
@@ -303,9 +310,6 @@ func (m *model) apply(ev driver.TraceEvent) error {
 		if ev.Addr != ep.addr || ev.MAC != ep.mac {
 			return fmt.Errorf("Join %s/%s: traced %s %s, endpoint was created with %s %s", ev.Network, ev.Endpoint, ev.Addr, ev.MAC, ep.addr, ep.mac)
 		}
-		if ev.VTEP.IsValid() && !m.advertised[ev.VTEP] || !ev.VTEP.IsValid() && m.fixedAdv.IsValid() {
-			return fmt.Errorf("Join %s/%s: published VTEP %v was never the advertise address (known: %v)", ev.Network, ev.Endpoint, ev.VTEP, sortedAddrs(m.advertised))
-		}
 		if n.joined() == 0 {
 			m.stats.sandboxesBuilt++
 		}
@@ -318,58 +322,39 @@ func (m *model) apply(ev driver.TraceEvent) error {
 		}
 		n.eps[ev.Endpoint].joined = false
 		m.stats.leaves++
-	case driver.TracePeerEvents:
+	case driver.TracePull:
 		n := m.nets[ev.Network]
 		if n == nil {
-			return fmt.Errorf("PeerEvents for %s (VNI %d): no such network", ev.Network, ev.VNI)
+			return fmt.Errorf("Pull by %s (VNI %d): no such network", ev.Network, ev.VNI)
 		}
-		if m.owner(ev.VNI) != n {
-			return fmt.Errorf("PeerEvents for %s: VNI %d is not one of its VNIs", ev.Network, ev.VNI)
+		if _, ok := n.hasVNI(ev.VNI); !ok || m.owner(ev.VNI) != n {
+			return fmt.Errorf("Pull by %s: VNI %d is not one of its VNIs", ev.Network, ev.VNI)
 		}
-		for i, e := range ev.Events {
-			if e.Prev == nil && e.Next == nil {
-				return fmt.Errorf("PeerEvents for %s: event %d has neither prev nor next", ev.Network, i)
-			}
-			if e.Prev != nil && !n.validRemote(*e.Prev) || e.Next != nil && !n.validRemote(*e.Next) {
-				return fmt.Errorf("PeerEvents for %s: event %d (%s) is invalid for the network but was applied", ev.Network, i, fmtEvent(e))
-			}
-			if e.Prev != nil {
-				delete(n.remote, *e.Prev)
-			}
-			if e.Next != nil {
-				n.remote[*e.Next] = struct{}{}
+		for _, r := range ev.Read {
+			if r.Key.VNI != ev.VNI {
+				return fmt.Errorf("Pull by %s of VNI %d read the record of %s, of another VNI", ev.Network, ev.VNI, fmtKey(r.Key))
 			}
 		}
-		m.stats.peerBatches++
-		m.stats.peerEvents += len(ev.Events)
-		if n.joined() > 0 {
-			m.stats.peerOnSandbox += len(ev.Events)
-		}
-	case driver.TracePending:
-		if n := m.owner(ev.VNI); n != nil {
-			m.inferDelete(n, ev)
-		}
-		for i, e := range ev.Events {
-			if e.Prev == nil && e.Next == nil {
-				return fmt.Errorf("Pending VNI %d: event %d has neither prev nor next", ev.VNI, i)
-			}
-			if e.Next != nil && !validPending(*e.Next) {
-				return fmt.Errorf("Pending VNI %d: event %d (%s) is invalid but was kept", ev.VNI, i, fmtEvent(e))
-			}
-			if e.Prev != nil {
-				if set := m.pending[ev.VNI]; set != nil {
-					delete(set, *e.Prev)
-					if len(set) == 0 {
-						delete(m.pending, ev.VNI)
-					}
+		if !n.pulled[ev.VNI] && ev.Full {
+			// The network's first pull of the VNI (CreateNetwork's): what
+			// it found at the source.
+			n.pulled[ev.VNI] = true
+			for _, r := range ev.Read {
+				if r.Peer != nil && n.validFor(r.Key, *r.Peer) {
+					m.stats.takenAtCreate++
+				} else if r.Peer != nil {
+					m.stats.refusedAtCreate++
 				}
 			}
-			if e.Next != nil {
-				m.addPending(ev.VNI, *e.Next)
-			}
 		}
-		m.stats.pendingBatches++
-		m.stats.pendingEvents += len(ev.Events)
+		m.stats.pulls++
+		m.stats.readsPulled += len(ev.Read)
+		if ev.Full {
+			m.stats.fullPulls++
+		}
+		if n.joined() > 0 {
+			m.stats.pullsOnSandbox++
+		}
 	default:
 		return fmt.Errorf("unknown trace event kind %d", ev.Kind)
 	}
@@ -395,7 +380,11 @@ func (m *model) describe(id string) []string {
 	}
 	sort.Strings(eps)
 	sort.Strings(remotes)
-	return append(append(out, eps...), remotes...)
+	out = append(append(out, eps...), remotes...)
+	for _, k := range n.rejected {
+		out = append(out, "refused "+fmtKey(k))
+	}
+	return out
 }
 
 // settled returns an error if a delete the model inferred was never traced.
@@ -410,15 +399,6 @@ func (m *model) settled() error {
 	}
 	sort.Strings(ids)
 	return fmt.Errorf("the trace implied deletions of networks %s that were never traced: events for them were traced as if they no longer existed", strings.Join(ids, ", "))
-}
-
-func sortedAddrs(s map[netip.Addr]bool) []netip.Addr {
-	var out []netip.Addr
-	for a := range s {
-		out = append(out, a)
-	}
-	slices.SortFunc(out, netip.Addr.Compare)
-	return out
 }
 
 // vethNames recomputes the driver's veth names of an endpoint (driver's
@@ -586,10 +566,9 @@ func fmtPeer(p *peerdb.Peer) string {
 	return fmt.Sprintf("{%s %s %s %s}", p.EndpointID, p.IP, p.MAC, p.VTEP)
 }
 
-func fmtEvent(e peerdb.Event) string { return fmtPeer(e.Prev) + "->" + fmtPeer(e.Next) }
-
-// fmtTrace renders a trace event as one line of the op log.
-func fmtTrace(ev driver.TraceEvent) string {
+// fmtTrace renders a trace event as one line of the op log; a pull with
+// the records it read.
+func fmtTrace(ev tev) string {
 	switch ev.Kind {
 	case driver.TraceCreateNetwork:
 		gws := make([]string, len(ev.Gateways))
@@ -599,7 +578,7 @@ func fmtTrace(ev driver.TraceEvent) string {
 				gws[i] = g.String()
 			}
 		}
-		return fmt.Sprintf("CreateNetwork %s vnis=%v pools=%v gw=%v mtu=%d internal=%v", ev.Network, ev.VNIs, ev.Pools, gws, ev.MTU, ev.Internal)
+		return fmt.Sprintf("CreateNetwork %s vnis=%v pools=%v gw=%v mtu=%d internal=%v encrypted=%v", ev.Network, ev.VNIs, ev.Pools, gws, ev.MTU, ev.Internal, ev.Encrypted)
 	case driver.TraceDeleteNetwork:
 		return "DeleteNetwork " + ev.Network
 	case driver.TraceCreateEndpoint:
@@ -607,18 +586,19 @@ func fmtTrace(ev driver.TraceEvent) string {
 	case driver.TraceDeleteEndpoint:
 		return fmt.Sprintf("DeleteEndpoint %s/%s", ev.Network, ev.Endpoint)
 	case driver.TraceJoin:
-		return fmt.Sprintf("Join %s/%s %s %s vtep=%v", ev.Network, ev.Endpoint, ev.Addr, ev.MAC, ev.VTEP)
+		return fmt.Sprintf("Join %s/%s %s %s", ev.Network, ev.Endpoint, ev.Addr, ev.MAC)
 	case driver.TraceLeave:
 		return fmt.Sprintf("Leave %s/%s", ev.Network, ev.Endpoint)
-	case driver.TracePeerEvents, driver.TracePending:
+	case driver.TracePull:
 		var b strings.Builder
-		fmt.Fprintf(&b, "%s", ev.Kind)
-		if ev.Network != "" {
-			fmt.Fprintf(&b, " %s", ev.Network)
+		fmt.Fprintf(&b, "Pull %s vni=%d", ev.Network, ev.VNI)
+		if ev.Full {
+			b.WriteString(" all:")
+		} else {
+			b.WriteString(" keys:")
 		}
-		fmt.Fprintf(&b, " vni=%d", ev.VNI)
-		for _, e := range ev.Events {
-			b.WriteString(" " + fmtEvent(e))
+		for _, r := range ev.Read {
+			fmt.Fprintf(&b, " %s=%s", fmtKey(r.Key), fmtPeer(r.Peer))
 		}
 		return b.String()
 	}
@@ -630,19 +610,15 @@ func copyTrace(ev driver.TraceEvent) driver.TraceEvent {
 	ev.VNIs = slices.Clone(ev.VNIs)
 	ev.Pools = slices.Clone(ev.Pools)
 	ev.Gateways = slices.Clone(ev.Gateways)
-	if ev.Events != nil {
-		evs := make([]peerdb.Event, len(ev.Events))
-		for i, e := range ev.Events {
-			if e.Prev != nil {
-				p := *e.Prev
-				evs[i].Prev = &p
-			}
-			if e.Next != nil {
-				p := *e.Next
-				evs[i].Next = &p
-			}
-		}
-		ev.Events = evs
-	}
 	return ev
+}
+
+// tev is a driver trace event as the harness keeps it (and writes to the
+// trace file): a Pull comes with the records it read from the source
+// (Full: every record of the VNI; otherwise the keys it asked for, each
+// found or not), which the sequential replay re-creates.
+type tev struct {
+	driver.TraceEvent
+	Full bool      `json:",omitempty"`
+	Read []srcRead `json:",omitempty"`
 }

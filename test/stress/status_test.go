@@ -6,16 +6,18 @@ import (
 	"path/filepath"
 	"slices"
 	"sort"
+	"strings"
 
 	"github.com/overlayd/overlayd/driver"
+	"github.com/overlayd/overlayd/encryption"
 	"github.com/overlayd/overlayd/peerdb"
 )
 
 // The driver's own view (driver.Status, what `overlayd status` shows)
 // against the model, rendered as lines like the kernel comparison: the
 // networks with their settings, endpoints, remote peers (and which one is
-// active for its IP), conflicts, and the number of pending peers per VNI —
-// the only way to see the pending sets before a network takes them.
+// active for its IP), conflicts, and the records of the source the network
+// refuses (by key) — the only view of what a network does not hold.
 
 func statusLines(st driver.Status, netnsDir string) []string {
 	var lines []string
@@ -30,10 +32,18 @@ func statusLines(st driver.Status, netnsDir string) []string {
 		for _, c := range n.Conflicts {
 			lines = append(lines, fmt.Sprintf("network %s conflict %s active=%s local=%v shadowed=%v", n.ID, c.IP, c.Active, c.Local, c.Shadowed))
 		}
-	}
-	for vni, c := range st.PendingPeers {
-		if c != 0 {
-			lines = append(lines, fmt.Sprintf("pending vni=%d peers=%d", vni, c))
+		for _, r := range n.Rejected {
+			line := fmt.Sprintf("network %s refused %s", n.ID, fmtKey(peerdb.Key{VNI: r.VNI, Origin: r.Origin, EndpointID: r.EndpointID}))
+			if r.Reason == "" {
+				line += " without a reason"
+			}
+			lines = append(lines, line)
+		}
+		// A network's error is the last failure to program its peers (or a
+		// sandbox left to remove): none in this workload but the known ESP
+		// defect's.
+		if n.Error != "" && !(!strictESP && strings.Contains(n.Error, encryption.ErrKernelUnsupported.Error())) {
+			lines = append(lines, fmt.Sprintf("network %s error %q", n.ID, n.Error))
 		}
 	}
 	sort.Strings(lines)
@@ -102,10 +112,8 @@ func (m *model) desiredStatus(netnsDir string) []string {
 			}
 			lines = append(lines, fmt.Sprintf("network %s conflict %s active=%s local=%v shadowed=%v", n.id, ip, ids[0], len(ls) > 0, ids[1:]))
 		}
-	}
-	for vni, set := range m.pending {
-		if len(set) != 0 {
-			lines = append(lines, fmt.Sprintf("pending vni=%d peers=%d", vni, len(set)))
+		for _, k := range n.rejected {
+			lines = append(lines, fmt.Sprintf("network %s refused %s", n.id, fmtKey(k)))
 		}
 	}
 	sort.Strings(lines)

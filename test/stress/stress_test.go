@@ -3,6 +3,7 @@ package stress
 import (
 	"net/netip"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -82,22 +83,41 @@ func TestStress(t *testing.T) {
 	}
 	t.Logf("%d operations in %v (%.0f ops/s), %d quiet points, all clean; lock order checked: %v",
 		res.ops, res.elapsed.Round(time.Millisecond), float64(res.ops)/res.elapsed.Seconds(), res.phases, lockorder.Enabled)
-	t.Logf("model: %s", res.stats)
-	t.Logf("keys: %s", res.keys)
-	logInferred(t, res)
+	logStats(t, res)
 	// The run must have exercised what it claims to.
 	if res.ops >= ciOps {
-		s := res.stats
-		for _, c := range []struct {
+		s, w, enc := res.stats, res.work.counts, res.enc
+		checks := []struct {
 			what      string
 			got, want int
 		}{
 			{"network creations", s.creates, 50}, {"network deletions", s.deletes, 20},
 			{"joins", s.joins, 200}, {"sandboxes built", s.sandboxesBuilt, 30}, {"leaves", s.leaves, 100},
-			{"peer events on networks with a sandbox", s.peerOnSandbox, 1000},
-			{"pending peer events", s.pendingEvents, 200}, {"early peers applied", s.earlyApplied, 50},
-			{"early peers dropped", s.earlyDropped, 5},
-		} {
+			{"pulls on networks with a sandbox", s.pullsOnSandbox, 1000}, {"pulls of a whole VNI", s.fullPulls, 200},
+			{"records a new network took from the source", s.takenAtCreate, 50},
+			{"records a new network refused", s.refusedAtCreate, 5},
+			{"records refused, summed over quiet points", s.rejected, 100},
+			{"records moved to another host", w["record moved to another host"], 200},
+			{"invalid records", w["invalid record set"], 200},
+			{"spurious notifications", w["spurious notification"], 200},
+			{"concurrent Reconciles", w["reconcile"], 50},
+			{"changes not notified", w["change not notified"], 50},
+		}
+		if cfg.fixedAdv {
+			// With keys on this kernel, an encrypted network that holds
+			// remote peers cannot build its sandbox (see espDefect), so
+			// few remotes need a policy at quiet points:
+			// TestStressBeforeKeys covers them.
+			checks = append(checks, []struct {
+				what      string
+				got, want int
+			}{
+				{"encrypted network creations", s.encryptedCreates, 10},
+				{"quiet points with encrypted VNIs", enc.withTable, 5},
+				{"quiet points at which the owner reported ESPUnsupported", enc.espUnsupported, 1},
+			}...)
+		}
+		for _, c := range checks {
 			if c.got < c.want {
 				t.Errorf("the workload exercised too few %s: %d, want at least %d", c.what, c.got, c.want)
 			}
@@ -105,25 +125,77 @@ func TestStress(t *testing.T) {
 	}
 }
 
+// logStats reports what a clean run did.
+func logStats(t *testing.T, res *runResult) {
+	t.Logf("model: %s", res.stats)
+	t.Logf("workload: %s", res.work)
+	t.Logf("encryption: %s", res.enc)
+	logInferred(t, res)
+	if res.work.espOps+res.work.espLines > 0 {
+		t.Logf("KNOWN DEFECT tolerated (OVERLAYD_STRICT_ESP=1 fails on it): %d operations failed and %d log lines complained because another network's remote needs an SA this kernel cannot install (see README.md, Known defects)",
+			res.work.espOps, res.work.espLines)
+	}
+}
+
+// TestStressBeforeKeys is the workload of TestStress with the encryption
+// owner attached to no gossip, as a daemon before its control plane runs:
+// it has no keys, every outbound policy points at no SA (drops), and no SA
+// is ever attempted, so the known ESP defect (see espDefect) cannot occur
+// and encrypted networks build their sandboxes whatever remote peers they
+// hold. Always with a configured advertise address, so that encrypted
+// networks exist; quiet points twice as often as TestStress's. This is
+// where an outbound policy per needed remote VTEP is checked most (in
+// TestStress, on this kernel, encrypted networks with remote peers cannot
+// build their sandboxes).
+func TestStressBeforeKeys(t *testing.T) {
+	cfg := stressConfig(t)
+	cfg.fixedAdv, cfg.noKeys, cfg.phaseOps = true, true, ciPhaseOps/2
+	t.Logf("seed %d, %d workers, %s, encryption owner without keys (replay: OVERLAYD_SEED=%d -run '^TestStressBeforeKeys$')", cfg.seed, cfg.workers, budget(cfg), cfg.seed)
+	res := runStress(t, cfg)
+	if res.failed {
+		t.Fatal(res.report)
+	}
+	t.Logf("%d operations in %v (%.0f ops/s), %d quiet points, all clean", res.ops, res.elapsed.Round(time.Millisecond), float64(res.ops)/res.elapsed.Seconds(), res.phases)
+	logStats(t, res)
+	if res.ops >= ciOps {
+		for _, c := range []struct {
+			what      string
+			got, want int
+		}{
+			{"encrypted network creations", res.stats.encryptedCreates, 10},
+			{"quiet points with encrypted VNIs", res.enc.withTable, 10},
+			{"remote VTEP policies checked", res.enc.remotes, 10},
+		} {
+			if c.got < c.want {
+				t.Errorf("the workload exercised too few %s: %d, want at least %d", c.what, c.got, c.want)
+			}
+		}
+	}
+	if res.work.espOps+res.work.espLines != 0 || res.enc.espUnsupported != 0 {
+		t.Errorf("without keys no SA is attempted, yet the ESP defect showed: %s; %s", res.work, res.enc)
+	}
+}
+
 // TestNetworkChurn concentrates on what only the registry orders: the same
-// network ids created and deleted from many goroutines while peer events for
-// their VNIs arrive (applied, kept pending, handed back at delete, drained
-// at create), with a few endpoints so some deletions tear sandboxes down.
+// network ids created and deleted from many goroutines while the source's
+// records of their VNIs change and are notified (pulled by the network
+// that has the VNI, ignored while none has, pulled whole by the next one
+// at its creation), with a few endpoints so some deletions tear sandboxes
+// down.
 func TestNetworkChurn(t *testing.T) {
 	cfg := stressConfig(t)
 	cfg.ops = 10240
 	if testing.Short() {
 		cfg.ops = 2048
 	}
-	cfg.mix = &opMix{peer: 50, netCreate: 20, netDelete: 15, epCreate: 8, join: 5, leave: 1, info: 1}
+	cfg.mix = &opMix{peer: 50, netCreate: 20, netDelete: 15, epCreate: 8, join: 5, leave: 1, info: 1, reconcile: 1}
 	t.Logf("seed %d, %d workers, %s (replay: OVERLAYD_SEED=%d)", cfg.seed, cfg.workers, budget(cfg), cfg.seed)
 	res := runStress(t, cfg)
 	if res.failed {
 		t.Fatal(res.report)
 	}
 	t.Logf("%d operations in %v (%.0f ops/s), %d quiet points, all clean", res.ops, res.elapsed.Round(time.Millisecond), float64(res.ops)/res.elapsed.Seconds(), res.phases)
-	t.Logf("model: %s", res.stats)
-	logInferred(t, res)
+	logStats(t, res)
 }
 
 // logInferred reports where the driver traced a DeleteNetwork after events
@@ -210,38 +282,69 @@ func TestLockOrderHandlerActive(t *testing.T) {
 	}
 }
 
-// The model's conflict rules on hand-made cases (the kernel-facing suite
-// checks them against the driver).
+// The model's rules on hand-made cases (the kernel-facing suite checks
+// them against the driver): what a network holds of the source's records,
+// what it refuses, and the conflict rules.
 func TestModelRules(t *testing.T) {
-	m := newModel(netip.Addr{})
+	m := newModel()
 	vtep := func(s string) netip.Addr { return netip.MustParseAddr(s) }
 	ip := netip.MustParseAddr("198.51.100.5")
 	mac := peerdb.MACFromIP(ip)
-	apply := func(ev driver.TraceEvent) {
+	apply := func(ev tev) {
 		t.Helper()
 		if err := m.apply(ev); err != nil {
 			t.Fatal(err)
 		}
 	}
-	// A peer arrives before its network, with one that does not fit.
-	early := peerdb.Peer{EndpointID: "r1", IP: ip, MAC: mac, VTEP: vtep("192.0.2.51")}
-	misfit := peerdb.Peer{EndpointID: "r9", IP: netip.MustParseAddr("203.0.113.9"), MAC: mac, VTEP: vtep("192.0.2.51")}
-	apply(driver.TraceEvent{Kind: driver.TracePending, VNI: 7, Events: []peerdb.Event{{Next: &early}, {Next: &misfit}}})
-	apply(driver.TraceEvent{Kind: driver.TraceCreateNetwork, Network: "n", VNIs: []uint32{7}, Pools: []netip.Prefix{pfx("198.51.100.0/24")}, Gateways: []netip.Prefix{{}}, MTU: 1450})
-	if m.stats.earlyApplied != 1 || m.stats.earlyDropped != 1 || len(m.pending) != 0 {
-		t.Fatalf("early peers: %+v, pending %v", m.stats, m.pending)
+	key := func(vni uint32, host, ep string) peerdb.Key {
+		return peerdb.Key{VNI: vni, Origin: "host-" + host, EndpointID: ep}
 	}
-	apply(driver.TraceEvent{Kind: driver.TraceCreateEndpoint, Network: "n", Endpoint: "e", Addr: pfx("198.51.100.9/24"), MAC: peerdb.MAC{2, 0xbb, 0, 0, 0, 1}})
-	apply(driver.TraceEvent{Kind: driver.TraceJoin, Network: "n", Endpoint: "e", Addr: pfx("198.51.100.9/24"), MAC: peerdb.MAC{2, 0xbb, 0, 0, 0, 1}})
+	// Records at the source before their network exists: one that fits,
+	// one outside the subnet of its VNI, one whose EndpointID is not its
+	// key's, one of a VNI no network has.
+	recs := map[peerdb.Key]peerdb.Peer{
+		key(7, "192.0.2.51", "r1"): {EndpointID: "r1", IP: ip, MAC: mac, VTEP: vtep("192.0.2.51")},
+		key(7, "192.0.2.51", "r9"): {EndpointID: "r9", IP: netip.MustParseAddr("203.0.113.9"), MAC: mac, VTEP: vtep("192.0.2.51")},
+		key(7, "192.0.2.52", "r8"): {EndpointID: "other", IP: ip, MAC: mac, VTEP: vtep("192.0.2.52")},
+		key(9, "192.0.2.51", "r1"): {EndpointID: "r1", IP: ip, MAC: mac, VTEP: vtep("192.0.2.51")},
+	}
+	apply(tev{TraceEvent: driver.TraceEvent{Kind: driver.TraceCreateNetwork, Network: "n", VNIs: []uint32{7}, Pools: []netip.Prefix{pfx("198.51.100.0/24")}, Gateways: []netip.Prefix{{}}, MTU: 1450}})
+	var read []srcRead
+	for _, k := range sortedKeys(recs) {
+		if k.VNI == 7 {
+			p := recs[k]
+			read = append(read, srcRead{Key: k, Peer: &p})
+		}
+	}
+	apply(tev{TraceEvent: driver.TraceEvent{Kind: driver.TracePull, Network: "n", VNI: 7}, Full: true, Read: read})
+	if m.stats.takenAtCreate != 1 || m.stats.refusedAtCreate != 2 {
+		t.Fatalf("records found at creation: %+v", m.stats)
+	}
+	m.syncRemotes(recs)
+	n := m.nets["n"]
+	if len(n.remote) != 1 || !slices.Equal(n.rejected, []peerdb.Key{key(7, "192.0.2.51", "r9"), key(7, "192.0.2.52", "r8")}) {
+		t.Fatalf("remote %v refused %v", n.remote, n.rejected)
+	}
+	if err := m.apply(tev{TraceEvent: driver.TraceEvent{Kind: driver.TracePull, Network: "n", VNI: 9}}); err == nil {
+		t.Fatal("a pull of a VNI the network does not have was accepted")
+	}
+	apply(tev{TraceEvent: driver.TraceEvent{Kind: driver.TraceCreateEndpoint, Network: "n", Endpoint: "e", Addr: pfx("198.51.100.9/24"), MAC: peerdb.MAC{2, 0xbb, 0, 0, 0, 1}}})
+	apply(tev{TraceEvent: driver.TraceEvent{Kind: driver.TraceJoin, Network: "n", Endpoint: "e", Addr: pfx("198.51.100.9/24"), MAC: peerdb.MAC{2, 0xbb, 0, 0, 0, 1}}})
 	// A smaller EndpointID wins; a second IP with the same MAC and a smaller
 	// address decides the FDB; a remote with the local endpoint's MAC gets
-	// no FDB entry; a remote claiming the local IP is shadowed.
-	smaller := peerdb.Peer{EndpointID: "r0", IP: ip, MAC: mac, VTEP: vtep("192.0.2.53")}
-	other := peerdb.Peer{EndpointID: "r2", IP: netip.MustParseAddr("198.51.100.4"), MAC: mac, VTEP: vtep("192.0.2.52")}
-	localMAC := peerdb.Peer{EndpointID: "r3", IP: netip.MustParseAddr("198.51.100.7"), MAC: peerdb.MAC{2, 0xbb, 0, 0, 0, 1}, VTEP: vtep("192.0.2.50")}
-	shadowed := peerdb.Peer{EndpointID: "r4", IP: netip.MustParseAddr("198.51.100.9"), MAC: peerdb.MAC{2, 0xbb, 0, 0, 0, 2}, VTEP: vtep("192.0.2.50")}
-	apply(driver.TraceEvent{Kind: driver.TracePeerEvents, Network: "n", VNI: 7, Events: []peerdb.Event{{Next: &smaller}, {Next: &other}, {Next: &localMAC}, {Next: &shadowed}}})
-	got := strings.Join(m.nets["n"].desiredPeers(), "\n")
+	// no FDB entry; a remote claiming the local IP is shadowed; the same
+	// record under two keys (two origins) is one entry.
+	add := func(k peerdb.Key, p peerdb.Peer) { recs[k] = p }
+	add(key(7, "192.0.2.53", "r0"), peerdb.Peer{EndpointID: "r0", IP: ip, MAC: mac, VTEP: vtep("192.0.2.53")})
+	add(key(7, "192.0.2.52", "r2"), peerdb.Peer{EndpointID: "r2", IP: netip.MustParseAddr("198.51.100.4"), MAC: mac, VTEP: vtep("192.0.2.52")})
+	add(key(7, "192.0.2.50", "r3"), peerdb.Peer{EndpointID: "r3", IP: netip.MustParseAddr("198.51.100.7"), MAC: peerdb.MAC{2, 0xbb, 0, 0, 0, 1}, VTEP: vtep("192.0.2.50")})
+	add(key(7, "stale", "r3"), peerdb.Peer{EndpointID: "r3", IP: netip.MustParseAddr("198.51.100.7"), MAC: peerdb.MAC{2, 0xbb, 0, 0, 0, 1}, VTEP: vtep("192.0.2.50")})
+	add(key(7, "192.0.2.50", "r4"), peerdb.Peer{EndpointID: "r4", IP: netip.MustParseAddr("198.51.100.9"), MAC: peerdb.MAC{2, 0xbb, 0, 0, 0, 2}, VTEP: vtep("192.0.2.50")})
+	m.syncRemotes(recs)
+	if len(n.remote) != 5 {
+		t.Fatalf("remote set %v, want 5 records", n.remote)
+	}
+	got := strings.Join(n.desiredPeers(), "\n")
 	for _, want := range []string{
 		"n neigh ovvx-7 198.51.100.5 lladdr 02:42:c6:33:64:05 permanent",
 		"n neigh ovvx-7 198.51.100.4 lladdr 02:42:c6:33:64:05 permanent",
@@ -255,24 +358,26 @@ func TestModelRules(t *testing.T) {
 	if strings.Contains(got, "198.51.100.9") || strings.Contains(got, "02:bb:00:00:00:01 dst") || len(strings.Split(got, "\n")) != 4 {
 		t.Errorf("unexpected entries in\n%s", got)
 	}
-	// Delete returns the remote peers to pending under their subnet's VNI.
-	apply(driver.TraceEvent{Kind: driver.TraceDeleteNetwork, Network: "n"})
-	if len(m.pending[7]) != 5 {
-		t.Fatalf("pending after delete: %v", m.pending)
+	// Deleting the network leaves the records at the source: a network
+	// created again with another pool refuses what fit the first.
+	apply(tev{TraceEvent: driver.TraceEvent{Kind: driver.TraceDeleteNetwork, Network: "n"}})
+	apply(tev{TraceEvent: driver.TraceEvent{Kind: driver.TraceCreateNetwork, Network: "n", VNIs: []uint32{7}, Pools: []netip.Prefix{pfx("203.0.113.0/24")}, Gateways: []netip.Prefix{{}}, MTU: 1450}})
+	m.syncRemotes(recs)
+	if n := m.nets["n"]; len(n.remote) != 1 || len(n.rejected) != 7 {
+		t.Fatalf("after re-creation with another pool: remote %v refused %v", n.remote, n.rejected)
 	}
-	// An event that is only possible after a delete not yet traced: the
-	// model infers it and owes the trace event.
-	apply(driver.TraceEvent{Kind: driver.TraceCreateNetwork, Network: "n", VNIs: []uint32{7}, Pools: []netip.Prefix{pfx("198.51.100.0/24")}, Gateways: []netip.Prefix{{}}, MTU: 1450})
-	apply(driver.TraceEvent{Kind: driver.TracePending, VNI: 7})
+	// A CreateNetwork of an id that exists is only possible once its
+	// DeleteNetwork is traced: the model infers it and owes the event.
+	apply(tev{TraceEvent: driver.TraceEvent{Kind: driver.TraceCreateNetwork, Network: "n", VNIs: []uint32{7}, Pools: []netip.Prefix{pfx("198.51.100.0/24")}, Gateways: []netip.Prefix{{}}, MTU: 1450}})
 	if err := m.settled(); err == nil {
 		t.Fatal("an inferred delete without its trace event went unnoticed")
 	}
-	apply(driver.TraceEvent{Kind: driver.TraceDeleteNetwork, Network: "n"})
+	apply(tev{TraceEvent: driver.TraceEvent{Kind: driver.TraceDeleteNetwork, Network: "n"}})
 	if err := m.settled(); err != nil {
 		t.Fatal(err)
 	}
-	if err := m.apply(driver.TraceEvent{Kind: driver.TraceJoin, Network: "n", Endpoint: "e"}); err == nil {
-		t.Fatal("a Join on a deleted network was accepted")
+	if err := m.apply(tev{TraceEvent: driver.TraceEvent{Kind: driver.TraceJoin, Network: "n", Endpoint: "e"}}); err == nil {
+		t.Fatal("a Join of an endpoint the network does not have was accepted")
 	}
 }
 
