@@ -129,6 +129,12 @@ type Owner struct {
 	applied  string    // fingerprint of the last Desired applied without error
 	held     bool      // the kernel holds keys and gen (last apply succeeded)
 	applyErr error     // error of the last reconcile (nil: kernel matches)
+	// closedErr is the part of applyErr that can let traffic cross in
+	// clear (the rules or a policy missing): what Update, Remove and
+	// SetLocal return. SA errors (a kernel without ESP, an SPI collision)
+	// only drop the traffic of the pairs concerned: they are reported in
+	// Status and retried, and must not fail another network's operation.
+	closedErr error
 
 	gossip     KeyGossip
 	rotate     bool // a rotation was asked and not yet installed
@@ -263,7 +269,8 @@ func (o *Owner) SetLocal(vtep netip.Addr) error {
 		o.newGenLocked(fmt.Sprintf("local VTEP changed from %v to %v", o.local, vtep))
 	}
 	o.local = vtep
-	err := o.applyLocked("local VTEP", false)
+	o.applyLocked("local VTEP", false)
+	err := o.closedErr
 	o.mu.Unlock()
 	o.Poke()
 	return err
@@ -277,8 +284,12 @@ func (o *Owner) SetLocal(vtep netip.Addr) error {
 //
 // An invalid share (a VNI out of range, an invalid remote address, an
 // encrypted share without cluster secret) is refused and changes nothing.
-// A valid one is recorded even when programming fails: the error is
-// returned (and shown in Status) and the loop keeps trying.
+// A valid one is recorded even when programming fails, and the loop keeps
+// trying. Update returns only the errors that could let traffic cross in
+// clear (the rules or a policy could not be installed); SA errors (a kernel
+// without ESP, an SPI collision) only drop the traffic of the pairs
+// concerned, whatever network they belong to: they are in Status, not
+// returned, so one network's trouble never fails another's operation.
 func (o *Owner) Update(id ShareID, s Share, widen bool) error {
 	sh, err := normShare(id, s)
 	if err != nil {
@@ -309,7 +320,8 @@ func (o *Owner) Update(id ShareID, s Share, widen bool) error {
 	o.countLocked(old, -1)
 	o.countLocked(sh, +1)
 	o.shares[id] = sh
-	err = o.applyLocked(fmt.Sprintf("share %d", id), true)
+	o.applyLocked(fmt.Sprintf("share %d", id), true)
+	err = o.closedErr
 	poke := o.advertStaleLocked()
 	o.mu.Unlock()
 	if poke {
@@ -332,7 +344,8 @@ func (o *Owner) Remove(id ShareID) error {
 	}
 	o.countLocked(old, -1)
 	delete(o.shares, id)
-	err := o.applyLocked(fmt.Sprintf("share %d removed", id), true)
+	o.applyLocked(fmt.Sprintf("share %d removed", id), true)
+	err := o.closedErr
 	poke := o.advertStaleLocked()
 	o.mu.Unlock()
 	if poke {
@@ -670,9 +683,10 @@ func (o *Owner) applyLocked(why string, fromUpdate bool) error {
 	}
 	if !o.local.IsValid() {
 		if o.encVNIs.Len() == 0 {
+			o.closedErr = nil
 			return nil
 		}
-		o.applyErr = errNoLocal
+		o.applyErr, o.closedErr = errNoLocal, errNoLocal
 		return errNoLocal
 	}
 	if o.noESP != nil && time.Since(o.noESPAt) > espRetry {
@@ -680,11 +694,12 @@ func (o *Owner) applyLocked(why string, fromUpdate bool) error {
 	}
 	base := o.desiredLocked()
 	if fromUpdate && o.applyErr == nil && base.fingerprint() == o.applied {
+		o.closedErr = nil
 		return o.unsupportedFor(&base)
 	}
 	ax, err := o.prog.xfrmDump()
 	if err != nil {
-		o.applyErr = err
+		o.applyErr, o.closedErr = err, err
 		o.noteErrLocked(err)
 		return err
 	}
@@ -789,6 +804,7 @@ func (o *Owner) applyLocked(why string, fromUpdate bool) error {
 		o.applied = fp
 	}
 	o.held = err == nil
+	o.closedErr = errors.Join(res.failClosed...)
 	if err == nil && len(res.collisions) > 0 {
 		// A collision loses one pair's traffic in one epoch (dropped);
 		// everything else is held, and keys may advance.

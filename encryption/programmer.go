@@ -166,31 +166,33 @@ func (p *Programmer) Apply(d Desired) error {
 // collisions are returned in the result, not in the error.
 func (p *Programmer) apply(d *Desired, ax *actualXfrm) (execResult, error) {
 	if p == nil || p.nl == nil {
-		return execResult{}, errors.New("encryption: Apply on a closed Programmer")
+		err := errors.New("encryption: Apply on a closed Programmer")
+		return execResult{failClosed: []error{err}}, err
 	}
 	if err := d.Validate(); err != nil {
-		return execResult{}, fmt.Errorf("invalid desired encryption state: %w", err)
+		err = fmt.Errorf("invalid desired encryption state: %w", err)
+		return execResult{failClosed: []error{err}}, err
 	}
 	dx, err := xfrmOf(d)
 	if err != nil {
-		return execResult{}, err
+		return execResult{failClosed: []error{err}}, err
 	}
 	dn := nftOf(d)
 	an, err := p.nftDump(dn)
 	if err != nil {
 		p.nftFailed()
-		return execResult{}, err
+		return execResult{failClosed: []error{err}}, err
 	}
 	if ax == nil {
 		if ax, err = p.xfrmDump(); err != nil {
-			return execResult{}, err
+			return execResult{failClosed: []error{err}}, err
 		}
 	}
 	// 1.
 	if err := p.nftWiden(dn, an); err != nil {
 		// Without the fail-closed rules nothing else may change.
 		p.nftFailed()
-		return execResult{}, err
+		return execResult{failClosed: []error{err}}, err
 	}
 	// 2.-6.
 	res, err := p.execute(planXfrm(dx, ax, d.Port, d.Local), ax, d.Port, d.Local)

@@ -405,6 +405,11 @@ type execResult struct {
 	unsupported bool
 	// collisions are SAs left out because of an SPI collision.
 	collisions []error
+	// failClosed are the errors that leave traffic able to cross in clear
+	// (a policy that could not be installed); the rest only drop traffic.
+	// The owner reports every error in its status, but fails a share's
+	// update only on these.
+	failClosed []error
 }
 
 // execute applies pl. See Apply for the order and why it never opens a
@@ -434,6 +439,7 @@ func (p *Programmer) execute(pl *xfrmPlan, a *actualXfrm, port int, local netip.
 	if pl.clear != nil {
 		if err := p.setPolicy(pl.clear.key, pl.clear.want, local, pl.clear.op); err != nil {
 			errs = append(errs, err)
+			res.failClosed = append(res.failClosed, err)
 		}
 	}
 	// 2. Inbound SAs of every accepted epoch.
@@ -466,6 +472,7 @@ func (p *Programmer) execute(pl *xfrmPlan, a *actualXfrm, port int, local netip.
 		if rc.policy != polNone {
 			if err := p.setPolicy(rc.key, rc.want, local, rc.policy); err != nil {
 				errs = append(errs, err)
+				res.failClosed = append(res.failClosed, err)
 			}
 		}
 	}

@@ -1,4 +1,5 @@
-// Package stress is overlayd's concurrency-soundness harness: a seeded random
+// Package stress (its tests build with the tag testhooks, which gives the
+// driver its trace) is overlayd's concurrency-soundness harness: a seeded random
 // workload drives one driver from many goroutines on a real kernel (inside
 // throwaway namespaces), with an in-memory source of remote records that the
 // workers change and then notify the driver about (as the control plane
@@ -10,5 +11,5 @@
 // which each network must then hold exactly, level-triggered, refusing what
 // does not fit. Everything lives in the _test.go files; see README.md in
 // this directory for what is checked, how to run it, replay a seed and run a
-// soak, and the known defect it tolerates.
+// soak, and the defects it found.
 package stress

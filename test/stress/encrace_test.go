@@ -1,3 +1,5 @@
+//go:build testhooks
+
 package stress
 
 import (
@@ -125,34 +127,28 @@ func TestEncryptedLeaveUncoversRemote(t *testing.T) {
 		}
 	}
 	wantPolicies("remote shadowed by a local endpoint")
-	// The known ESP defect (see espDefect): the Leave did its work but
-	// returns the owner's error about the SA it cannot install.
-	if err := e.d.Leave(&api.LeaveRequest{NetworkID: "x", EndpointID: "a"}); err != nil && !espDefect(err) {
+	if err := e.d.Leave(&api.LeaveRequest{NetworkID: "x", EndpointID: "a"}); err != nil {
 		t.Fatal(err)
 	}
 	wantPolicies("after the Leave that uncovered the remote", vtep)
 	if st := e.owner.Status(); len(st.Pairs) != 1 || st.Pairs[0].Remote != vtep || st.Pairs[0].Shares != 1 || !st.Pairs[0].PolicyFound {
 		t.Fatalf("owner's pairs after the Leave: %+v", st.Pairs)
 	}
-	if _, err := e.d.Join(&api.JoinRequest{NetworkID: "x", EndpointID: "a", SandboxKey: "/x"}); err != nil && !espDefect(err) {
+	if _, err := e.d.Join(&api.JoinRequest{NetworkID: "x", EndpointID: "a", SandboxKey: "/x"}); err != nil {
 		t.Fatal(err)
 	}
 	wantPolicies("after the Join that shadowed the remote again")
 }
 
-// TestKnownESPDefect reproduces the known defect the harness tolerates
-// (see espDefect and README.md, "Known defects"): on a kernel that cannot
-// install ESP states, once an encrypted network needs a remote VTEP, the
-// encryption owner's Update returns its ESP error for every share, and the
-// driver fails operations of networks that are not encrypted at all: a
-// CreateNetwork of a plain network fails (and is undone), a Join that
-// builds a plain network's sandbox fails (and is rolled back).
-//
-// With OVERLAYD_STRICT_ESP=1 it asserts what should happen (both succeed)
-// and so fails until the defect is fixed. Without, it asserts that the
-// defect is still there, so that the harness's tolerance of it cannot
-// outlive a fix: when this fails, remove espDefect's tolerance.
-func TestKnownESPDefect(t *testing.T) {
+// TestESPTroubleStaysWithItsPair: on a kernel that cannot install ESP
+// states, once an encrypted network needs a remote VTEP, that pair's
+// traffic is dropped and the encryption owner says so in its status — and
+// nothing else fails: a CreateNetwork of a plain network and a Join that
+// builds a plain network's sandbox succeed. (The stress harness found the
+// owner returning its ESP error from every share's update, which failed
+// and undid operations of networks that are not encrypted at all; an SPI
+// collision would have done the same on any kernel.)
+func TestESPTroubleStaysWithItsPair(t *testing.T) {
 	if espKernel() {
 		t.Skip("this kernel can install ESP states; the defect needs one that cannot")
 	}
@@ -190,14 +186,7 @@ func TestKnownESPDefect(t *testing.T) {
 	}
 	errCreate := e.d.CreateNetwork(createRequest("z", other))
 	_, errJoin := e.d.Join(&api.JoinRequest{NetworkID: "y", EndpointID: "a"})
-	if strictESP {
-		if errCreate != nil || errJoin != nil {
-			t.Fatalf("operations of plain networks fail because another network's remote needs an SA this kernel cannot install:\n  CreateNetwork z (plain): %v\n  Join y/a (plain, builds its sandbox): %v", errCreate, errJoin)
-		}
-		return
+	if errCreate != nil || errJoin != nil {
+		t.Fatalf("operations of plain networks fail because another network's remote needs an SA this kernel cannot install:\n  CreateNetwork z (plain): %v\n  Join y/a (plain, builds its sandbox): %v", errCreate, errJoin)
 	}
-	if !espDefect(errCreate) || !espDefect(errJoin) {
-		t.Fatalf("the known ESP defect is gone (CreateNetwork z: %v; Join y/a: %v): remove its tolerance (espDefect) from the harness", errCreate, errJoin)
-	}
-	t.Logf("known defect reproduced (OVERLAYD_STRICT_ESP=1 fails on it):\n  CreateNetwork z (plain): %v\n  Join y/a (plain, builds its sandbox): %v", errCreate, errJoin)
 }

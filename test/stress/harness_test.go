@@ -1,3 +1,5 @@
+//go:build testhooks
+
 package stress
 
 import (
@@ -5,7 +7,6 @@ import (
 	"compress/gzip"
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -307,12 +308,10 @@ func (r *recorder) take() ([]tev, int) {
 // logCapture collects the warnings and errors of the driver and of the
 // encryption owner that a correct run never logs (a failed delta that
 // needed a reconcile, a failed rollback, a repair of encryption state that
-// nobody changed behind the owner's back). Those of the known ESP defect
-// (see espDefect) are counted instead, unless OVERLAYD_STRICT_ESP=1.
+// nobody changed behind the owner's back).
 type logCapture struct {
 	mu         sync.Mutex
 	unexpected []string
-	espLines   int // lines of the known ESP defect tolerated
 	verbose    io.Writer
 }
 
@@ -342,17 +341,13 @@ func (c *logCapture) take() []string {
 }
 
 // noteErr records the error of a call the harness makes as the daemon
-// would (and logs there): unexpected, unless it is the known ESP defect.
+// would (and logs there): unexpected.
 func (c *logCapture) noteErr(what string, err error) {
 	if err == nil {
 		return
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if espDefect(err) {
-		c.espLines++
-		return
-	}
 	c.unexpected = append(c.unexpected, fmt.Sprintf("%s: %v", what, err))
 }
 
@@ -388,10 +383,6 @@ func (h *capHandler) Handle(_ context.Context, r slog.Record) error {
 				return nil
 			}
 		}
-		if !strictESP && strings.Contains(b.String(), encryption.ErrKernelUnsupported.Error()) {
-			h.c.espLines++
-			return nil
-		}
 		h.c.unexpected = append(h.c.unexpected, b.String())
 	}
 	return nil
@@ -402,24 +393,6 @@ func (h *capHandler) WithAttrs(as []slog.Attr) slog.Handler {
 }
 
 func (h *capHandler) WithGroup(string) slog.Handler { return h }
-
-// strictESP (OVERLAYD_STRICT_ESP=1) fails a run on the known ESP defect
-// instead of counting it (see espDefect and README.md, "Known defects").
-var strictESP = os.Getenv("OVERLAYD_STRICT_ESP") == "1"
-
-// espDefect reports whether err is the known defect this kernel provokes:
-// once the encryption owner has found that the kernel cannot install ESP
-// states (ESPUnsupported), every Update and Remove of any share returns
-// that error while any encrypted network needs a remote, and the driver
-// takes it as a failure of the operation at hand (a CreateNetwork of a
-// plain network fails and is undone, a Join building any sandbox fails and
-// is rolled back, a Leave of any network's last endpoint, or a Leave or a
-// Reconcile that programs an encrypted network's peers, returns it although
-// it did its work). The harness tolerates (and counts) exactly these
-// errors, unless OVERLAYD_STRICT_ESP=1; TestKnownESPDefect reproduces it.
-func espDefect(err error) bool {
-	return !strictESP && errors.Is(err, encryption.ErrKernelUnsupported)
-}
 
 // ---------------------------------------------------------------------------
 // Deadlock watchdog: every operation (and every quiet-point check) runs in a
@@ -605,8 +578,6 @@ type harness struct {
 
 	mu         sync.Mutex
 	unexpected []string // operations whose outcome was impossible
-	espOps     int      // operations that failed with the known ESP defect (tolerated)
-	espPlain   int      // ... of which on a network that is never encrypted
 	oplog      [][]string
 	phaseTrace []tev
 	phaseFirst int
@@ -708,13 +679,6 @@ func runStress(t testing.TB, cfg runConfig) *runResult {
 					h.oplog[w] = append(h.oplog[w], line)
 					switch {
 					case o.ok(err):
-					case o.esp && espDefect(err):
-						h.mu.Lock()
-						h.espOps++
-						if o.plain {
-							h.espPlain++
-						}
-						h.mu.Unlock()
 					default:
 						h.mu.Lock()
 						h.unexpected = append(h.unexpected, "impossible outcome: "+line)
@@ -838,10 +802,8 @@ func (h *harness) check() []string {
 		// nothing left to fix.
 		h.quietReconciles++
 		fixed, err := h.e.d.Reconcile()
-		if err != nil && !espDefect(err) {
+		if err != nil {
 			diffs = append(diffs, fmt.Sprintf("Reconcile after %d lost notification(s): %v", lost, err))
-		} else if err != nil {
-			h.espOps++
 		}
 		for _, f := range fixed {
 			diffs = append(diffs, fmt.Sprintf("Reconcile after %d lost notification(s) fixed the kernel after its own pulls: %s", lost, f))
@@ -894,10 +856,6 @@ func (h *harness) finishStats(res *runResult) {
 	}
 	res.enc = h.enc
 	res.work.quietReconciles = h.quietReconciles
-	res.work.espOps, res.work.espPlain = h.espOps, h.espPlain
-	h.e.logs.mu.Lock()
-	res.work.espLines = h.e.logs.espLines
-	h.e.logs.mu.Unlock()
 }
 
 // compareAll compares the model with the kernel (netlink dumps: links,

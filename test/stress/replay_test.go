@@ -1,3 +1,5 @@
+//go:build testhooks
+
 package stress
 
 import (
@@ -29,9 +31,8 @@ import (
 // replaying only the events of the networks involved shrinks the log.
 //
 // The replay's encryption owner has no keys (it is attached to no gossip):
-// every policy points at no SA, so the known ESP defect (see espDefect),
-// which needs keys, cannot make a replayed call fail where the original
-// succeeded; tables, sets and policies are checked as in a run.
+// every policy points at no SA; tables, sets and policies are checked as in
+// a run.
 
 // TestReplay replays OVERLAYD_REPLAY=<trace file> (printed by a failing run).
 func TestReplay(t *testing.T) {

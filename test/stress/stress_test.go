@@ -1,3 +1,5 @@
+//go:build testhooks
+
 package stress
 
 import (
@@ -104,10 +106,10 @@ func TestStress(t *testing.T) {
 			{"changes not notified", w["change not notified"], 50},
 		}
 		if cfg.fixedAdv {
-			// With keys on this kernel, an encrypted network that holds
-			// remote peers cannot build its sandbox (see espDefect), so
-			// few remotes need a policy at quiet points:
-			// TestStressBeforeKeys covers them.
+			// With keys on this kernel the SAs of remotes cannot be
+			// installed (the owner reports it; their traffic is dropped):
+			// the remote policies are checked here and, without keys,
+			// in TestStressBeforeKeys.
 			checks = append(checks, []struct {
 				what      string
 				got, want int
@@ -131,18 +133,12 @@ func logStats(t *testing.T, res *runResult) {
 	t.Logf("workload: %s", res.work)
 	t.Logf("encryption: %s", res.enc)
 	logInferred(t, res)
-	if res.work.espOps+res.work.espLines > 0 {
-		t.Logf("KNOWN DEFECT tolerated (OVERLAYD_STRICT_ESP=1 fails on it): %d operations failed and %d log lines complained because another network's remote needs an SA this kernel cannot install (see README.md, Known defects)",
-			res.work.espOps, res.work.espLines)
-	}
 }
 
 // TestStressBeforeKeys is the workload of TestStress with the encryption
 // owner attached to no gossip, as a daemon before its control plane runs:
 // it has no keys, every outbound policy points at no SA (drops), and no SA
-// is ever attempted, so the known ESP defect (see espDefect) cannot occur
-// and encrypted networks build their sandboxes whatever remote peers they
-// hold. Always with a configured advertise address, so that encrypted
+// is ever attempted. Always with a configured advertise address, so that encrypted
 // networks exist; quiet points twice as often as TestStress's. This is
 // where an outbound policy per needed remote VTEP is checked most (in
 // TestStress, on this kernel, encrypted networks with remote peers cannot
@@ -171,8 +167,8 @@ func TestStressBeforeKeys(t *testing.T) {
 			}
 		}
 	}
-	if res.work.espOps+res.work.espLines != 0 || res.enc.espUnsupported != 0 {
-		t.Errorf("without keys no SA is attempted, yet the ESP defect showed: %s; %s", res.work, res.enc)
+	if res.enc.espUnsupported != 0 {
+		t.Errorf("without keys no SA is attempted, yet the owner reported ESPUnsupported: %s", res.enc)
 	}
 }
 

@@ -1,3 +1,5 @@
+//go:build testhooks
+
 package stress
 
 import (
@@ -198,16 +200,6 @@ func (u *universe) plainOnly() {
 	}
 }
 
-// plain reports whether network id is never encrypted (no spec of it is).
-func (u *universe) plain(id string) bool {
-	for _, s := range u.specs[id] {
-		if s.encrypted {
-			return false
-		}
-	}
-	return true
-}
-
 // encryptedMTU is an encrypted network's MTU on nstest's 1500-byte eth0.
 var encryptedMTU = encryption.InnerMTU(1500, false)
 
@@ -277,12 +269,6 @@ type op struct {
 	// ok says whether err is a possible outcome; an impossible one is a
 	// failure of the run.
 	ok func(err error) bool
-	// esp: the operation may also fail with the known ESP defect (see
-	// espDefect): it registers or updates an encryption share.
-	esp bool
-	// plain: the operation's network is never encrypted (every spec of
-	// its id is plain), so an ESP error is none of its business.
-	plain bool
 	// detail, if set, is filled in by run: what a source op drew and did
 	// (the records depend on what the source holds then).
 	detail *string
@@ -338,11 +324,11 @@ func (g *gen) next() op {
 	case r < u.mix.peer+u.mix.epCreate:
 		return g.createEndpoint(id, ep)
 	case r < u.mix.peer+u.mix.epCreate+u.mix.epDelete:
-		return op{desc: "DeleteEndpoint " + id + "/" + ep, ok: noError, esp: true, plain: u.plain(id), run: func(d *driver.Driver) error {
+		return op{desc: "DeleteEndpoint " + id + "/" + ep, ok: noError, run: func(d *driver.Driver) error {
 			return d.DeleteEndpoint(&api.DeleteEndpointRequest{NetworkID: id, EndpointID: ep})
 		}}
 	case r < u.mix.peer+u.mix.epCreate+u.mix.epDelete+u.mix.join:
-		return op{desc: "Join " + id + "/" + ep, esp: true, plain: u.plain(id),
+		return op{desc: "Join " + id + "/" + ep,
 			ok: func(err error) bool { return errHas(err, "not found", "already joined") },
 			run: func(d *driver.Driver) error {
 				resp, err := d.Join(&api.JoinRequest{NetworkID: id, EndpointID: ep, SandboxKey: "/var/run/docker/netns/stress"})
@@ -354,7 +340,7 @@ func (g *gen) next() op {
 				return err
 			}}
 	case r < u.mix.peer+u.mix.epCreate+u.mix.epDelete+u.mix.join+u.mix.leave:
-		return op{desc: "Leave " + id + "/" + ep, ok: noError, esp: true, plain: u.plain(id), run: func(d *driver.Driver) error {
+		return op{desc: "Leave " + id + "/" + ep, ok: noError, run: func(d *driver.Driver) error {
 			return d.Leave(&api.LeaveRequest{NetworkID: id, EndpointID: ep})
 		}}
 	case r < u.mix.peer+u.mix.epCreate+u.mix.epDelete+u.mix.join+u.mix.leave+u.mix.netCreate:
@@ -403,7 +389,7 @@ func (g *gen) next() op {
 		// pull of every network, then a kernel dump and diff. Each network
 		// is handled under its lock, where its kernel state is what its
 		// table says, so it must find nothing to fix.
-		return op{desc: "Reconcile", ok: noError, esp: true, run: func(d *driver.Driver) error {
+		return op{desc: "Reconcile", ok: noError, run: func(d *driver.Driver) error {
 			g.count["reconcile"]++
 			fixed, err := d.Reconcile()
 			if len(fixed) > 0 {
@@ -473,7 +459,7 @@ func (g *gen) createNetwork(id string) op {
 			return d.CreateNetwork(req)
 		}}
 	}
-	return op{desc: "CreateNetwork " + id + " " + s.String(), esp: true, plain: !s.encrypted,
+	return op{desc: "CreateNetwork " + id + " " + s.String(),
 		ok:  func(err error) bool { return errHas(err, "already exists on this host", "is already used by network") },
 		run: func(d *driver.Driver) error { return d.CreateNetwork(createRequest(id, s)) }}
 }
@@ -866,9 +852,6 @@ func (g *gen) peerOp() op {
 type workStats struct {
 	counts          map[string]int // by kind (see gen.count)
 	quietReconciles int            // Reconciles at quiet points, after lost notifications
-	espOps          int            // operations that failed with the known ESP defect (tolerated)
-	espPlain        int            // ... of which on networks that are never encrypted
-	espLines        int            // log lines of the known ESP defect (tolerated)
 }
 
 func (w *workStats) add(c map[string]int) {
@@ -885,6 +868,5 @@ func (w workStats) String() string {
 	for _, k := range slices.Sorted(maps.Keys(w.counts)) {
 		parts = append(parts, fmt.Sprintf("%s %d", k, w.counts[k]))
 	}
-	return fmt.Sprintf("%s; Reconciles at quiet points %d; tolerated (known ESP defect): %d failed operations (%d on networks that are never encrypted), %d log lines",
-		strings.Join(parts, ", "), w.quietReconciles, w.espOps, w.espPlain, w.espLines)
+	return fmt.Sprintf("%s; Reconciles at quiet points %d", strings.Join(parts, ", "), w.quietReconciles)
 }
