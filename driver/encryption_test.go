@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"net/netip"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -15,66 +14,12 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/overlayd/overlayd/encryption"
+	"github.com/overlayd/overlayd/internal/testutil/keyhub"
 	"github.com/overlayd/overlayd/internal/testutil/nstest"
 	"github.com/overlayd/overlayd/peerdb"
 )
 
 var testSecret = []byte("0123456789abcdef0123456789abcdef")
-
-// gossipHub stands in for the control plane's key gossip between the
-// encryption owners of test hosts (the cluster's own tests cover the
-// gossip; here only the owners' protocol matters). Every Advertise pokes
-// the other owners, as the cluster's member-change callback does.
-type gossipHub struct {
-	mu      sync.Mutex
-	adverts map[netip.Addr]encryption.Advert
-	owners  map[netip.Addr]*encryption.Owner
-}
-
-func newGossipHub() *gossipHub {
-	return &gossipHub{adverts: map[netip.Addr]encryption.Advert{}, owners: map[netip.Addr]*encryption.Owner{}}
-}
-
-type hubMember struct {
-	h    *gossipHub
-	self netip.Addr
-}
-
-func (m hubMember) Adverts() map[netip.Addr]encryption.Advert {
-	m.h.mu.Lock()
-	defer m.h.mu.Unlock()
-	out := map[netip.Addr]encryption.Advert{}
-	for v, a := range m.h.adverts {
-		if v != m.self {
-			out[v] = a
-		}
-	}
-	return out
-}
-
-func (m hubMember) Advertise(a encryption.Advert) error {
-	m.h.mu.Lock()
-	m.h.adverts[m.self] = a
-	var others []*encryption.Owner
-	for v, o := range m.h.owners {
-		if v != m.self {
-			others = append(others, o)
-		}
-	}
-	m.h.mu.Unlock()
-	for _, o := range others {
-		o.Poke()
-	}
-	return nil
-}
-
-// attach connects o (the owner of the host with VTEP self) to the hub.
-func (h *gossipHub) attach(self netip.Addr, o *encryption.Owner) {
-	h.mu.Lock()
-	h.owners[self] = o
-	h.mu.Unlock()
-	o.AttachGossip(hubMember{h: h, self: self})
-}
 
 // newOwner returns a started encryption owner for host (check replaces the
 // kernel check when set), closed at the end of the test.
@@ -95,7 +40,7 @@ func newOwner(t *testing.T, host *nstest.NS, adv netip.Addr, check func() error)
 
 // encDriver returns a driver with an encryption owner; with hub, the owner
 // gossips its keys through it (a lone host bootstraps epoch 1).
-func encDriver(t *testing.T, host *nstest.NS, adv netip.Addr, check func() error, hub *gossipHub) (*Driver, *encryption.Owner) {
+func encDriver(t *testing.T, host *nstest.NS, adv netip.Addr, check func() error, hub *keyhub.Hub) (*Driver, *encryption.Owner) {
 	t.Helper()
 	o := newOwner(t, host, adv, check)
 	d, err := New(Config{HostNS: host.Handle, NetnsDir: nstest.NetnsDir(t), AdvertiseAddr: adv, Logger: testLogger(), Peers: newMemSource(),
@@ -105,7 +50,7 @@ func encDriver(t *testing.T, host *nstest.NS, adv netip.Addr, check func() error
 	}
 	t.Cleanup(func() { d.Close() })
 	if hub != nil {
-		hub.attach(adv, o)
+		hub.Attach(adv, o)
 	}
 	return d, o
 }
@@ -204,7 +149,7 @@ func TestEncryptedNetworkFailsClosedWithoutSAs(t *testing.T) {
 		t.Skip("this kernel can encrypt: TestEncryptedNetworkRealPath covers it")
 	}
 	hosts, vteps := nstest.Hosts(t, 1, false)
-	d, o := encDriver(t, hosts[0], vteps[0], func() error { return nil }, newGossipHub())
+	d, o := encDriver(t, hosts[0], vteps[0], func() error { return nil }, keyhub.New())
 	mustCreate(t, d, encReq("enc", "700", "198.51.100.0/24"))
 	if st := d.Status(); st.Networks[0].MTU != 1416 || !st.Networks[0].Encrypted {
 		t.Fatalf("encrypted network status: %+v (want MTU 1416)", st.Networks[0])
@@ -262,7 +207,7 @@ func TestJoinRollbackRestoresEncryption(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer d.Close()
-	newGossipHub().attach(vteps[0], o)
+	keyhub.New().Attach(vteps[0], o)
 	waitKeys(t, o)
 	mustCreate(t, d, encReq("enc", "701", "198.51.100.0/24"))
 	mustEndpoint(t, d, "enc", "first", "198.51.100.2/24")
@@ -301,7 +246,7 @@ func TestEncryptedNetworkRealPath(t *testing.T) {
 		t.Skipf("this kernel cannot encrypt (the VM suite runs this test): %v", err)
 	}
 	hosts, vteps := nstest.Hosts(t, 2, false)
-	hub := newGossipHub()
+	hub := keyhub.New()
 	var ds []*Driver
 	var os []*encryption.Owner
 	var ctrs []*nstest.NS

@@ -8,7 +8,6 @@ import (
 	"os"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -426,78 +425,6 @@ func rxPackets(t *testing.T, ns *nstest.NS, name string) uint64 {
 	return l.Attrs().Statistics.RxPackets
 }
 
-// underlayCapture counts, on a link, ESP packets and clear-text VXLAN
-// packets to port 4799 per VNI (AF_PACKET, both directions).
-type underlayCapture struct {
-	esp   atomic.Int64
-	mu    sync.Mutex
-	clear map[uint32]int
-}
-
-func (c *underlayCapture) clearOf(vni uint32) int {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.clear[vni]
-}
-
-func captureOn(t *testing.T, ns *nstest.NS, link string) *underlayCapture {
-	t.Helper()
-	l, err := ns.NL.LinkByName(link)
-	if err != nil {
-		t.Fatal(err)
-	}
-	const all = unix.ETH_P_ALL<<8&0xff00 | unix.ETH_P_ALL>>8
-	var fd int
-	err = netnsutil.DoIn(ns.Handle, func() error {
-		var err error
-		if fd, err = unix.Socket(unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, all); err != nil {
-			return err
-		}
-		return unix.Bind(fd, &unix.SockaddrLinklayer{Protocol: all, Ifindex: l.Attrs().Index})
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	tv := unix.NsecToTimeval(int64(20 * time.Millisecond))
-	unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv)
-	c := &underlayCapture{clear: map[uint32]int{}}
-	stop, done := make(chan struct{}), make(chan struct{})
-	go func() {
-		defer close(done)
-		buf := make([]byte, 65536)
-		for {
-			select {
-			case <-stop:
-				return
-			default:
-			}
-			n, _, err := unix.Recvfrom(fd, buf, 0)
-			if err != nil {
-				continue
-			}
-			p := buf[:n]
-			if n < 14+20 || binary.BigEndian.Uint16(p[12:]) != unix.ETH_P_IP {
-				continue
-			}
-			ip := p[14:]
-			ihl := int(ip[0]&0xf) * 4
-			switch ip[9] {
-			case unix.IPPROTO_ESP:
-				c.esp.Add(1)
-			case unix.IPPROTO_UDP:
-				if len(ip) >= ihl+16 && binary.BigEndian.Uint16(ip[ihl+2:]) == 4799 {
-					vx := ip[ihl+8:]
-					c.mu.Lock()
-					c.clear[uint32(vx[4])<<16|uint32(vx[5])<<8|uint32(vx[6])]++
-					c.mu.Unlock()
-				}
-			}
-		}
-	}()
-	t.Cleanup(func() { close(stop); <-done; unix.Close(fd) })
-	return c
-}
-
 // TestFailClosedDatapath sends real traffic between two hosts (namespaces
 // joined by an underlay) and checks that VXLAN of an encrypted VNI never
 // crosses in clear: inbound clear text is dropped by the input rule before
@@ -588,7 +515,7 @@ func TestFailClosedDatapath(t *testing.T) {
 		}
 		addVXLAN(t, a, "vx100", 100, addrs[0], "198.51.100.1/24", addrs[1])
 		addVXLAN(t, a, "vx200", 200, addrs[0], "203.0.113.1/24", addrs[1])
-		capt := captureOn(t, b, "eth0")
+		capt := nstest.StartCapture(t, b, "eth0", 4799)
 		time.Sleep(50 * time.Millisecond)
 		try := func() {
 			// ARP requests for these addresses are flooded to B as VXLAN;
@@ -605,16 +532,16 @@ func TestFailClosedDatapath(t *testing.T) {
 		}
 
 		try()
-		if capt.clearOf(200) == 0 {
+		if capt.ClearOf(200) == 0 {
 			t.Fatal("control: unencrypted VNI 200 did not reach the underlay")
 		}
-		if capt.clearOf(100) != 0 {
-			t.Fatalf("encrypted VNI 100 left in clear (%d packets) with a policy and %s", capt.clearOf(100), map[bool]string{true: "an SA", false: "no SA"}[supported])
+		if capt.ClearOf(100) != 0 {
+			t.Fatalf("encrypted VNI 100 left in clear (%d packets) with a policy and %s", capt.ClearOf(100), map[bool]string{true: "an SA", false: "no SA"}[supported])
 		}
-		if supported && capt.esp.Load() == 0 {
+		if supported && capt.ESP() == 0 {
 			t.Fatal("encrypted VNI 100 did not leave as ESP")
 		}
-		t.Logf("with policy: VNI 100 in clear: 0, ESP: %d; VNI 200 in clear: %d", capt.esp.Load(), capt.clearOf(200))
+		t.Logf("with policy: VNI 100 in clear: 0, ESP: %d; VNI 200 in clear: %d", capt.ESP(), capt.ClearOf(200))
 
 		// Without the nftables table (nft flush ruleset, a firewall
 		// reload) nothing is marked clear: every VXLAN packet to B takes
@@ -625,22 +552,22 @@ func TestFailClosedDatapath(t *testing.T) {
 		if err := fc.Flush(); err != nil {
 			t.Fatal(err)
 		}
-		clear100, clear200 := capt.clearOf(100), capt.clearOf(200)
+		clear100, clear200 := capt.ClearOf(100), capt.ClearOf(200)
 		try()
-		if capt.clearOf(100) != clear100 {
-			t.Fatalf("encrypted VNI 100 left in clear with the ruleset flushed (%d packets)", capt.clearOf(100)-clear100)
+		if capt.ClearOf(100) != clear100 {
+			t.Fatalf("encrypted VNI 100 left in clear with the ruleset flushed (%d packets)", capt.ClearOf(100)-clear100)
 		}
-		if !supported && capt.clearOf(200) != clear200 {
-			t.Fatalf("with the ruleset flushed, VXLAN to B left in clear although B's policy selects it (%d packets of VNI 200)", capt.clearOf(200)-clear200)
+		if !supported && capt.ClearOf(200) != clear200 {
+			t.Fatalf("with the ruleset flushed, VXLAN to B left in clear although B's policy selects it (%d packets of VNI 200)", capt.ClearOf(200)-clear200)
 		}
-		t.Logf("ruleset flushed: VNI 100 in clear +%d, VNI 200 in clear +%d (its packets took B's policy: %s)", capt.clearOf(100)-clear100, capt.clearOf(200)-clear200,
+		t.Logf("ruleset flushed: VNI 100 in clear +%d, VNI 200 in clear +%d (its packets took B's policy: %s)", capt.ClearOf(100)-clear100, capt.ClearOf(200)-clear200,
 			map[bool]string{true: "encrypted", false: "no SA here, dropped"}[supported])
 		if err := pa.Apply(da); err != nil && !errors.Is(err, ErrKernelUnsupported) {
 			t.Fatal(err)
 		}
-		clear200 = capt.clearOf(200)
+		clear200 = capt.ClearOf(200)
 		try()
-		if capt.clearOf(200) == clear200 {
+		if capt.ClearOf(200) == clear200 {
 			t.Fatal("the clear VNI 200 did not cross again once the rules were back")
 		}
 
@@ -653,8 +580,8 @@ func TestFailClosedDatapath(t *testing.T) {
 		c0, _ := pa.Counters(da)
 		try()
 		c1, _ := pa.Counters(da)
-		if capt.clearOf(100) != 0 {
-			t.Fatalf("encrypted VNI 100 left in clear without a policy (%d packets)", capt.clearOf(100))
+		if capt.ClearOf(100) != 0 {
+			t.Fatalf("encrypted VNI 100 left in clear without a policy (%d packets)", capt.ClearOf(100))
 		}
 		if c1[ChainOutDrop] <= c0[ChainOutDrop] || c1[ChainMark] <= c0[ChainMark] {
 			t.Fatalf("counters: clear VNI marked %d -> %d, encrypted VNI dropped %d -> %d", c0[ChainMark], c1[ChainMark], c0[ChainOutDrop], c1[ChainOutDrop])

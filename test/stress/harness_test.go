@@ -28,6 +28,7 @@ import (
 	"github.com/overlayd/overlayd/driver"
 	"github.com/overlayd/overlayd/encryption"
 	"github.com/overlayd/overlayd/internal/lockorder"
+	"github.com/overlayd/overlayd/internal/testutil/keyhub"
 	"github.com/overlayd/overlayd/internal/testutil/nstest"
 	"github.com/overlayd/overlayd/peerdb"
 )
@@ -138,7 +139,7 @@ func newEnv(t testing.TB, fixedAdv, trace, keys bool) *env {
 // with keys): the owner bootstraps epoch 1 through it.
 func (e *env) attachGossip() {
 	if e.keys {
-		e.attach.Do(func() { newGossipHub().attach(e.vtep, e.owner) })
+		e.attach.Do(func() { keyhub.New().Attach(e.vtep, e.owner) })
 	}
 }
 
@@ -158,59 +159,6 @@ func (e *env) announce(a netip.Addr) {
 	e.announceMu.Lock()
 	e.announced = append(e.announced, a)
 	e.announceMu.Unlock()
-}
-
-// gossipHub stands in for the control plane's key gossip (as in the
-// driver's tests): every Advertise pokes the other owners. The harness's
-// host is alone in it, so its owner bootstraps epoch 1 and keeps it.
-type gossipHub struct {
-	mu      sync.Mutex
-	adverts map[netip.Addr]encryption.Advert
-	owners  map[netip.Addr]*encryption.Owner
-}
-
-func newGossipHub() *gossipHub {
-	return &gossipHub{adverts: map[netip.Addr]encryption.Advert{}, owners: map[netip.Addr]*encryption.Owner{}}
-}
-
-type hubMember struct {
-	h    *gossipHub
-	self netip.Addr
-}
-
-func (m hubMember) Adverts() map[netip.Addr]encryption.Advert {
-	m.h.mu.Lock()
-	defer m.h.mu.Unlock()
-	out := map[netip.Addr]encryption.Advert{}
-	for v, a := range m.h.adverts {
-		if v != m.self {
-			out[v] = a
-		}
-	}
-	return out
-}
-
-func (m hubMember) Advertise(a encryption.Advert) error {
-	m.h.mu.Lock()
-	m.h.adverts[m.self] = a
-	var others []*encryption.Owner
-	for v, o := range m.h.owners {
-		if v != m.self {
-			others = append(others, o)
-		}
-	}
-	m.h.mu.Unlock()
-	for _, o := range others {
-		o.Poke()
-	}
-	return nil
-}
-
-func (h *gossipHub) attach(self netip.Addr, o *encryption.Owner) {
-	h.mu.Lock()
-	h.owners[self] = o
-	h.mu.Unlock()
-	o.AttachGossip(hubMember{h: h, self: self})
 }
 
 // publisher is the control plane's other half: it keeps the local records

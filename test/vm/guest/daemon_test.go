@@ -193,7 +193,7 @@ func TestDaemonEncryptedFlushesVM(t *testing.T) {
 		resp := h.call(t, "Join", map[string]any{"NetworkID": "enc", "EndpointID": eid, "SandboxKey": "/none"})
 		ctrs[i] = nstest.Container(t, eid, nss[i], resp["InterfaceName"].(map[string]any)["SrcName"].(string), addrs[i], nil)
 	}
-	capts := [2]*vniCapture{startVNICapture(t, nss[0], "eth0"), startVNICapture(t, nss[1], "eth0")}
+	capts := [2]*nstest.Capture{nstest.StartCapture(t, nss[0], "eth0", vxlanPort), nstest.StartCapture(t, nss[1], "eth0", vxlanPort)}
 	if err := nstest.PingEventually(ctrs[0], addrs[1].Addr(), 30*time.Second); err != nil {
 		t.Fatalf("no ping through the encrypted network of the two daemons: %v", err)
 	}
@@ -257,11 +257,11 @@ func TestDaemonEncryptedFlushesVM(t *testing.T) {
 	}
 	p.Stop()
 	for i, c := range capts {
-		if n := c.clearOf(vni); n != 0 {
+		if n := c.ClearOf(vni); n != 0 {
 			t.Errorf("host %d: %d clear-text VXLAN packets of the encrypted VNI %d on the underlay", i, n, vni)
 		}
-		t.Logf("FIGURE: host %d underlay capture: %d ESP packets, %d clear-text VXLAN packets of VNI %d", i, c.esp.Load(), c.clearOf(vni), vni)
-		if c.esp.Load() == 0 {
+		t.Logf("FIGURE: host %d underlay capture: %d ESP packets, %d clear-text VXLAN packets of VNI %d", i, c.ESP(), c.ClearOf(vni), vni)
+		if c.ESP() == 0 {
 			t.Errorf("host %d: no ESP captured: the capture saw nothing", i)
 		}
 	}

@@ -20,7 +20,7 @@ import (
 func TestEncryptedOverlay(t *testing.T) {
 	requireESP(t)
 	hs := newPair(t, 100)
-	capt := startCapture(t, hs[1].ns, "eth0")
+	capt := nstest.StartCapture(t, hs[1].ns, "eth0", vxlanPort)
 
 	if err := nstest.PingEventually(hs[0].container, hs[1].inner, 10*time.Second); err != nil {
 		t.Fatalf("ping through the encrypted overlay: %v", err)
@@ -42,10 +42,10 @@ func TestEncryptedOverlay(t *testing.T) {
 			i, st[0].SendSA.SPI, st[0].SendSA.Epoch, st[0].SendSA.Packets, st[0].Inbound[0].SPI, st[0].Inbound[0].Packets)
 	}
 	time.Sleep(100 * time.Millisecond)
-	if capt.esp.Load() == 0 || capt.clear.Load() != 0 {
-		t.Fatalf("underlay capture: %d ESP, %d clear-text VXLAN packets; want ESP only", capt.esp.Load(), capt.clear.Load())
+	if capt.ESP() == 0 || capt.Clear() != 0 {
+		t.Fatalf("underlay capture: %d ESP, %d clear-text VXLAN packets; want ESP only", capt.ESP(), capt.Clear())
 	}
-	t.Logf("underlay capture after pings: %d ESP packets, %d clear-text VXLAN packets", capt.esp.Load(), capt.clear.Load())
+	t.Logf("underlay capture after pings: %d ESP packets, %d clear-text VXLAN packets", capt.ESP(), capt.Clear())
 
 	t.Run("rotation", func(t *testing.T) { rotateDuringPing(t, hs, capt) })
 	if t.Failed() {
@@ -54,7 +54,7 @@ func TestEncryptedOverlay(t *testing.T) {
 
 	// Remove the peer on host 0: its SAs and policies go, the rules stay
 	// (the VNI is still encrypted), and traffic to it is dropped.
-	before := capt.clear.Load()
+	before := capt.Clear()
 	hs[0].want.Remotes = nil
 	if err := hs[0].prog.Apply(hs[0].want); err != nil {
 		t.Fatalf("remove peer: %v", err)
@@ -71,7 +71,7 @@ func TestEncryptedOverlay(t *testing.T) {
 	}
 	c1, _ := hs[0].prog.Counters(hs[0].want)
 	time.Sleep(50 * time.Millisecond)
-	if capt.clear.Load() != before {
+	if capt.Clear() != before {
 		t.Fatalf("clear-text VXLAN reached the underlay after the peer was removed")
 	}
 	if c1[encryption.ChainOutDrop] <= c0[encryption.ChainOutDrop] {
@@ -97,9 +97,9 @@ func TestEncryptedOverlay(t *testing.T) {
 // rotateDuringPing rotates the key (epoch 1 -> 2) with the cluster's state
 // machine while host 0's container pings host 1's continuously, and reports
 // lost packets (there must be none).
-func rotateDuringPing(t *testing.T, hs [2]*host, capt *capture) {
+func rotateDuringPing(t *testing.T, hs [2]*host, capt *nstest.Capture) {
 	keys := [2]encryption.NodeKeys{{Accept: []uint32{1}, Send: 1, Target: 1}, {Accept: []uint32{1}, Send: 1, Target: 1}}
-	clearBefore := capt.clear.Load()
+	clearBefore := capt.Clear()
 
 	var mu sync.Mutex
 	sent, lost := 0, 0
@@ -172,7 +172,7 @@ func rotateDuringPing(t *testing.T, hs [2]*host, capt *capture) {
 			t.Fatalf("host %d: after rotation the epoch-2 SAs do not carry the traffic: %+v", i, st)
 		}
 	}
-	if capt.clear.Load() != clearBefore {
+	if capt.Clear() != clearBefore {
 		t.Fatalf("clear-text VXLAN on the underlay during rotation")
 	}
 	mu.Lock()

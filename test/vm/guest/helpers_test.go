@@ -1,20 +1,14 @@
 package guest
 
 import (
-	"encoding/binary"
-	"errors"
 	"net"
 	"net/netip"
-	"sync"
-	"sync/atomic"
 	"testing"
-	"time"
 
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
 	"github.com/overlayd/overlayd/encryption"
-	"github.com/overlayd/overlayd/internal/netnsutil"
 	"github.com/overlayd/overlayd/internal/testutil/nstest"
 )
 
@@ -106,78 +100,6 @@ func newPair(t *testing.T, vni uint32) [2]*host {
 	return hs
 }
 
-// capture counts, on one link of a namespace, ESP packets and clear-text
-// VXLAN packets to the VXLAN port (AF_PACKET, both directions).
-type capture struct {
-	esp, clear atomic.Int64
-	fd         int
-	done       chan struct{}
-	once       sync.Once
-}
-
-func startCapture(t *testing.T, ns *nstest.NS, link string) *capture {
-	t.Helper()
-	l, err := ns.NL.LinkByName(link)
-	if err != nil {
-		t.Fatal(err)
-	}
-	proto := int(htons(unix.ETH_P_ALL))
-	var fd int
-	err = netnsutil.DoIn(ns.Handle, func() error {
-		var err error
-		fd, err = unix.Socket(unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, proto)
-		if err != nil {
-			return err
-		}
-		return unix.Bind(fd, &unix.SockaddrLinklayer{Protocol: htons(unix.ETH_P_ALL), Ifindex: l.Attrs().Index})
-	})
-	if err != nil {
-		t.Fatalf("capture socket: %v", err)
-	}
-	tv := unix.NsecToTimeval((50 * time.Millisecond).Nanoseconds())
-	unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv)
-	c := &capture{fd: fd, done: make(chan struct{})}
-	stop := make(chan struct{})
-	go func() {
-		defer close(c.done)
-		buf := make([]byte, 65536)
-		for {
-			select {
-			case <-stop:
-				return
-			default:
-			}
-			n, _, err := unix.Recvfrom(fd, buf, 0)
-			if err != nil {
-				if errors.Is(err, unix.EAGAIN) || errors.Is(err, unix.EINTR) {
-					continue
-				}
-				return
-			}
-			c.classify(buf[:n])
-		}
-	}()
-	t.Cleanup(func() { c.once.Do(func() { close(stop); <-c.done; unix.Close(fd) }) })
-	return c
-}
-
-func (c *capture) classify(p []byte) {
-	if len(p) < 14+20 || binary.BigEndian.Uint16(p[12:]) != unix.ETH_P_IP {
-		return
-	}
-	ip := p[14:]
-	ihl := int(ip[0]&0x0f) * 4
-	switch ip[9] {
-	case unix.IPPROTO_ESP:
-		c.esp.Add(1)
-	case unix.IPPROTO_UDP:
-		if len(ip) >= ihl+4 && binary.BigEndian.Uint16(ip[ihl+2:]) == vxlanPort {
-			c.clear.Add(1)
-		}
-	}
-}
-
-func htons(v uint16) uint16 { return v<<8 | v>>8 }
 
 // ourXfrm returns the SAs and policies with overlayd's reqid in ns.
 func ourXfrm(t *testing.T, ns *nstest.NS) (states, policies int) {

@@ -1,7 +1,6 @@
 package guest
 
 import (
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -9,7 +8,6 @@ import (
 	"net/netip"
 	"os"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -18,7 +16,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/overlayd/overlayd/encryption"
-	"github.com/overlayd/overlayd/internal/netnsutil"
+	"github.com/overlayd/overlayd/internal/testutil/keyhub"
 	"github.com/overlayd/overlayd/internal/testutil/nstest"
 )
 
@@ -65,56 +63,6 @@ func (s *memStore) PutMeta(k string, v []byte) error {
 	return nil
 }
 
-// gossip is the in-memory control plane.
-type gossip struct {
-	mu      sync.Mutex
-	adverts map[netip.Addr][]byte // encoded, as the cluster carries them
-	owners  map[netip.Addr]*encryption.Owner
-}
-
-type member struct {
-	g    *gossip
-	self netip.Addr
-}
-
-func (m member) Adverts() map[netip.Addr]encryption.Advert {
-	m.g.mu.Lock()
-	defer m.g.mu.Unlock()
-	out := map[netip.Addr]encryption.Advert{}
-	for a, b := range m.g.adverts {
-		if a == m.self {
-			continue
-		}
-		if adv, err := encryption.DecodeAdvert(b); err == nil {
-			out[a] = adv
-		}
-	}
-	return out
-}
-
-func (m member) Advertise(a encryption.Advert) error {
-	m.g.mu.Lock()
-	m.g.adverts[m.self] = a.Encode()
-	var others []*encryption.Owner
-	for addr, o := range m.g.owners {
-		if addr != m.self {
-			others = append(others, o)
-		}
-	}
-	m.g.mu.Unlock()
-	for _, o := range others {
-		o.Poke()
-	}
-	return nil
-}
-
-func (g *gossip) attach(self netip.Addr, o *encryption.Owner) {
-	g.mu.Lock()
-	g.owners[self] = o
-	g.mu.Unlock()
-	o.AttachGossip(member{g, self})
-}
-
 type ownerHost struct {
 	// nft and xfrm are the test's own sockets in ns, kept open so that
 	// polling the kernel is cheap.
@@ -131,7 +79,7 @@ type ownerHost struct {
 }
 
 // newOwner starts h's Owner; it is closed when life ends.
-func (h *ownerHost) newOwner(t, life *testing.T, g *gossip, peer netip.Addr) {
+func (h *ownerHost) newOwner(t, life *testing.T, g *keyhub.Hub, peer netip.Addr) {
 	t.Helper()
 	o, err := encryption.NewOwner(encryption.OwnerConfig{
 		NS: h.ns.Handle, Port: vxlanPort, Secret: secret, Store: h.store,
@@ -154,7 +102,7 @@ func (h *ownerHost) newOwner(t, life *testing.T, g *gossip, peer netip.Addr) {
 	if err := o.Restored(); err != nil {
 		t.Fatalf("host %d: restored: %v", h.i, err)
 	}
-	g.attach(h.addr, o)
+	g.Attach(h.addr, o)
 	h.o = o
 }
 
@@ -190,10 +138,10 @@ func addLink(t *testing.T, h *ownerHost, name string, vni uint32, mtu int, addr 
 
 // newOwnerHosts builds the two hosts and waits until keys are established
 // and both VNIs carry pings both ways.
-func newOwnerHosts(t *testing.T) ([2]*ownerHost, *gossip) {
+func newOwnerHosts(t *testing.T) ([2]*ownerHost, *keyhub.Hub) {
 	t.Helper()
 	nss, addrs := nstest.Hosts(t, 2, false)
-	g := &gossip{adverts: map[netip.Addr][]byte{}, owners: map[netip.Addr]*encryption.Owner{}}
+	g := keyhub.New()
 	var hs [2]*ownerHost
 	for i := range hs {
 		hs[i] = &ownerHost{i: i, ns: nss[i], addr: addrs[i], store: &memStore{},
@@ -266,13 +214,10 @@ func waitClean(t *testing.T, hs [2]*ownerHost, limit time.Duration, cond func([2
 // state for their current advertised generations: the table with both
 // VNIs, the remote's policy pointing at the outbound SA, the clear policy,
 // the outbound SA and the inbound SA for the peer's generation.
-func restored(hs [2]*ownerHost, g *gossip) error {
+func restored(hs [2]*ownerHost, g *keyhub.Hub) error {
 	var advs [2]encryption.Advert
 	for i, h := range hs {
-		g.mu.Lock()
-		b := g.adverts[h.addr]
-		g.mu.Unlock()
-		a, err := encryption.DecodeAdvert(b)
+		a, err := g.Advert(h.addr)
 		if err != nil {
 			return fmt.Errorf("host %d: advert: %v", i, err)
 		}
@@ -348,7 +293,7 @@ func restored(hs [2]*ownerHost, g *gossip) error {
 
 // waitRestored polls restored and returns how long it took; it fails the
 // test after limit.
-func waitRestored(t *testing.T, hs [2]*ownerHost, g *gossip, t0 time.Time, limit time.Duration) time.Duration {
+func waitRestored(t *testing.T, hs [2]*ownerHost, g *keyhub.Hub, t0 time.Time, limit time.Duration) time.Duration {
 	t.Helper()
 	for {
 		err := restored(hs, g)
@@ -360,77 +305,6 @@ func waitRestored(t *testing.T, hs [2]*ownerHost, g *gossip, t0 time.Time, limit
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
-}
-
-// vniCapture counts, on one link (both directions), ESP packets and
-// clear-text VXLAN packets per VNI.
-type vniCapture struct {
-	esp   atomic.Int64
-	mu    sync.Mutex
-	clear map[uint32]int
-}
-
-func (c *vniCapture) clearOf(vni uint32) int {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.clear[vni]
-}
-
-func startVNICapture(t *testing.T, ns *nstest.NS, link string) *vniCapture {
-	t.Helper()
-	l, err := ns.NL.LinkByName(link)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var fd int
-	err = netnsutil.DoIn(ns.Handle, func() error {
-		var err error
-		if fd, err = unix.Socket(unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, int(htons(unix.ETH_P_ALL))); err != nil {
-			return err
-		}
-		return unix.Bind(fd, &unix.SockaddrLinklayer{Protocol: htons(unix.ETH_P_ALL), Ifindex: l.Attrs().Index})
-	})
-	if err != nil {
-		t.Fatalf("capture socket: %v", err)
-	}
-	tv := unix.NsecToTimeval((20 * time.Millisecond).Nanoseconds())
-	unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv)
-	c := &vniCapture{clear: map[uint32]int{}}
-	stop, done := make(chan struct{}), make(chan struct{})
-	go func() {
-		defer close(done)
-		buf := make([]byte, 65536)
-		for {
-			select {
-			case <-stop:
-				return
-			default:
-			}
-			n, _, err := unix.Recvfrom(fd, buf, 0)
-			if err != nil {
-				continue
-			}
-			p := buf[:n]
-			if n < 14+20 || binary.BigEndian.Uint16(p[12:]) != unix.ETH_P_IP {
-				continue
-			}
-			ip := p[14:]
-			ihl := int(ip[0]&0x0f) * 4
-			switch ip[9] {
-			case unix.IPPROTO_ESP:
-				c.esp.Add(1)
-			case unix.IPPROTO_UDP:
-				if len(ip) >= ihl+16 && binary.BigEndian.Uint16(ip[ihl+2:]) == vxlanPort {
-					vx := ip[ihl+8:]
-					c.mu.Lock()
-					c.clear[uint32(vx[4])<<16|uint32(vx[5])<<8|uint32(vx[6])]++
-					c.mu.Unlock()
-				}
-			}
-		}
-	}()
-	t.Cleanup(func() { close(stop); <-done; unix.Close(fd) })
-	return c
 }
 
 // pinger pings dst from ns continuously and records every ping.
@@ -574,7 +448,7 @@ func TestOwnerFlushesVM(t *testing.T) {
 	requireESP(t)
 	start := time.Now()
 	hs, g := newOwnerHosts(t)
-	caps := [2]*vniCapture{startVNICapture(t, hs[0].ns, "eth0"), startVNICapture(t, hs[1].ns, "eth0")}
+	caps := [2]*nstest.Capture{nstest.StartCapture(t, hs[0].ns, "eth0", vxlanPort), nstest.StartCapture(t, hs[1].ns, "eth0", vxlanPort)}
 	pe := startPinger(hs[0].c, hs[1].encIP)
 	pc := startPinger(hs[0].c, hs[1].clearIP)
 	defer pe.Stop()
@@ -642,7 +516,7 @@ func TestOwnerFlushesVM(t *testing.T) {
 			t.Errorf("%s: the clear VNI lost %d of %d pings", ph.name, cLost, cSent)
 		}
 		for i, c := range caps {
-			if n := c.clearOf(encVNI); n != 0 {
+			if n := c.ClearOf(encVNI); n != 0 {
 				t.Fatalf("%s: %d clear-text VXLAN packets of the encrypted VNI %d on host %d's underlay", ph.name, n, encVNI, i)
 			}
 		}
@@ -653,8 +527,8 @@ func TestOwnerFlushesVM(t *testing.T) {
 	sent, lost, _, _ := pe.since(start)
 	csent, clost, _, _ := pc.since(start)
 	for i, c := range caps {
-		t.Logf("FIGURE: capture on host %d's underlay: %d ESP, %d clear VXLAN of the encrypted VNI %d, %d clear VXLAN of the clear VNI %d", i, c.esp.Load(), c.clearOf(encVNI), encVNI, c.clearOf(clearVNI), clearVNI)
-		if c.esp.Load() == 0 || c.clearOf(clearVNI) == 0 {
+		t.Logf("FIGURE: capture on host %d's underlay: %d ESP, %d clear VXLAN of the encrypted VNI %d, %d clear VXLAN of the clear VNI %d", i, c.ESP(), c.ClearOf(encVNI), encVNI, c.ClearOf(clearVNI), clearVNI)
+		if c.ESP() == 0 || c.ClearOf(clearVNI) == 0 {
 			t.Errorf("host %d: capture saw no ESP or no clear VNI traffic: the test did not test", i)
 		}
 	}
@@ -669,7 +543,7 @@ func TestOwnerFlushesVM(t *testing.T) {
 func TestOwnerGenerationsVM(t *testing.T) {
 	requireESP(t)
 	hs, g := newOwnerHosts(t)
-	caps := [2]*vniCapture{startVNICapture(t, hs[0].ns, "eth0"), startVNICapture(t, hs[1].ns, "eth0")}
+	caps := [2]*nstest.Capture{nstest.StartCapture(t, hs[0].ns, "eth0", vxlanPort), nstest.StartCapture(t, hs[1].ns, "eth0", vxlanPort)}
 	for i := 0; i < 5; i++ {
 		if err := nstest.Ping(hs[0].c, hs[1].encIP, time.Second); err != nil {
 			t.Fatal(err)
@@ -858,7 +732,7 @@ func TestOwnerGenerationsVM(t *testing.T) {
 	})
 
 	for i, c := range caps {
-		if n := c.clearOf(encVNI); n != 0 {
+		if n := c.ClearOf(encVNI); n != 0 {
 			t.Fatalf("%d clear-text VXLAN packets of the encrypted VNI on host %d's underlay", n, i)
 		}
 	}
