@@ -100,7 +100,6 @@ func newPair(t *testing.T, vni uint32) [2]*host {
 	return hs
 }
 
-
 // ourXfrm returns the SAs and policies with overlayd's reqid in ns.
 func ourXfrm(t *testing.T, ns *nstest.NS) (states, policies int) {
 	t.Helper()
