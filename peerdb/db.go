@@ -155,10 +155,7 @@ func New(subnets []netip.Prefix, vnis ...uint32) *DB {
 		if len(vnis) != len(subnets) {
 			panic(fmt.Sprintf("peerdb.New: %d VNIs for %d subnets", len(vnis), len(subnets)))
 		}
-		db.vniSubnet = make(map[uint32]int, len(vnis))
-		for i, v := range vnis {
-			db.vniSubnet[v] = i
-		}
+		db.vnis = append([]uint32(nil), vnis...)
 	}
 	for i, p := range subnets {
 		if !p.IsValid() || !p.Addr().Is4() {

@@ -35,9 +35,10 @@ type keyed struct {
 	held     map[Key]Peer
 	dups     countmap.Map[Peer]
 	rejected map[Key]Rejection
-	// vniSubnet maps a VNI to the subnet its records must lie in; nil when
-	// the DB was made without VNIs (then any subnet of the network will do).
-	vniSubnet map[uint32]int
+	// vnis[i] is the VNI of subnet i, whose records must lie in it; nil
+	// when the DB was made without VNIs (then any subnet of the network
+	// will do). A network has a handful: a scan beats a map.
+	vnis []uint32
 }
 
 // SetRemotes makes the table hold, for each update's key, the record the
@@ -164,8 +165,9 @@ func (db *DB) validateKeyed(k Key, p *Peer) (int, error) {
 		return 0, &InvalidPeerError{EndpointID: p.EndpointID, Field: "EndpointID",
 			Reason: fmt.Sprintf("EndpointID %q differs from the record's key (%s)", shortID(p.EndpointID), k)}
 	}
-	if db.vniSubnet != nil {
-		want, ok := db.vniSubnet[k.VNI]
+	if db.vnis != nil {
+		want := slices.Index(db.vnis, k.VNI)
+		ok := want >= 0
 		switch {
 		case !ok:
 			return 0, &InvalidPeerError{EndpointID: p.EndpointID, Field: "VNI",
