@@ -9,7 +9,6 @@ import (
 	"os/exec"
 	"slices"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -18,36 +17,9 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/overlayd/overlayd/internal/lockorder"
+	"github.com/overlayd/overlayd/internal/testutil/memmeta"
 	"github.com/overlayd/overlayd/internal/testutil/nstest"
 )
-
-// memStore is an in-memory MetaStore; fail makes PutMeta fail.
-type memStore struct {
-	mu   sync.Mutex
-	m    map[string][]byte
-	fail error
-	puts int
-}
-
-func (s *memStore) GetMeta(k string) ([]byte, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.m[k], nil
-}
-
-func (s *memStore) PutMeta(k string, v []byte) error {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.fail != nil {
-		return s.fail
-	}
-	if s.m == nil {
-		s.m = map[string][]byte{}
-	}
-	s.m[k] = append([]byte(nil), v...)
-	s.puts++
-	return nil
-}
 
 type ownerOpts struct {
 	tick     time.Duration
@@ -437,7 +409,7 @@ func TestOwnerRefusesBadInput(t *testing.T) {
 func TestOwnerPersistence(t *testing.T) {
 	nstest.RequireRoot(t)
 	ns := nstest.NewNS(t, "host")
-	store := &memStore{}
+	store := memmeta.New(nil)
 	o1, err := NewOwner(OwnerConfig{NS: ns.Handle, Port: 4799, Secret: testSecret, Tick: time.Hour, Store: store})
 	if err != nil {
 		t.Fatal(err)
@@ -449,14 +421,14 @@ func TestOwnerPersistence(t *testing.T) {
 	setupShares(t, ns, o1)
 	o1.Close()
 	var rec record
-	if err := json.Unmarshal(store.m[MetaKey], &rec); err != nil {
+	if err := json.Unmarshal(mustMeta(t, store), &rec); err != nil {
 		t.Fatal(err)
 	}
-	t.Logf("persisted under %q: %s", MetaKey, store.m[MetaKey])
+	t.Logf("persisted under %q: %s", MetaKey, mustMeta(t, store))
 	if rec.Version != recordVersion || rec.Gen != gen1 || rec.Local != ownerLocal || !slices.Equal(rec.Programmed.Encrypted, []uint32{100}) || !slices.Equal(rec.Programmed.Remotes, []netip.Addr{ownerRemote}) {
 		t.Fatalf("record: %+v", rec)
 	}
-	if strings.Contains(string(store.m[MetaKey]), string(testSecret[:8])) {
+	if strings.Contains(string(mustMeta(t, store)), string(testSecret[:8])) {
 		t.Fatal("the record holds the secret")
 	}
 
@@ -498,12 +470,12 @@ func TestOwnerPersistence(t *testing.T) {
 		`{"version":3,"keys":{}}`:           "newer overlayd",
 		`{"version":2,"gen":"x","keys":{}}`: "corrupt",
 	} {
-		_, err := NewOwner(OwnerConfig{NS: ns.Handle, Port: 4799, Secret: testSecret, Store: &memStore{m: map[string][]byte{MetaKey: []byte(raw)}}})
+		_, err := NewOwner(OwnerConfig{NS: ns.Handle, Port: 4799, Secret: testSecret, Store: memmeta.New(map[string][]byte{MetaKey: []byte(raw)})})
 		if err == nil || !strings.Contains(err.Error(), want) || !strings.Contains(err.Error(), MetaKey) {
 			t.Errorf("record %s: %v, want an error naming the key and %q", raw, err, want)
 		}
 	}
-	old := &memStore{m: map[string][]byte{MetaKey: []byte(`{"keys":{"Accept":[3,4],"Send":3,"Target":4},"remotes":["192.0.2.11"]}`)}}
+	old := memmeta.New(map[string][]byte{MetaKey: []byte(`{"keys":{"Accept":[3,4],"Send":3,"Target":4},"remotes":["192.0.2.11"]}`)})
 	oo, err := NewOwner(OwnerConfig{NS: ns.Handle, Port: 4799, Secret: testSecret, Store: old})
 	if err != nil {
 		t.Fatal(err)
@@ -666,4 +638,14 @@ func TestOwnerLockOrder(t *testing.T) {
 	netMu.Lock()
 	okOrUnsupported(t, "update under a network lock", o.Update(1, Share{VNIs: []uint32{1}, Encrypted: true}, false))
 	netMu.Unlock()
+}
+
+// mustMeta returns what the Owner persisted in store.
+func mustMeta(t *testing.T, store *memmeta.Store) []byte {
+	t.Helper()
+	b, err := store.GetMeta(MetaKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
 }

@@ -17,6 +17,7 @@ import (
 
 	"github.com/overlayd/overlayd/encryption"
 	"github.com/overlayd/overlayd/internal/testutil/keyhub"
+	"github.com/overlayd/overlayd/internal/testutil/memmeta"
 	"github.com/overlayd/overlayd/internal/testutil/nstest"
 )
 
@@ -32,37 +33,6 @@ const (
 	clearVNI = 200
 )
 
-type memStore struct {
-	mu   sync.Mutex
-	m    map[string][]byte
-	fail error // PutMeta fails with it
-}
-
-func (s *memStore) setFail(err error) {
-	s.mu.Lock()
-	s.fail = err
-	s.mu.Unlock()
-}
-
-func (s *memStore) GetMeta(k string) ([]byte, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.m[k], nil
-}
-
-func (s *memStore) PutMeta(k string, v []byte) error {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.fail != nil {
-		return s.fail
-	}
-	if s.m == nil {
-		s.m = map[string][]byte{}
-	}
-	s.m[k] = append([]byte(nil), v...)
-	return nil
-}
-
 type ownerHost struct {
 	// nft and xfrm are the test's own sockets in ns, kept open so that
 	// polling the kernel is cheap.
@@ -71,7 +41,7 @@ type ownerHost struct {
 	i       int
 	ns      *nstest.NS
 	addr    netip.Addr
-	store   *memStore
+	store   *memmeta.Store
 	o       *encryption.Owner
 	c       *nstest.NS // container with both VXLAN links
 	encIP   netip.Addr
@@ -144,7 +114,7 @@ func newOwnerHosts(t *testing.T) ([2]*ownerHost, *keyhub.Hub) {
 	g := keyhub.New()
 	var hs [2]*ownerHost
 	for i := range hs {
-		hs[i] = &ownerHost{i: i, ns: nss[i], addr: addrs[i], store: &memStore{},
+		hs[i] = &ownerHost{i: i, ns: nss[i], addr: addrs[i], store: memmeta.New(nil),
 			encIP: netip.AddrFrom4([4]byte{198, 51, 100, byte(1 + i)}), clearIP: netip.AddrFrom4([4]byte{203, 0, 113, byte(1 + i)})}
 		hs[i].c = nstest.NewNS(t, fmt.Sprintf("c%d", i))
 		c, err := nftables.New(nftables.WithNetNSFd(int(nss[i].Handle)), nftables.AsLasting())
@@ -653,7 +623,7 @@ func TestOwnerGenerationsVM(t *testing.T) {
 		pe := startPinger(hs[0].c, hs[1].encIP)
 		defer pe.Stop()
 		pe.waitPingOK(t, time.Now(), 5*time.Second, "before")
-		hs[0].store.setFail(errors.New("disk full"))
+		hs[0].store.SetFail(errors.New("disk full"))
 		t0 := time.Now()
 		target, err := hs[1].o.Rotate()
 		if err != nil {
@@ -681,7 +651,7 @@ func TestOwnerGenerationsVM(t *testing.T) {
 		}
 		pe.waitPingOK(t, time.Now(), 2*time.Second, "with the step failing")
 		t.Logf("FIGURE: failed step: host 0 stays on epoch %d (error %q), host 1 sends %d", st[0].Send, st[0].Error, st[1].Send)
-		hs[0].store.setFail(nil)
+		hs[0].store.SetFail(nil)
 		waitClean(t, hs, 5*time.Second, func(st [2]encryption.Status) error {
 			for i, s := range st {
 				if !(encryption.NodeKeys{Accept: s.Accept, Send: s.Send, Target: s.Target}).Equal(encryption.NodeKeys{Accept: []uint32{target}, Send: target, Target: target}) || s.Error != "" {
