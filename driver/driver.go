@@ -310,35 +310,49 @@ func IsNotFound(err error) bool {
 	return errors.As(err, &nf)
 }
 
-// underlayMTU returns the MTU for a new network's links: the MTU of the
-// device holding the advertise address (or of the default route's device)
-// minus the VXLAN overhead of the underlay's address family, and minus the
-// ESP overhead too for an encrypted network.
-func (d *Driver) underlayMTU(encrypted bool) int {
+// underlayLink is the device that carries a network's VXLAN packets.
+type underlayLink struct {
+	name string // "" when unknown (no VTEP yet, or no link holds it)
+	mtu  int    // 1500 when unknown
+	v6   bool   // the VTEP is IPv6
+}
+
+// underlay returns the device holding the VTEP address.
+func (d *Driver) underlay() underlayLink {
 	adv := d.VTEP()
-	dev, v6 := 1500, adv.Is6()
-	if adv.IsValid() {
-		family := unix.AF_INET
-		if v6 {
-			family = unix.AF_INET6
-		}
-		if addrs, err := d.host.Handle.AddrList(nil, family); err == nil {
-			for _, a := range addrs {
-				if ip, ok := netip.AddrFromSlice(a.IP); ok && ip.Unmap() == adv {
-					if l, err := d.host.Handle.LinkByIndex(a.LinkIndex); err == nil && l.Attrs().MTU > 0 {
-						dev = l.Attrs().MTU
-					}
-				}
+	u := underlayLink{mtu: 1500, v6: adv.Is6()}
+	if !adv.IsValid() {
+		return u
+	}
+	family := unix.AF_INET
+	if u.v6 {
+		family = unix.AF_INET6
+	}
+	addrs, err := d.host.Handle.AddrList(nil, family)
+	if err != nil {
+		return u
+	}
+	for _, a := range addrs {
+		if ip, ok := netip.AddrFromSlice(a.IP); ok && ip.Unmap() == adv {
+			if l, err := d.host.Handle.LinkByIndex(a.LinkIndex); err == nil && l.Attrs().MTU > 0 {
+				u.name, u.mtu = l.Attrs().Name, l.Attrs().MTU
 			}
 		}
 	}
+	return u
+}
+
+// innerMTU is the largest MTU of a network's links over u: the device's
+// MTU minus the VXLAN overhead of its address family, and minus the ESP
+// overhead too for an encrypted network. It is also the default.
+func (u underlayLink) innerMTU(encrypted bool) int {
 	if encrypted {
-		return encryption.InnerMTU(dev, v6)
+		return encryption.InnerMTU(u.mtu, u.v6)
 	}
-	if v6 {
-		return dev - vxlanOverhead6
+	if u.v6 {
+		return u.mtu - vxlanOverhead6
 	}
-	return dev - vxlanOverhead4
+	return u.mtu - vxlanOverhead4
 }
 
 // GetCapabilities answers dockerd's capability query.

@@ -95,6 +95,11 @@ func (n *network) sandboxSubnets() []sandbox.Subnet {
 // moby's driver after #50260.
 func (d *Driver) CreateNetwork(req *api.CreateNetworkRequest) error {
 	spec, err := parseCreateNetwork(req)
+	var u underlayLink
+	if err == nil {
+		u = d.underlay()
+		err = d.checkSpec(spec, u)
+	}
 	if err != nil {
 		d.log.Warn("CreateNetwork rejected", "network", reqNetworkID(req), "error", err)
 		return err
@@ -106,7 +111,7 @@ func (d *Driver) CreateNetwork(req *api.CreateNetworkRequest) error {
 	}
 	mtu := spec.mtu
 	if mtu == 0 {
-		mtu = d.underlayMTU(spec.encrypted)
+		mtu = u.innerMTU(spec.encrypted)
 	}
 	n := &network{
 		mu:        lockorder.New(lockorder.LevelNetwork),
@@ -206,6 +211,47 @@ func (d *Driver) register(n *network) error {
 	}
 }
 
+// checkSpec refuses what a request can only be judged wrong for on this
+// host: an MTU the underlay cannot carry, and (outside swarm) a pool that
+// dockerd may have picked from its defaults.
+func (d *Driver) checkSpec(spec *netSpec, u underlayLink) error {
+	if spec.mtu > 0 {
+		limit := u.innerMTU(spec.encrypted)
+		kind := "VXLAN over IPv4"
+		if u.v6 {
+			kind = "VXLAN over IPv6"
+		}
+		if spec.encrypted {
+			kind = "ESP-encrypted " + kind
+		}
+		switch {
+		case u.name == "":
+			// Not refused on a guess: the VTEP (and so the device) is not
+			// known yet.
+			d.log.Warn("cannot check the MTU of a new network against the underlay: no VTEP yet", "network", spec.id, "mtu", spec.mtu)
+		case spec.mtu > limit:
+			return fmt.Errorf("option %s=%d is larger than this host's underlay can carry: the largest MTU is %d, because the underlay device %s has MTU %d and %s takes %d bytes of it; give %s=%d or less, or leave it out",
+				spec.mtuKey, spec.mtu, limit, u.name, u.mtu, kind, u.mtu-limit, spec.mtuKey, limit)
+		}
+	}
+	// Only outside swarm: overlayd serves swarm with scope global, and
+	// swarm networks get their pools from the manager's allocator, unique
+	// cluster-wide. dockerd sends the same CreateNetwork with and without
+	// --subnet (recorded on Docker 20.10), so the pool is all there is to
+	// go by.
+	if d.cfg.Scope == api.LocalScope && !spec.explicitSubnet {
+		for i, s := range spec.subnets {
+			if isDockerDefaultPool(s.pool) {
+				return fmt.Errorf("IPv4Data[%d].Pool %s is one of dockerd's default address pools (172.17.0.0/16 … 172.31.0.0/16, 192.168.N.0/20), as if the network was created without --subnet: "+
+					"without --subnet every engine picks its own pool, so hosts hand out the same addresses (and MACs) to different containers, or put the network in different subnets. "+
+					"Give the same --subnet on every host, outside those pools; dockerd sends a plugin the same request with and without --subnet, so if you gave this one on purpose add -o %s",
+					i, s.pool, OptExplicitSubnet)
+			}
+		}
+	}
+	return nil
+}
+
 func reqNetworkID(req *api.CreateNetworkRequest) string {
 	if req == nil {
 		return ""
@@ -297,6 +343,14 @@ func (d *Driver) AllocateNetwork(req *api.AllocateNetworkRequest) (*api.Allocate
 	out := map[string]string{}
 	for k, v := range req.Options {
 		out[k] = v
+	}
+	// The same checks as every node's CreateNetwork makes of these options
+	// later (but the underlay's MTU, which is each node's): a typo is
+	// refused at docker network create on the manager, not at the first
+	// task on each node.
+	if _, err := parseGeneric(out); err != nil {
+		d.log.Warn("AllocateNetwork rejected", "network", req.NetworkID, "error", err)
+		return nil, err
 	}
 	vnis, given, err := parseVNIs(out)
 	if err != nil {

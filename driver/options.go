@@ -12,15 +12,21 @@ import (
 	api "github.com/docker/go-plugins-helpers/network"
 )
 
-// Option names read from CreateNetwork / AllocateNetwork.
+// Option names read from CreateNetwork / AllocateNetwork. The top-level
+// ones (generic, enable_ipv6, internal) are dockerd's own and never
+// checked for strangers: that is where dockerd adds what it adds. The -o
+// options inside com.docker.network.generic are the user's, and only the
+// keys of knownOptions are accepted there.
 const (
-	OptGeneric   = "com.docker.network.generic"
-	OptEnableV6  = "com.docker.network.enable_ipv6"
-	OptInternal  = "com.docker.network.internal"
-	OptMTU       = "com.docker.network.driver.mtu"
-	OptVNI       = "vni"
-	OptVXLANList = "com.docker.network.driver.overlay.vxlanid_list"
-	OptEncrypted = "encrypted"
+	OptGeneric        = "com.docker.network.generic"
+	OptEnableV6       = "com.docker.network.enable_ipv6"
+	OptInternal       = "com.docker.network.internal"
+	OptMTU            = "com.docker.network.driver.mtu"
+	OptMTUAlias       = "mtu"
+	OptVNI            = "vni"
+	OptVXLANList      = "com.docker.network.driver.overlay.vxlanid_list"
+	OptEncrypted      = "encrypted"
+	OptExplicitSubnet = "explicit-subnet"
 )
 
 const (
@@ -42,12 +48,74 @@ func checkID(field, id string) error {
 
 // netSpec is a validated CreateNetwork request.
 type netSpec struct {
-	id        string
-	subnets   []subnetSpec
-	mtu       int // 0: from the underlay
-	internal  bool
+	id          string
+	subnets     []subnetSpec
+	internal    bool
+	genericSpec                   // mtu 0: from the underlay
+	options     map[string]string // the generic options as given
+}
+
+// genericSpec is what the -o options say, validated.
+type genericSpec struct {
+	mtu       int    // 0: not given
+	mtuKey    string // mtu or com.docker.network.driver.mtu, as given
 	encrypted bool
-	options   map[string]string // the generic options as given
+	// explicitSubnet: the user vouches that the pools were given with
+	// --subnet, although they look like dockerd's default pools.
+	explicitSubnet bool
+}
+
+// parseGeneric validates the -o options of a CreateNetwork or
+// AllocateNetwork request: only known keys, and values each key allows.
+// The VNIs are parsed by parseVNIs.
+func parseGeneric(opts map[string]string) (genericSpec, error) {
+	var g genericSpec
+	if err := checkOptionKeys(opts); err != nil {
+		return g, err
+	}
+	var err error
+	if g.encrypted, err = flagOption(opts, OptEncrypted); err != nil {
+		return g, err
+	}
+	if g.explicitSubnet, err = flagOption(opts, OptExplicitSubnet); err != nil {
+		return g, err
+	}
+	alias, hasAlias := opts[OptMTUAlias]
+	full, hasFull := opts[OptMTU]
+	if hasAlias && hasFull && strings.TrimSpace(alias) != strings.TrimSpace(full) {
+		return g, fmt.Errorf("options %s=%q and %s=%q both set the MTU, to different values: give only one of them", OptMTUAlias, alias, OptMTU, full)
+	}
+	key, v := OptMTU, full
+	if hasAlias {
+		key, v = OptMTUAlias, alias
+	}
+	if hasAlias || hasFull {
+		mtu, err := strconv.Atoi(strings.TrimSpace(v))
+		if err != nil {
+			return g, fmt.Errorf("option %s=%q is not a number: the MTU must be an integer in %d..%d", key, v, minMTU, maxMTU)
+		}
+		if mtu < minMTU || mtu > maxMTU {
+			return g, fmt.Errorf("option %s=%d is out of range: the MTU must be an integer in %d..%d", key, mtu, minMTU, maxMTU)
+		}
+		g.mtu, g.mtuKey = mtu, key
+	}
+	return g, nil
+}
+
+// flagOption reads an option given as a bare flag (-o encrypted) or with
+// true/false.
+func flagOption(opts map[string]string, key string) (bool, error) {
+	v, ok := opts[key]
+	if !ok {
+		return false, nil
+	}
+	switch strings.ToLower(strings.TrimSpace(v)) {
+	case "", "true", "1", "yes":
+		return true, nil
+	case "false", "0", "no":
+		return false, nil
+	}
+	return false, fmt.Errorf("option %s=%q: give -o %s (or %s=true/false)", key, v, key, key)
 }
 
 type subnetSpec struct {
@@ -223,26 +291,11 @@ func parseCreateNetwork(req *api.CreateNetworkRequest) (*netSpec, error) {
 	if err != nil {
 		return nil, err
 	}
-	spec := &netSpec{id: req.NetworkID, internal: internal, options: generic}
-	if v, ok := generic[OptEncrypted]; ok {
-		switch strings.ToLower(strings.TrimSpace(v)) {
-		case "", "true", "1", "yes":
-			spec.encrypted = true
-		case "false", "0", "no":
-		default:
-			return nil, fmt.Errorf("option %s=%q: give -o %s (or %s=true/false)", OptEncrypted, v, OptEncrypted, OptEncrypted)
-		}
+	opts, err := parseGeneric(generic)
+	if err != nil {
+		return nil, err
 	}
-	if v, ok := generic[OptMTU]; ok {
-		mtu, err := strconv.Atoi(strings.TrimSpace(v))
-		if err != nil {
-			return nil, fmt.Errorf("option %s=%q is not a number: the MTU must be an integer in %d..%d", OptMTU, v, minMTU, maxMTU)
-		}
-		if mtu < minMTU || mtu > maxMTU {
-			return nil, fmt.Errorf("option %s=%d is out of range: the MTU must be an integer in %d..%d", OptMTU, mtu, minMTU, maxMTU)
-		}
-		spec.mtu = mtu
-	}
+	spec := &netSpec{id: req.NetworkID, internal: internal, genericSpec: opts, options: generic}
 	subs, err := parsePools(req.IPv4Data)
 	if err != nil {
 		return nil, err
@@ -272,4 +325,25 @@ func sortedKeys[V any](m map[string]V) []string {
 	}
 	sort.Strings(keys)
 	return keys
+}
+
+// isDockerDefaultPool reports whether pool is one that dockerd's default
+// IPAM hands out when a network is created without --subnet, with the
+// engine's built-in default address pools (the same in Docker 20.10 and
+// 26.1): 172.17.0.0/16 … 172.31.0.0/16, and 192.168.0.0/16 cut into /20s.
+// Only those exact prefixes: a --subnet 192.168.5.0/24 is certainly the
+// user's. An engine configured with other default-address-pools cannot be
+// recognised.
+func isDockerDefaultPool(pool netip.Prefix) bool {
+	if !pool.Addr().Is4() {
+		return false
+	}
+	a := pool.Masked().Addr().As4()
+	switch pool.Bits() {
+	case 16:
+		return a[0] == 172 && a[1] >= 17 && a[1] <= 31
+	case 20:
+		return a[0] == 192 && a[1] == 168
+	}
+	return false
 }

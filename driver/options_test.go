@@ -1,10 +1,15 @@
 package driver
 
 import (
+	"fmt"
+	"strconv"
 	"strings"
 	"testing"
 
 	api "github.com/docker/go-plugins-helpers/network"
+
+	"github.com/overlayd/overlayd/internal/testutil/keyhub"
+	"github.com/overlayd/overlayd/internal/testutil/nstest"
 )
 
 // Every bad CreateNetwork input is refused with an error naming the field and
@@ -76,6 +81,25 @@ func TestCreateNetworkBadInput(t *testing.T) {
 			return r
 		}(), []string{"vni", "must be strings"}},
 		{"nil request", nil, []string{"empty request"}},
+		// Unknown -o keys: each named, with a did-you-mean for a near miss
+		// and the list of known keys; checked before the VNI, so -o vnid=5
+		// is not reported as a missing vni.
+		{"encrypt for encrypted", generic(OptVNI, "101", "encrypt", ""), []string{`unknown option "encrypt" (did you mean "encrypted"?)`, "overlayd's options are " + userOptionNames()}},
+		{"vnid for vni", generic("vnid", "101"), []string{`unknown option "vnid" (did you mean "vni"?)`}},
+		{"capitalised key", generic(OptVNI, "101", "Encrypted", ""), []string{`unknown option "Encrypted" (did you mean "encrypted"?)`}},
+		{"long key one letter off", generic(OptVNI, "101", "com.docker.network.driver.mtuu", "1400"), []string{`did you mean "com.docker.network.driver.mtu"?`}},
+		{"docker flag given as -o", generic(OptVNI, "101", "internal", ""), []string{`unknown option "internal"`, "use docker network create --internal"}},
+		{"key like no other", generic(OptVNI, "101", "foo", "bar"), []string{`unknown option "foo": overlayd's options are vni, `}},
+		{"two unknown keys", generic(OptVNI, "101", "encrypt", "", "vnid", "7"), []string{`"encrypt" (did you mean "encrypted"?); unknown option "vnid" (did you mean "vni"?)`}},
+		{"bridge driver's option", generic(OptVNI, "101", "com.docker.network.bridge.name", "br0"), []string{`unknown option "com.docker.network.bridge.name"`}},
+		// mtu is an alias of com.docker.network.driver.mtu.
+		{"mtu alias not a number", generic(OptVNI, "101", OptMTUAlias, "big"), []string{`option mtu="big" is not a number`, "576..9000"}},
+		{"mtu alias too big", generic(OptVNI, "101", OptMTUAlias, "9001"), []string{"option mtu=9001 is out of range", "576..9000"}},
+		{"mtu given twice, differently", generic(OptVNI, "101", OptMTUAlias, "1400", OptMTU, "1300"), []string{`mtu="1400"`, OptMTU + `="1300"`, "give only one"}},
+		{"explicit-subnet=maybe", generic(OptVNI, "101", OptExplicitSubnet, "maybe"), []string{OptExplicitSubnet, "maybe", "true/false"}},
+		// Pools dockerd hands out without --subnet (scope local).
+		{"172.x default pool", createReq("n1", "101", "172.18.0.0/16"), []string{"IPv4Data[0].Pool 172.18.0.0/16", "default address pools", "without --subnet", "same --subnet on every host", "-o " + OptExplicitSubnet}},
+		{"192.168 default pool", createReq("n1", "101,102", "198.51.100.0/24", "192.168.16.0/20"), []string{"IPv4Data[1].Pool 192.168.16.0/20", "default address pools"}},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -218,14 +242,14 @@ func TestUnknownIDs(t *testing.T) {
 
 func TestAllocateNetwork(t *testing.T) {
 	d := newOfflineDriver(t)
-	req := &api.AllocateNetworkRequest{NetworkID: "swarmnet1", Options: map[string]string{"foo": "bar"},
+	req := &api.AllocateNetworkRequest{NetworkID: "swarmnet1", Options: map[string]string{OptMTUAlias: "1400"},
 		IPv4Data: []api.IPAMData{{Pool: "198.51.100.0/24"}, {Pool: "203.0.113.0/24"}}}
 	resp, err := d.AllocateNetwork(req)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if resp.Options["foo"] != "bar" || resp.Options[OptVNI] != "4096,4097" {
-		t.Fatalf("AllocateNetwork options %v: want foo echoed and vni=4096,4097", resp.Options)
+	if resp.Options[OptMTUAlias] != "1400" || resp.Options[OptVNI] != "4096,4097" {
+		t.Fatalf("AllocateNetwork options %v: want mtu echoed and vni=4096,4097", resp.Options)
 	}
 	// The same request again (leader retry) gives the same VNIs.
 	again, err := d.AllocateNetwork(req)
@@ -236,7 +260,7 @@ func TestAllocateNetwork(t *testing.T) {
 	d2 := newOfflineDriver(t)
 	re := &api.AllocateNetworkRequest{NetworkID: "swarmnet1", Options: resp.Options, IPv4Data: req.IPv4Data}
 	out, err := d2.AllocateNetwork(re)
-	if err != nil || out.Options[OptVNI] != "4096,4097" || out.Options["foo"] != "bar" {
+	if err != nil || out.Options[OptVNI] != "4096,4097" || out.Options[OptMTUAlias] != "1400" {
 		t.Fatalf("idempotent AllocateNetwork: %v %v", out, err)
 	}
 	other, err := d2.AllocateNetwork(&api.AllocateNetworkRequest{NetworkID: "swarmnet2", IPv4Data: []api.IPAMData{{Pool: "192.0.2.0/24"}}})
@@ -274,5 +298,155 @@ func TestGetCapabilitiesScope(t *testing.T) {
 	}
 	if _, err := New(Config{Scope: "cluster"}); err == nil || !strings.Contains(err.Error(), "scope") {
 		t.Errorf("bad scope accepted: %v", err)
+	}
+}
+
+// The known keys are accepted: mtu sets the MTU like Docker's name for it
+// (both may be given if they agree), explicit-subnet lets a pool that looks
+// like dockerd's default through, and the swarm-internal overlayd.seeds
+// passes.
+func TestCreateNetworkKnownOptions(t *testing.T) {
+	d := newOfflineDriver(t)
+	for _, tc := range []struct {
+		id, vni, pool string
+		kv            []string
+		mtu           int
+	}{
+		{"alias", "5", "198.51.100.0/24", []string{OptMTUAlias, "1300"}, 1300},
+		{"both-agree", "6", "203.0.113.0/24", []string{OptMTUAlias, "1350", OptMTU, "1350"}, 1350},
+		{"explicit", "7", "172.18.0.0/16", []string{OptExplicitSubnet, ""}, 1450},
+		{"not-default", "8", "192.168.5.0/24", nil, 1450},
+		{"seeds", "9", "192.0.2.0/24", []string{"overlayd.seeds", "192.0.2.10:7947"}, 1450},
+	} {
+		r := createReq(tc.id, tc.vni, tc.pool)
+		for i := 0; i+1 < len(tc.kv); i += 2 {
+			r.Options[OptGeneric].(map[string]interface{})[tc.kv[i]] = tc.kv[i+1]
+		}
+		mustCreate(t, d, r)
+		n, unlock, err := d.lockNetwork(tc.id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if n.mtu != tc.mtu {
+			t.Errorf("network %s: MTU %d, want %d", tc.id, n.mtu, tc.mtu)
+		}
+		unlock()
+	}
+}
+
+// A swarm driver (scope global) takes any pool: swarm's allocator hands out
+// cluster-wide unique ones.
+func TestCreateNetworkDefaultPoolInSwarm(t *testing.T) {
+	host := newOfflineDriver(t)
+	d, err := New(Config{Scope: "global", HostNS: host.hostNS, NetnsDir: "/run/overlayd-test-unused", Logger: testLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	mustCreate(t, d, createReq("n1", "4096", "172.18.0.0/16"))
+}
+
+// An MTU the underlay cannot carry is refused naming the asked MTU, the
+// largest allowed and the underlay device's MTU, read from the device that
+// holds the VTEP (here eth0 set to 1400); the largest itself is accepted.
+func TestCreateNetworkMTUAboveUnderlay(t *testing.T) {
+	hosts, vteps := nstest.Hosts(t, 1, false)
+	eth0, err := hosts[0].NL.LinkByName("eth0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := hosts[0].NL.LinkSetMTU(eth0, 1400); err != nil {
+		t.Fatal(err)
+	}
+	d, _ := encDriver(t, hosts[0], vteps[0], func() error { return nil }, keyhub.New())
+	for _, tc := range []struct {
+		key       string
+		mtu       int
+		encrypted bool
+		want      []string
+	}{
+		{OptMTUAlias, 1351, false, []string{"option mtu=1351", "the largest MTU is 1350", "device eth0 has MTU 1400", "VXLAN over IPv4 takes 50 bytes"}},
+		{OptMTU, 9000, false, []string{"option " + OptMTU + "=9000", "the largest MTU is 1350", "MTU 1400"}},
+		{OptMTUAlias, 1317, true, []string{"option mtu=1317", "the largest MTU is 1316", "MTU 1400", "ESP-encrypted VXLAN over IPv4 takes 84 bytes"}},
+	} {
+		r := createReq("big", "10", "198.51.100.0/24")
+		g := r.Options[OptGeneric].(map[string]interface{})
+		g[tc.key] = strconv.Itoa(tc.mtu)
+		if tc.encrypted {
+			g[OptEncrypted] = ""
+		}
+		err := d.CreateNetwork(r)
+		if err == nil {
+			t.Fatalf("%s=%d (encrypted %v) on a 1400-byte underlay accepted", tc.key, tc.mtu, tc.encrypted)
+		}
+		for _, w := range tc.want {
+			if !strings.Contains(err.Error(), w) {
+				t.Errorf("error %q does not mention %q", err, w)
+			}
+		}
+		if st := d.Status(); len(st.Networks) != 0 {
+			t.Fatalf("refused network registered: %+v", st.Networks)
+		}
+	}
+	plain := createReq("plain", "11", "198.51.100.0/24")
+	plain.Options[OptGeneric].(map[string]interface{})[OptMTUAlias] = "1350"
+	mustCreate(t, d, plain)
+	enc := createReq("enc", "12", "203.0.113.0/24")
+	enc.Options[OptGeneric].(map[string]interface{})[OptMTUAlias] = "1316"
+	enc.Options[OptGeneric].(map[string]interface{})[OptEncrypted] = ""
+	mustCreate(t, d, enc)
+}
+
+// A swarm network with a bad option is refused by the leader's
+// AllocateNetwork (so at docker network create), and nothing is allocated.
+func TestAllocateNetworkBadOptions(t *testing.T) {
+	d := newOfflineDriver(t)
+	for _, tc := range []struct {
+		opts map[string]string
+		want string
+	}{
+		{map[string]string{"encrypt": ""}, `unknown option "encrypt" (did you mean "encrypted"?)`},
+		{map[string]string{OptMTUAlias: "abc"}, `option mtu="abc" is not a number`},
+		{map[string]string{OptEncrypted: "maybe"}, `option encrypted="maybe"`},
+	} {
+		_, err := d.AllocateNetwork(&api.AllocateNetworkRequest{NetworkID: "sw1", Options: tc.opts, IPv4Data: []api.IPAMData{{Pool: "192.0.2.0/24"}}})
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("AllocateNetwork with %v: error %v, want %q", tc.opts, err, tc.want)
+		}
+	}
+	d.allocMu.Lock()
+	n := len(d.allocNet)
+	d.allocMu.Unlock()
+	if n != 0 {
+		t.Fatalf("refused AllocateNetwork calls left %d allocations", n)
+	}
+	// The leader's own output (vni, seeds) comes back after its restart.
+	resp, err := d.AllocateNetwork(&api.AllocateNetworkRequest{NetworkID: "sw1", Options: map[string]string{"overlayd.seeds": "192.0.2.10:7947", OptEncrypted: ""}, IPv4Data: []api.IPAMData{{Pool: "192.0.2.0/24"}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := d.AllocateNetwork(&api.AllocateNetworkRequest{NetworkID: "sw1", Options: resp.Options, IPv4Data: []api.IPAMData{{Pool: "192.0.2.0/24"}}}); err != nil {
+		t.Fatalf("AllocateNetwork of its own output: %v", err)
+	}
+}
+
+// The README's table lists every known key with its values and meaning,
+// and says which one is internal.
+func TestOptionsMarkdown(t *testing.T) {
+	md := optionsMarkdown()
+	for _, o := range knownOptions {
+		row := fmt.Sprintf("| `%s` | %s | %s |", o.name, o.values, o.meaning)
+		if !strings.Contains(md, row) {
+			t.Errorf("table lacks the row of %s:\n%s", o.name, md)
+		}
+		if o.internal != strings.HasPrefix(o.meaning, "internal:") {
+			t.Errorf("option %s: internal %v but its meaning does not say so: %q", o.name, o.internal, o.meaning)
+		}
+		if !o.internal && !strings.Contains(userOptionNames(), o.name) {
+			t.Errorf("user option %s is missing from the error's list %q", o.name, userOptionNames())
+		}
+	}
+	if strings.Contains(userOptionNames(), "overlayd.seeds") {
+		t.Errorf("the internal key is offered to users: %s", userOptionNames())
 	}
 }

@@ -1,0 +1,149 @@
+package driver
+
+import (
+	"fmt"
+	"strings"
+)
+
+// option is one -o key overlayd reads. knownOptions is the one list of
+// them: the error for an unknown key and the README's table are made from
+// it, so a key cannot be accepted without being documented.
+type option struct {
+	name    string
+	values  string // what it takes
+	meaning string
+	// internal keys are set by overlayd itself (the swarm leader's
+	// AllocateNetwork answer, which dockerd hands to every node's
+	// CreateNetwork); they are accepted but not offered to users.
+	internal bool
+}
+
+var knownOptions = []option{
+	{name: OptVNI, values: "N, or N,M,… (1..16777215)",
+		meaning: "the network's VXLAN id, one per IPv4 subnet in their order; required outside swarm and the same on every host (in swarm the leader allocates it)"},
+	{name: OptVXLANList, values: "as vni",
+		meaning: "the built-in overlay driver's name for vni"},
+	{name: OptEncrypted, values: "no value, true or false",
+		meaning: "encrypt the network's traffic between hosts (IPsec ESP)"},
+	{name: OptMTUAlias, values: "576..9000",
+		meaning: "the MTU of the network's links; at most the underlay device's MTU minus the VXLAN overhead (50 bytes over IPv4, 70 over IPv6) and, when encrypted, the ESP overhead (1416 on a 1500-byte IPv4 underlay); default: that maximum"},
+	{name: OptMTU, values: "576..9000",
+		meaning: "Docker's name for mtu (give one of the two)"},
+	{name: OptExplicitSubnet, values: "no value, true or false",
+		meaning: "accept a --subnet that looks like one of dockerd's default pools (172.17.0.0/16 … 172.31.0.0/16, 192.168.N.0/20): say so when you gave it on purpose, the same on every host"},
+	// The swarm part of overlayd defines the constant (OptSeeds); the
+	// literal keeps the two changes apart until they meet.
+	{name: "overlayd.seeds", values: "host:port,…", internal: true,
+		meaning: "internal: the gossip addresses the swarm leader adds to its AllocateNetwork answer so that every node finds the cluster; never set it by hand"},
+}
+
+// dockerFlags are `docker network create` flags users sometimes pass as
+// -o options, which then reach no one.
+var dockerFlags = map[string]string{
+	"subnet":     "--subnet",
+	"gateway":    "--gateway",
+	"ip-range":   "--ip-range",
+	"internal":   "--internal",
+	"ipv6":       "--ipv6",
+	"attachable": "--attachable",
+	"scope":      "--scope",
+}
+
+func isKnownOption(key string) bool {
+	for _, o := range knownOptions {
+		if o.name == key {
+			return true
+		}
+	}
+	return false
+}
+
+// checkOptionKeys refuses every -o key overlayd does not know, each with a
+// did-you-mean when it is close to a known one, and lists the known keys:
+// an ignored typo (-o encrypt) would silently give another network than
+// the one asked for.
+func checkOptionKeys(opts map[string]string) error {
+	var bad []string
+	for _, k := range sortedKeys(opts) {
+		if isKnownOption(k) {
+			continue
+		}
+		switch flag, isFlag := dockerFlags[strings.ToLower(k)]; {
+		case isFlag:
+			bad = append(bad, fmt.Sprintf("unknown option %q (it is a flag: use docker network create %s)", k, flag))
+		case suggestOption(k) != "":
+			bad = append(bad, fmt.Sprintf("unknown option %q (did you mean %q?)", k, suggestOption(k)))
+		default:
+			bad = append(bad, fmt.Sprintf("unknown option %q", k))
+		}
+	}
+	if len(bad) == 0 {
+		return nil
+	}
+	return fmt.Errorf("%s: overlayd's options are %s", strings.Join(bad, "; "), userOptionNames())
+}
+
+// userOptionNames lists the keys users may set, in the table's order.
+func userOptionNames() string {
+	var names []string
+	for _, o := range knownOptions {
+		if !o.internal {
+			names = append(names, o.name)
+		}
+	}
+	return strings.Join(names, ", ")
+}
+
+// suggestOption returns the user option closest to key when it is close
+// enough to be a typo of it: an edit distance of at most 2 (3 for names of
+// 9 characters or more), case ignored; "" if none is.
+func suggestOption(key string) string {
+	key = strings.ToLower(key)
+	best, bestDist := "", 0
+	for _, o := range knownOptions {
+		if o.internal {
+			continue
+		}
+		limit := 2
+		if len(o.name) >= 9 {
+			limit = 3
+		}
+		d := editDistance(key, o.name)
+		if d <= limit && (best == "" || d < bestDist) {
+			best, bestDist = o.name, d
+		}
+	}
+	return best
+}
+
+// editDistance is the Levenshtein distance between a and b (bytes: option
+// names are ASCII).
+func editDistance(a, b string) int {
+	prev := make([]int, len(b)+1)
+	cur := make([]int, len(b)+1)
+	for j := range prev {
+		prev[j] = j
+	}
+	for i := 1; i <= len(a); i++ {
+		cur[0] = i
+		for j := 1; j <= len(b); j++ {
+			cost := 1
+			if a[i-1] == b[j-1] {
+				cost = 0
+			}
+			cur[j] = min(prev[j]+1, cur[j-1]+1, prev[j-1]+cost)
+		}
+		prev, cur = cur, prev
+	}
+	return prev[len(b)]
+}
+
+// optionsMarkdown renders knownOptions as the README's table.
+func optionsMarkdown() string {
+	var b strings.Builder
+	b.WriteString("| Option | Values | Meaning |\n|---|---|---|\n")
+	for _, o := range knownOptions {
+		fmt.Fprintf(&b, "| `%s` | %s | %s |\n", o.name, o.values, o.meaning)
+	}
+	return b.String()
+}
