@@ -142,6 +142,8 @@ func TestLegacyPlugin(t *testing.T) {
 			{[]string{"-o", "vni=4210,4211"}, "vni"}, // two VNIs for one subnet
 			{[]string{}, "vni"},                      // required outside swarm
 			{[]string{"-o", "vni=4210", "-o", "encrypted"}, "encrypted"},
+			{[]string{"-o", "vni=4210", "-o", "mtu=abc"}, "mtu"},
+			{[]string{"-o", "vnid=4210"}, "vnid"},
 		} {
 			args := append([]string{"network", "create", "-d", "overlayd", "--subnet", "203.0.113.128/26"}, tc.args...)
 			out, err := e.docker(append(args, "bad")...)
@@ -166,6 +168,45 @@ func TestLegacyPlugin(t *testing.T) {
 		e.run("cg", "bad", "")
 		e.must("rm", "-f", "cg")
 		e.must("network", "rm", "bad")
+		e.waitClean(o)
+	})
+
+	// A typo in an option's name, or an MTU the underlay cannot carry, is
+	// refused at docker network create with what to give instead; it does
+	// not create a network that differs from the one asked for (a clear-text
+	// one for -o encrypt).
+	t.Run("TypoRefused", func(t *testing.T) {
+		e.t = t
+		defer func() { e.t = l.t }()
+		for _, tc := range []struct {
+			args []string
+			want []string
+		}{
+			{[]string{"-o", "vni=5019", "-o", "encrypt"}, []string{`unknown option "encrypt"`, `did you mean "encrypted"?`, "overlayd's options are vni, "}},
+			// The engine's eth0 has MTU 1500: at most 1450 over VXLAN.
+			{[]string{"-o", "vni=5019", "-o", "mtu=9000"}, []string{"mtu=9000", "the largest MTU is 1450", "has MTU 1500"}},
+		} {
+			args := append(append([]string{"network", "create", "-d", "overlayd"}, tc.args...), "--subnet", "203.0.113.128/26", "n")
+			out, err := e.docker(args...)
+			if err == nil {
+				t.Errorf("network create %v succeeded, want it refused", tc.args)
+				e.dockerQuiet("network", "rm", "n")
+				continue
+			}
+			t.Logf("network create %v: %s", tc.args, out)
+			for _, w := range tc.want {
+				if !strings.Contains(out, w) {
+					t.Errorf("network create %v: the CLI's error does not say %q: %s", tc.args, w, out)
+				}
+			}
+			if contains(e.networks(), "n") {
+				t.Errorf("network create %v failed but network n is listed", tc.args)
+				e.dockerQuiet("network", "rm", "n")
+			}
+			if st, err := o.status(); err != nil || strings.Contains(st, "5019") {
+				t.Errorf("overlayd status after the refusal (want no VNI 5019): %v\n%s", err, st)
+			}
+		}
 		e.waitClean(o)
 	})
 

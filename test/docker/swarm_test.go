@@ -387,7 +387,7 @@ func TestSwarm(t *testing.T) {
 
 	// The network, allocated by the leader's plugin.
 	allocBefore := h1.countInLog("method=AllocateNetwork")
-	d = h1.createNetwork(pluginRef, swarmNet, "--scope", "swarm", "--attachable", "--subnet", swarmSubnet, "-o", "foo=bar")
+	d = h1.createNetwork(pluginRef, swarmNet, "--scope", "swarm", "--attachable", "--subnet", swarmSubnet, "-o", "encrypted=false")
 	timing(t, "docker network create (swarm scope, AllocateNetwork on the leader)", d)
 	// dockerd relays the plugin's output to its log asynchronously.
 	eventually(t, 5*time.Second, "the leader's plugin logs its AllocateNetwork call", func() string {
@@ -399,8 +399,8 @@ func TestSwarm(t *testing.T) {
 	opts := h1.netOptions(swarmNet)
 	t.Logf("network %s options on the manager: %v", swarmNet, opts)
 	vni := opts["vni"]
-	if opts["foo"] != "bar" {
-		t.Errorf("AllocateNetwork did not echo foo=bar: options %v", opts)
+	if opts["encrypted"] != "false" {
+		t.Errorf("AllocateNetwork did not echo encrypted=false: options %v", opts)
 	}
 	if v, err := strconv.Atoi(vni); err != nil || v < 4096 {
 		t.Fatalf("AllocateNetwork gave no VNI from 4096 up: options %v", opts)
@@ -440,8 +440,8 @@ func TestSwarm(t *testing.T) {
 	// What the nodes' CreateNetwork got is what AllocateNetwork returned.
 	for _, h := range []*swarmHost{h2, h3} {
 		o := h.netOptions(swarmNet)
-		if o["vni"] != vni || o["foo"] != "bar" {
-			t.Errorf("engine %s: network options %v, want vni=%s foo=bar (AllocateNetwork's output)", h.name, o, vni)
+		if o["vni"] != vni || o["encrypted"] != "false" {
+			t.Errorf("engine %s: network options %v, want vni=%s encrypted=false (AllocateNetwork's output)", h.name, o, vni)
 		}
 	}
 	for _, h := range sw.hosts {
@@ -504,8 +504,8 @@ func TestSwarm(t *testing.T) {
 	if realloc < 1 {
 		t.Errorf("the restarted leader did not re-send AllocateNetwork: VNI stability across re-allocation was not exercised")
 	}
-	if after["vni"] != vni || after["foo"] != "bar" {
-		t.Errorf("options after the leader restart %v, want vni=%s foo=bar as before", after, vni)
+	if after["vni"] != vni || after["encrypted"] != "false" {
+		t.Errorf("options after the leader restart %v, want vni=%s encrypted=false as before", after, vni)
 	}
 	var rejoinTook time.Duration
 	select {
