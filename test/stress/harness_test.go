@@ -264,11 +264,13 @@ type logCapture struct {
 }
 
 // expectedWarnings are logged by a correct driver in this workload: a
-// CreateNetwork with invalid options, a record the source holds that a
-// network refuses (it stays at the source and is listed in Status), a VTEP
-// that DiscoverNew moves to another address.
+// CreateNetwork with invalid options, an explicit MTU that cannot be checked
+// against the underlay before DiscoverNew gave the VTEP, a record the source
+// holds that a network refuses (it stays at the source and is listed in
+// Status), a VTEP that DiscoverNew moves to another address.
 var expectedWarnings = []string{
 	"CreateNetwork rejected",
+	"cannot check the MTU of a new network against the underlay: no VTEP yet",
 	"refusing a remote peer record (it stays with the control plane and is taken when valid)",
 	"local VTEP changed: local endpoints are re-announced with the new address",
 }
