@@ -154,7 +154,7 @@ func TestPluginAPIOverHTTP(t *testing.T) {
 				{"NetworkDriver.DeleteNetwork", `{"NetworkID":"gone"}`},
 				{"NetworkDriver.DiscoverNew", `{"DiscoveryType":1,"DiscoveryData":{"Address":"192.0.2.50","BindAddress":"0.0.0.0","Self":true}}`},
 				{"NetworkDriver.DiscoverDelete", `{"DiscoveryType":1,"DiscoveryData":{"Address":"192.0.2.51","Self":false}}`},
-				{"NetworkDriver.AllocateNetwork", `{"NetworkID":"swarm1","Options":{"a":"b"},"IPv4Data":[{"Pool":"198.51.100.0/24"}]}`},
+				{"NetworkDriver.AllocateNetwork", `{"NetworkID":"swarm1","Options":{"mtu":"1400"},"IPv4Data":[{"Pool":"198.51.100.0/24"}]}`},
 				{"NetworkDriver.FreeNetwork", `{"NetworkID":"swarm1"}`},
 			}
 			for _, s := range steps {
@@ -175,7 +175,7 @@ func TestPluginAPIOverHTTP(t *testing.T) {
 					}
 				case "NetworkDriver.AllocateNetwork":
 					opts, _ := out["Options"].(map[string]interface{})
-					if opts["a"] != "b" || opts["vni"] != "4096" {
+					if opts["mtu"] != "1400" || opts["vni"] != "4096" {
 						t.Fatalf("AllocateNetwork: %v", out)
 					}
 				}
