@@ -344,13 +344,14 @@ func (d *Driver) AllocateNetwork(req *api.AllocateNetworkRequest) (*api.Allocate
 	for k, v := range req.Options {
 		out[k] = v
 	}
-	// The same checks as every node's CreateNetwork makes of these options
-	// later (but the underlay's MTU, which is each node's): a typo is
-	// refused at docker network create on the manager, not at the first
-	// task on each node.
+	// Checked as every node's CreateNetwork will check them, but not
+	// refused here: swarm allocates after docker network create has
+	// answered, so a refusal reaches only the manager's dockerd log, and
+	// tasks on the network stay "New" with no error; each node's
+	// CreateNetwork refusal is shown by docker service ps (both measured
+	// on Docker 20.10). The network is unusable either way.
 	if _, err := parseGeneric(out); err != nil {
-		d.log.Warn("AllocateNetwork rejected", "network", req.NetworkID, "error", err)
-		return nil, err
+		d.log.Warn("swarm network allocated with options every node's CreateNetwork will refuse", "network", req.NetworkID, "error", err)
 	}
 	vnis, given, err := parseVNIs(out)
 	if err != nil {

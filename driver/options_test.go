@@ -1,7 +1,9 @@
 package driver
 
 import (
+	"bytes"
 	"fmt"
+	"log/slog"
 	"strconv"
 	"strings"
 	"testing"
@@ -397,11 +399,15 @@ func TestCreateNetworkMTUAboveUnderlay(t *testing.T) {
 	mustCreate(t, d, enc)
 }
 
-// A swarm network with a bad option is refused by the leader's
-// AllocateNetwork (so at docker network create), and nothing is allocated.
+// A swarm network with a bad option is allocated (a refusal would only
+// reach the manager's log), the leader says so at WARN, and every node's
+// CreateNetwork of what AllocateNetwork returned refuses it with the
+// message, which docker service ps shows.
 func TestAllocateNetworkBadOptions(t *testing.T) {
+	var logs bytes.Buffer
 	d := newOfflineDriver(t)
-	for _, tc := range []struct {
+	d.log = slog.New(slog.NewTextHandler(&logs, nil))
+	for i, tc := range []struct {
 		opts map[string]string
 		want string
 	}{
@@ -409,24 +415,37 @@ func TestAllocateNetworkBadOptions(t *testing.T) {
 		{map[string]string{OptMTUAlias: "abc"}, `option mtu="abc" is not a number`},
 		{map[string]string{OptEncrypted: "maybe"}, `option encrypted="maybe"`},
 	} {
-		_, err := d.AllocateNetwork(&api.AllocateNetworkRequest{NetworkID: "sw1", Options: tc.opts, IPv4Data: []api.IPAMData{{Pool: "192.0.2.0/24"}}})
-		if err == nil || !strings.Contains(err.Error(), tc.want) {
-			t.Errorf("AllocateNetwork with %v: error %v, want %q", tc.opts, err, tc.want)
+		logs.Reset()
+		id := fmt.Sprintf("sw%d", i)
+		resp, err := d.AllocateNetwork(&api.AllocateNetworkRequest{NetworkID: id, Options: tc.opts, IPv4Data: []api.IPAMData{{Pool: "192.0.2.0/24"}}})
+		if err != nil {
+			t.Fatalf("AllocateNetwork with %v: %v", tc.opts, err)
+		}
+		if !strings.Contains(logs.String(), "level=WARN") || !strings.Contains(logs.String(), "will refuse") || !strings.Contains(logs.String(), id) {
+			t.Errorf("AllocateNetwork with %v logged no warning naming the network: %q", tc.opts, logs.String())
+		}
+		node := createReq(id, "", "192.0.2.0/24")
+		for k, v := range resp.Options {
+			node.Options[OptGeneric].(map[string]interface{})[k] = v
+		}
+		if err := d.CreateNetwork(node); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("node's CreateNetwork with %v: error %v, want %q", resp.Options, err, tc.want)
 		}
 	}
-	d.allocMu.Lock()
-	n := len(d.allocNet)
-	d.allocMu.Unlock()
-	if n != 0 {
-		t.Fatalf("refused AllocateNetwork calls left %d allocations", n)
-	}
-	// The leader's own output (vni, seeds) comes back after its restart.
-	resp, err := d.AllocateNetwork(&api.AllocateNetworkRequest{NetworkID: "sw1", Options: map[string]string{"overlayd.seeds": "192.0.2.10:7947", OptEncrypted: ""}, IPv4Data: []api.IPAMData{{Pool: "192.0.2.0/24"}}})
+	// Good options and the leader's own output (vni, seeds, coming back
+	// after its restart) pass without a word.
+	logs.Reset()
+	req := &api.AllocateNetworkRequest{NetworkID: "good", Options: map[string]string{"overlayd.seeds": "192.0.2.10:7947", OptEncrypted: "false"}, IPv4Data: []api.IPAMData{{Pool: "198.51.100.0/24"}}}
+	resp, err := d.AllocateNetwork(req)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := d.AllocateNetwork(&api.AllocateNetworkRequest{NetworkID: "sw1", Options: resp.Options, IPv4Data: []api.IPAMData{{Pool: "192.0.2.0/24"}}}); err != nil {
+	req.Options = resp.Options
+	if _, err := d.AllocateNetwork(req); err != nil {
 		t.Fatalf("AllocateNetwork of its own output: %v", err)
+	}
+	if logs.Len() != 0 {
+		t.Errorf("good options logged: %q", logs.String())
 	}
 }
 
