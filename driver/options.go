@@ -173,10 +173,14 @@ func boolOption(opts map[string]interface{}, key string) (bool, error) {
 }
 
 // parseVNIs reads the VNIs from the vni option or the built-in driver's
-// vxlanid_list; ok is false when neither is present.
+// vxlanid_list (both only if they agree); ok is false when neither is
+// present.
 func parseVNIs(opts map[string]string) (vnis []uint32, ok bool, err error) {
 	key := OptVNI
 	val, ok := opts[OptVNI]
+	if list, both := opts[OptVXLANList]; ok && both && strings.TrimSpace(list) != strings.TrimSpace(val) {
+		return nil, true, fmt.Errorf("options %s=%q and %s=%q both set the VNIs, to different values: give only one of them", OptVNI, val, OptVXLANList, list)
+	}
 	if !ok {
 		key = OptVXLANList
 		val, ok = opts[OptVXLANList]

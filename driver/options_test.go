@@ -98,6 +98,7 @@ func TestCreateNetworkBadInput(t *testing.T) {
 		{"mtu alias not a number", generic(OptVNI, "101", OptMTUAlias, "big"), []string{`option mtu="big" is not a number`, "576..9000"}},
 		{"mtu alias too big", generic(OptVNI, "101", OptMTUAlias, "9001"), []string{"option mtu=9001 is out of range", "576..9000"}},
 		{"mtu given twice, differently", generic(OptVNI, "101", OptMTUAlias, "1400", OptMTU, "1300"), []string{`mtu="1400"`, OptMTU + `="1300"`, "give only one"}},
+		{"vni and vxlanid_list differ", generic(OptVNI, "101", OptVXLANList, "102"), []string{`vni="101"`, OptVXLANList + `="102"`, "give only one"}},
 		{"explicit-subnet=maybe", generic(OptVNI, "101", OptExplicitSubnet, "maybe"), []string{OptExplicitSubnet, "maybe", "true/false"}},
 		// Pools dockerd hands out without --subnet (scope local).
 		{"172.x default pool", createReq("n1", "101", "172.18.0.0/16"), []string{"IPv4Data[0].Pool 172.18.0.0/16", "default address pools", "without --subnet", "same --subnet on every host", "-o " + OptExplicitSubnet}},
