@@ -22,7 +22,7 @@ var knownOptions = []option{
 	{name: OptVNI, values: "N, or N,M,… (1..16777215)",
 		meaning: "the network's VXLAN id, one per IPv4 subnet in their order; required outside swarm and the same on every host (in swarm the leader allocates it)"},
 	{name: OptVXLANList, values: "as vni",
-		meaning: "the built-in overlay driver's name for vni"},
+		meaning: "the built-in overlay driver's name for vni (give one of the two)"},
 	{name: OptEncrypted, values: "no value, true or false",
 		meaning: "encrypt the network's traffic between hosts (IPsec ESP)"},
 	{name: OptMTUAlias, values: "576..9000",
