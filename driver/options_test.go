@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"fmt"
 	"log/slog"
+	"os"
 	"strconv"
 	"strings"
 	"testing"
@@ -468,5 +469,18 @@ func TestOptionsMarkdown(t *testing.T) {
 	}
 	if strings.Contains(userOptionNames(), "overlayd.seeds") {
 		t.Errorf("the internal key is offered to users: %s", userOptionNames())
+	}
+}
+
+// TestREADMEOptionsTable keeps the README's options table the one the
+// unknown-option error is made from: a key added to knownOptions but not
+// documented (or documented differently) fails here.
+func TestREADMEOptionsTable(t *testing.T) {
+	readme, err := os.ReadFile("../README.md")
+	if err != nil {
+		t.Fatalf("read README: %v", err)
+	}
+	if want := optionsMarkdown(); !strings.Contains(string(readme), want) {
+		t.Errorf("README.md does not hold the options table of driver/optkeys.go; put this under \"Options (-o)\":\n%s", want)
 	}
 }
