@@ -21,6 +21,7 @@ const (
 	OptVNI       = "vni"
 	OptVXLANList = "com.docker.network.driver.overlay.vxlanid_list"
 	OptEncrypted = "encrypted"
+	OptSeeds     = "overlayd.seeds"
 )
 
 const (
