@@ -304,7 +304,8 @@ func (d *Driver) unregisterLocked(n *network) {
 // subnet unless they carry VNIs already — the leader re-sends its previous
 // output after a restart, so allocation is idempotent: given VNIs are kept
 // and marked used. It also adds the gossip seeds (OptSeeds, see
-// allocSeeds), refreshed on every call.
+// allocSeeds), refreshed on every call, and warns once per network that
+// its services need --endpoint-mode dnsrr.
 func (d *Driver) AllocateNetwork(req *api.AllocateNetworkRequest) (*api.AllocateNetworkResponse, error) {
 	if req == nil {
 		return nil, fmt.Errorf("AllocateNetwork: empty request")
@@ -331,9 +332,18 @@ func (d *Driver) AllocateNetwork(req *api.AllocateNetworkRequest) (*api.Allocate
 	if withSeeds {
 		out[OptSeeds] = seeds
 	}
-	resp, _, err := d.allocate(req, out, vnis, given)
+	resp, first, err := d.allocate(req, out, vnis, given)
 	if err != nil {
 		return nil, err
+	}
+	if first {
+		// dockerd builds a service's virtual-IP load balancer (and its
+		// endpoint on the network) only for its built-in overlay driver
+		// (moby daemon/network.go: `agent && driver == "overlay"`): on any
+		// plugin network the VIP answers nothing.
+		d.log.Warn("swarm network allocated: services on overlayd networks need --endpoint-mode dnsrr "+
+			"(dockerd builds the virtual-IP load balancer only for its built-in overlay driver, so in the default VIP mode the service name does not answer; tasks.<service> and dnsrr work)",
+			"network", req.NetworkID, "vni", resp.Options[OptVNI])
 	}
 	return resp, nil
 }

@@ -123,3 +123,32 @@ func TestCreateNetworkHandsSeeds(t *testing.T) {
 		t.Fatalf("seeds handed by the restored networks: %v; want once %v", got, want)
 	}
 }
+
+// Swarm services on an overlayd network need --endpoint-mode dnsrr: the
+// leader says so once per network, at its first allocation, not at every
+// re-send.
+func TestAllocateNetworkWarnsDNSRROnce(t *testing.T) {
+	var log bytes.Buffer
+	d := newSwarmDriver(t, Config{}, &log)
+	req := &api.AllocateNetworkRequest{NetworkID: "swarmnet1", IPv4Data: []api.IPAMData{{Pool: "198.51.100.0/24"}}}
+	resp, err := d.AllocateNetwork(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := d.AllocateNetwork(&api.AllocateNetworkRequest{NetworkID: "swarmnet1", Options: resp.Options, IPv4Data: req.IPv4Data}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := d.AllocateNetwork(&api.AllocateNetworkRequest{NetworkID: "swarmnet2", IPv4Data: []api.IPAMData{{Pool: "192.0.2.0/24"}}}); err != nil {
+		t.Fatal(err)
+	}
+	var warns []string
+	for _, l := range strings.Split(log.String(), "\n") {
+		if strings.Contains(l, "level=WARN") && strings.Contains(l, "--endpoint-mode dnsrr") {
+			warns = append(warns, l)
+		}
+	}
+	if len(warns) != 2 || !strings.Contains(warns[0], "network=swarmnet1") || !strings.Contains(warns[1], "network=swarmnet2") ||
+		!strings.Contains(warns[0], "built-in overlay driver") {
+		t.Fatalf("dnsrr warnings: %q; want one per network (swarmnet1, swarmnet2) saying why\nlog:\n%s", warns, log.String())
+	}
+}
