@@ -105,4 +105,13 @@ func TestSwarmSeedsFromAllocateNetwork(t *testing.T) {
 			t.Errorf("%s: alive members %v, want node0,node1,node2", h.name, got)
 		}
 	}
+	// A leader restart re-sends its previous answer: the seeds are
+	// refreshed to the members it knows now, itself first; the VNI stays.
+	again := leader.call(t, "AllocateNetwork", map[string]any{"NetworkID": "swarmnet", "Options": opts,
+		"IPv4Data": []map[string]string{{"Pool": subnet}}})
+	reopts, _ := again["Options"].(map[string]any)
+	want := fmt.Sprintf("%s:7947,%s:7947,%s:7947", vteps[0], vteps[1], vteps[2])
+	if reopts["overlayd.seeds"] != want || reopts["vni"] != opts["vni"] {
+		t.Errorf("re-sent AllocateNetwork: options %v, want overlayd.seeds=%s and vni %v", reopts, want, opts["vni"])
+	}
 }
