@@ -125,7 +125,7 @@ func (cp *controlPlane) addSeeds(seeds ...string) {
 // the control plane to start so that its answer carries gossip seeds: a
 // restarted leader's dockerd re-sends AllocateNetwork while swarm is
 // announcing this node's address (DiscoverNew) at about the same time.
-var seedWait = 2 * time.Second
+const seedWait = 2 * time.Second
 
 // gossipSeeds is the driver's GossipSeeds: where other nodes join this
 // cluster (this node's gossip address first, then the alive members'),
