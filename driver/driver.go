@@ -11,6 +11,10 @@
 // difference. Networks also pull everything when created and on Reconcile
 // (the daemon's periodic level-triggered repair). Encryption is the
 // encryption owner's (EncryptionOwner): each network hands it its share.
+// Cluster membership is the control plane's too; the driver only relays
+// where to join: nodes DiscoverNew announces (OnDiscover), and the gossip
+// seeds a swarm network carries (OnSeeds; the leader's AllocateNetwork
+// puts them there from GossipSeeds, see seeds.go).
 //
 // # Locking
 //
