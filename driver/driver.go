@@ -11,6 +11,10 @@
 // difference. Networks also pull everything when created and on Reconcile
 // (the daemon's periodic level-triggered repair). Encryption is the
 // encryption owner's (EncryptionOwner): each network hands it its share.
+// Cluster membership is the control plane's too; the driver only relays
+// where to join: nodes DiscoverNew announces (OnDiscover), and the gossip
+// seeds a swarm network carries (OnSeeds; the leader's AllocateNetwork
+// puts them there from GossipSeeds, see seeds.go).
 //
 // # Locking
 //
@@ -100,6 +104,17 @@ type Config struct {
 	// OnDiscover is told of every other node DiscoverNew announces (swarm):
 	// the control plane joins them. Called without driver locks held.
 	OnDiscover func(addr netip.Addr)
+	// GossipSeeds returns the gossip addresses ("IP:port") of this node and
+	// of the members it knows, which the swarm leader's AllocateNetwork
+	// hands to every node (option overlayd.seeds); none while the control
+	// plane has not started. It may wait briefly for the start. Called
+	// without driver locks held.
+	GossipSeeds func() []string
+	// OnSeeds is told of the gossip seeds a network carries (option
+	// overlayd.seeds) when it is created or restored: the control plane
+	// joins them unless it is in a cluster with them already. Called
+	// without driver locks held.
+	OnSeeds func(seeds []string)
 	// OnVTEPChange is told of the local VTEP whenever it is settled or
 	// changes (see VTEP), in order, without driver locks held: the control
 	// plane re-announces the local records with it and the encryption
@@ -212,6 +227,7 @@ func New(cfg Config) (*Driver, error) {
 			d.Close()
 			return nil, err
 		}
+		d.handRestoredSeeds()
 	}
 	return d, nil
 }

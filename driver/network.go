@@ -93,17 +93,37 @@ func (n *network) sandboxSubnets() []sandbox.Subnet {
 // waited for (on its lock, never holding another network's), then the
 // registration is re-checked: create after delete of one id is sound, as in
 // moby's driver after #50260.
+//
+// The gossip seeds the network carries (OptSeeds, from the swarm leader)
+// are handed to the control plane once the network exists, without driver
+// locks held.
 func (d *Driver) CreateNetwork(req *api.CreateNetworkRequest) error {
 	spec, err := parseCreateNetwork(req)
 	var u underlayLink
+	var seeds []string
 	if err == nil {
 		u = d.underlay()
 		err = d.checkSpec(spec, u)
+	}
+	if err == nil {
+		seeds, err = seedsOption(spec.options)
 	}
 	if err != nil {
 		d.log.Warn("CreateNetwork rejected", "network", reqNetworkID(req), "error", err)
 		return err
 	}
+	if err := d.createNetwork(spec, u); err != nil {
+		return err
+	}
+	if len(seeds) > 0 && d.cfg.OnSeeds != nil {
+		d.log.Debug("network carries gossip seeds", "network", spec.id, "seeds", seeds)
+		d.cfg.OnSeeds(seeds)
+	}
+	return nil
+}
+
+// createNetwork registers the network of a valid spec (see CreateNetwork).
+func (d *Driver) createNetwork(spec *netSpec, u underlayLink) error {
 	if spec.encrypted {
 		if err := d.checkEncryption(); err != nil {
 			return fmt.Errorf("option %s: %w", OptEncrypted, err)
@@ -329,7 +349,9 @@ func (d *Driver) unregisterLocked(n *network) {
 // AllocateNetwork (swarm leader) echoes the options and adds a VNI per IPv4
 // subnet unless they carry VNIs already — the leader re-sends its previous
 // output after a restart, so allocation is idempotent: given VNIs are kept
-// and marked used.
+// and marked used. It also adds the gossip seeds (OptSeeds, see
+// allocSeeds), refreshed on every call, and warns once per network that
+// its services need --endpoint-mode dnsrr.
 func (d *Driver) AllocateNetwork(req *api.AllocateNetworkRequest) (*api.AllocateNetworkResponse, error) {
 	if req == nil {
 		return nil, fmt.Errorf("AllocateNetwork: empty request")
@@ -357,19 +379,49 @@ func (d *Driver) AllocateNetwork(req *api.AllocateNetworkRequest) (*api.Allocate
 	if err != nil {
 		return nil, err
 	}
+	seeds, withSeeds, err := d.allocSeeds(req.NetworkID, out)
+	if err != nil {
+		return nil, err
+	}
+	delete(out, OptSeeds)
+	if withSeeds {
+		out[OptSeeds] = seeds
+	}
+	resp, first, err := d.allocate(req, out, vnis, given)
+	if err != nil {
+		return nil, err
+	}
+	if first {
+		// dockerd builds a service's virtual-IP load balancer (and its
+		// endpoint on the network) only for its built-in overlay driver
+		// (moby daemon/network.go: `agent && driver == "overlay"`): on any
+		// plugin network the VIP answers nothing.
+		d.log.Warn("swarm network allocated: services on overlayd networks need --endpoint-mode dnsrr "+
+			"(dockerd builds the virtual-IP load balancer only for its built-in overlay driver, so in the default VIP mode the service name does not answer; tasks.<service> and dnsrr work)",
+			"network", req.NetworkID, "vni", resp.Options[OptVNI])
+	}
+	return resp, nil
+}
+
+// allocate allocates the VNIs of an AllocateNetwork request whose answer's
+// options are out; first reports that the network held no allocation
+// before (not a leader's re-send).
+func (d *Driver) allocate(req *api.AllocateNetworkRequest, out map[string]string, vnis []uint32, given bool) (_ *api.AllocateNetworkResponse, first bool, _ error) {
 	d.allocMu.Lock()
 	defer d.allocMu.Unlock()
+	_, known := d.allocNet[req.NetworkID]
+	first = !known
 	if given {
 		if len(vnis) != len(req.IPv4Data) {
-			return nil, fmt.Errorf("option %s=%s gives %d VNI(s) for %d IPv4 subnet(s): give exactly one VNI per subnet", OptVNI, formatVNIs(vnis), len(vnis), len(req.IPv4Data))
+			return nil, false, fmt.Errorf("option %s=%s gives %d VNI(s) for %d IPv4 subnet(s): give exactly one VNI per subnet", OptVNI, formatVNIs(vnis), len(vnis), len(req.IPv4Data))
 		}
 		for _, v := range vnis {
 			if owner, ok := d.allocs[v]; ok && owner != req.NetworkID {
-				return nil, fmt.Errorf("option %s: VNI %d is already allocated to network %q", OptVNI, v, owner)
+				return nil, false, fmt.Errorf("option %s: VNI %d is already allocated to network %q", OptVNI, v, owner)
 			}
 		}
 		if err := d.saveAllocation(req.NetworkID, vnis); err != nil {
-			return nil, fmt.Errorf("AllocateNetwork %q: %w", req.NetworkID, err)
+			return nil, false, fmt.Errorf("AllocateNetwork %q: %w", req.NetworkID, err)
 		}
 		for _, v := range d.allocNet[req.NetworkID] {
 			delete(d.allocs, v)
@@ -378,7 +430,7 @@ func (d *Driver) AllocateNetwork(req *api.AllocateNetworkRequest) (*api.Allocate
 			d.allocs[v] = req.NetworkID
 		}
 		d.allocNet[req.NetworkID] = vnis
-		return &api.AllocateNetworkResponse{Options: out}, nil
+		return &api.AllocateNetworkResponse{Options: out}, first, nil
 	}
 	// Re-allocation for a network that already holds VNIs returns them.
 	mine := d.allocNet[req.NetworkID]
@@ -396,10 +448,10 @@ func (d *Driver) AllocateNetwork(req *api.AllocateNetworkRequest) (*api.Allocate
 		}
 		d.mu.Unlock()
 		if len(mine) != len(req.IPv4Data) {
-			return nil, fmt.Errorf("no free VNI left in the allocation range %d..%d", d.cfg.VNIStart, d.cfg.VNIEnd)
+			return nil, false, fmt.Errorf("no free VNI left in the allocation range %d..%d", d.cfg.VNIStart, d.cfg.VNIEnd)
 		}
 		if err := d.saveAllocation(req.NetworkID, mine); err != nil {
-			return nil, fmt.Errorf("AllocateNetwork %q: %w", req.NetworkID, err)
+			return nil, false, fmt.Errorf("AllocateNetwork %q: %w", req.NetworkID, err)
 		}
 		for _, v := range old {
 			delete(d.allocs, v)
@@ -410,7 +462,7 @@ func (d *Driver) AllocateNetwork(req *api.AllocateNetworkRequest) (*api.Allocate
 		d.allocNet[req.NetworkID] = mine
 	}
 	out[OptVNI] = formatVNIs(mine)
-	return &api.AllocateNetworkResponse{Options: out}, nil
+	return &api.AllocateNetworkResponse{Options: out}, first, nil
 }
 
 // FreeNetwork (swarm leader) releases the network's VNIs. Unknown ids succeed.

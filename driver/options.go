@@ -27,6 +27,7 @@ const (
 	OptVXLANList      = "com.docker.network.driver.overlay.vxlanid_list"
 	OptEncrypted      = "encrypted"
 	OptExplicitSubnet = "explicit-subnet"
+	OptSeeds          = "overlayd.seeds"
 )
 
 const (

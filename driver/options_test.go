@@ -435,7 +435,8 @@ func TestAllocateNetworkBadOptions(t *testing.T) {
 		}
 	}
 	// Good options and the leader's own output (vni, seeds, coming back
-	// after its restart) pass without a word.
+	// after its restart) pass without a warning about options (the one
+	// dnsrr notice per swarm network is TestAllocateNetworkWarnsDNSRROnce's).
 	logs.Reset()
 	req := &api.AllocateNetworkRequest{NetworkID: "good", Options: map[string]string{"overlayd.seeds": "192.0.2.10:7947", OptEncrypted: "false"}, IPv4Data: []api.IPAMData{{Pool: "198.51.100.0/24"}}}
 	resp, err := d.AllocateNetwork(req)
@@ -446,7 +447,7 @@ func TestAllocateNetworkBadOptions(t *testing.T) {
 	if _, err := d.AllocateNetwork(req); err != nil {
 		t.Fatalf("AllocateNetwork of its own output: %v", err)
 	}
-	if logs.Len() != 0 {
+	if strings.Contains(logs.String(), "will refuse") || strings.Count(logs.String(), "level=WARN") > 1 {
 		t.Errorf("good options logged: %q", logs.String())
 	}
 }

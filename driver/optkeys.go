@@ -31,9 +31,7 @@ var knownOptions = []option{
 		meaning: "Docker's name for mtu (give one of the two)"},
 	{name: OptExplicitSubnet, values: "no value, true or false",
 		meaning: "accept a --subnet that looks like one of dockerd's default pools (172.17.0.0/16 … 172.31.0.0/16, 192.168.N.0/20): say so when you gave it on purpose, the same on every host"},
-	// The swarm part of overlayd defines the constant (OptSeeds); the
-	// literal keeps the two changes apart until they meet.
-	{name: "overlayd.seeds", values: "host:port,…", internal: true,
+	{name: OptSeeds, values: "host:port,…", internal: true,
 		meaning: "internal: the gossip addresses the swarm leader adds to its AllocateNetwork answer so that every node finds the cluster; never set it by hand"},
 }
 

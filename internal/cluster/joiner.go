@@ -5,6 +5,7 @@ import (
 	"math/rand/v2"
 	"net"
 	"net/netip"
+	"slices"
 	"strconv"
 	"time"
 
@@ -313,6 +314,23 @@ func (c *Cluster) memberAddrs() map[netip.AddrPort]bool {
 		}
 	}
 	return out
+}
+
+// SeedAddrs returns where another node joins this cluster: this node's
+// advertised gossip address first, then the alive members' in order.
+func (c *Cluster) SeedAddrs() []netip.AddrPort {
+	self := c.ml.LocalNode()
+	ip, _ := netip.AddrFromSlice(self.Addr)
+	own := netip.AddrPortFrom(ip.Unmap(), self.Port)
+	out := []netip.AddrPort{own}
+	var others []netip.AddrPort
+	for a := range c.memberAddrs() {
+		if a != own {
+			others = append(others, a)
+		}
+	}
+	slices.SortFunc(others, func(a, b netip.AddrPort) int { return a.Compare(b) })
+	return append(out, others...)
 }
 
 // randomMember picks a random alive member other than this node.

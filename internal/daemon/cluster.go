@@ -102,17 +102,52 @@ func (cp *controlPlane) PublishLocalPeer(vni uint32, prev, next *peerdb.Peer) {
 
 // discovered is told of other swarm nodes by the driver (DiscoverNew).
 func (cp *controlPlane) discovered(addr netip.Addr) {
-	seed := net.JoinHostPort(addr.String(), strconv.Itoa(cp.st.GossipPort))
+	cp.addSeeds(net.JoinHostPort(addr.String(), strconv.Itoa(cp.st.GossipPort)))
+}
+
+// addSeeds hands gossip addresses to join to the cluster, or keeps them
+// for its start. The cluster joins a seed only if it is not the address of
+// an alive member already (nor this node's own).
+func (cp *controlPlane) addSeeds(seeds ...string) {
 	if c := cp.c.Load(); c != nil {
-		c.AddSeeds(seed)
+		c.AddSeeds(seeds...)
 		return
 	}
 	cp.seedMu.Lock()
-	cp.seeds = append(cp.seeds, seed)
+	cp.seeds = append(cp.seeds, seeds...)
 	cp.seedMu.Unlock()
-	if c := cp.c.Load(); c != nil { // started meanwhile: hand it over too
-		c.AddSeeds(seed)
+	if c := cp.c.Load(); c != nil { // started meanwhile: hand them over too
+		c.AddSeeds(seeds...)
 	}
+}
+
+// seedWait bounds how long the swarm leader's AllocateNetwork waits for
+// the control plane to start so that its answer carries gossip seeds: a
+// restarted leader's dockerd re-sends AllocateNetwork while swarm is
+// announcing this node's address (DiscoverNew) at about the same time.
+const seedWait = 2 * time.Second
+
+// gossipSeeds is the driver's GossipSeeds: where other nodes join this
+// cluster (this node's gossip address first, then the alive members'),
+// waiting up to seedWait for the control plane to start; nil if it has
+// not.
+func (cp *controlPlane) gossipSeeds() []string {
+	t := time.NewTimer(seedWait)
+	defer t.Stop()
+	select {
+	case <-cp.started:
+	case <-cp.stop:
+	case <-t.C:
+	}
+	c := cp.c.Load()
+	if c == nil {
+		return nil
+	}
+	var out []string
+	for _, a := range c.SeedAddrs() {
+		out = append(out, a.String())
+	}
+	return out
 }
 
 // vtepChanged is the driver's OnVTEPChange: the encryption state follows

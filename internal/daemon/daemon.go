@@ -65,6 +65,8 @@ func Run(ctx context.Context, st *config.Settings, log *slog.Logger) error {
 		Publisher:     cp,
 		Peers:         cp,
 		OnDiscover:    cp.discovered,
+		GossipSeeds:   cp.gossipSeeds,
+		OnSeeds:       func(seeds []string) { cp.addSeeds(seeds...) },
 		OnVTEPChange:  cp.vtepChanged,
 		Encryption:    enc,
 		HostNS:        hostNS,

@@ -191,6 +191,82 @@ lines:
 	return n
 }
 
+// clusterKey returns a fresh cluster key as the plugin reads it (base64).
+func clusterKey() []byte {
+	raw := make([]byte, 32)
+	rand.Read(raw)
+	return []byte(base64.StdEncoding.EncodeToString(raw) + "\n")
+}
+
+// formSwarm makes a new swarm: the first host its manager, the others
+// workers; it waits until every node is ready.
+func formSwarm(t *testing.T, hosts ...*swarmHost) {
+	t.Helper()
+	m := hosts[0]
+	start := time.Now()
+	m.must("swarm", "init", "--advertise-addr", m.addr.String(),
+		"--default-addr-pool", "192.0.2.0/25", "--default-addr-pool-mask-length", "26")
+	timing(t, "docker swarm init", time.Since(start))
+	for _, h := range hosts[1:] {
+		joinSwarm(t, m, h)
+	}
+	d := eventually(t, 30*time.Second, fmt.Sprintf("%d swarm nodes ready", len(hosts)), readyNodes(m, len(hosts)))
+	timing(t, "swarm nodes ready after the last join", d)
+}
+
+// joinSwarm joins h to manager m's swarm as a worker.
+func joinSwarm(t *testing.T, m, h *swarmHost) {
+	t.Helper()
+	token := m.must("swarm", "join-token", "-q", "worker")
+	start := time.Now()
+	h.must("swarm", "join", "--token", token, "--advertise-addr", h.addr.String(), m.addr.String()+":2377")
+	timing(t, "docker swarm join "+h.name, time.Since(start))
+}
+
+// readyNodes is a condition for eventually: manager m lists n ready nodes.
+func readyNodes(m *swarmHost, n int) func() string {
+	return func() string {
+		out, err := m.docker("node", "ls", "--format", "{{.Hostname}} {{.Status}}")
+		if err != nil {
+			return err.Error()
+		}
+		if strings.Count(out, "Ready") != n {
+			return out
+		}
+		return ""
+	}
+}
+
+// taskAddrs is a condition for eventually: every host runs one task of
+// swarmSvc with an address on swarmNet; it fills tasks and ips (host name
+// → task id, address).
+func taskAddrs(hosts []*swarmHost, tasks, ips map[string]string) func() string {
+	return func() string {
+		for _, h := range hosts {
+			ts := h.tasks(swarmSvc)
+			if len(ts) != 1 {
+				return fmt.Sprintf("%s runs %d tasks", h.name, len(ts))
+			}
+			ip := h.netIP(ts[0], swarmNet)
+			if ip == "" {
+				return fmt.Sprintf("%s: task %s has no address on %s", h.name, ts[0], swarmNet)
+			}
+			tasks[h.name], ips[h.name] = ts[0], ip
+		}
+		return ""
+	}
+}
+
+// createService creates swarmSvc on swarmNet from manager m: a global
+// service (one task per host) with DNS round robin, as overlayd networks
+// need (no IPVS here, and dockerd builds no VIP for a plugin's network).
+func (m *swarmHost) createService() {
+	m.t.Helper()
+	m.must("service", "create", "--detach", "--name", swarmSvc, "--mode", "global",
+		"--endpoint-mode", "dnsrr", "--network", swarmNet, "--no-resolve-image",
+		"--stop-grace-period", "1s", image, sleeper[0], sleeper[1], sleeper[2])
+}
+
 // swarmLab is the state TestSwarm's clean-up needs.
 type swarmLab struct {
 	t     *testing.T
@@ -311,9 +387,7 @@ func TestSwarm(t *testing.T) {
 	// so that swarm's DiscoverNew tells every plugin of the other nodes.
 	dir := filepath.Join(l.dir, "plugin")
 	buildPluginDir(t, dir)
-	raw := make([]byte, 32)
-	rand.Read(raw)
-	key := []byte(base64.StdEncoding.EncodeToString(raw) + "\n")
+	key := clusterKey()
 	for _, h := range sw.hosts {
 		h.installPlugin(dir, key)
 	}
@@ -335,43 +409,12 @@ func TestSwarm(t *testing.T) {
 	}
 
 	// The swarm: h1 manager, h2 and h3 workers.
-	start := time.Now()
-	h1.must("swarm", "init", "--advertise-addr", h1.addr.String(),
-		"--default-addr-pool", "192.0.2.0/25", "--default-addr-pool-mask-length", "26")
-	timing(t, "docker swarm init", time.Since(start))
-	token := h1.must("swarm", "join-token", "-q", "worker")
-	for _, h := range []*swarmHost{h2, h3} {
-		start = time.Now()
-		h.must("swarm", "join", "--token", token, "--advertise-addr", h.addr.String(), h1.addr.String()+":2377")
-		timing(t, "docker swarm join "+h.name, time.Since(start))
-	}
+	formSwarm(t, h1, h2, h3)
 	joined := time.Now()
-	d := eventually(t, 30*time.Second, "3 swarm nodes ready", func() string {
-		out, err := h1.docker("node", "ls", "--format", "{{.Hostname}} {{.Status}}")
-		if err != nil {
-			return err.Error()
-		}
-		if strings.Count(out, "Ready") != 3 {
-			return out
-		}
-		return ""
-	})
-	timing(t, "swarm nodes ready after the last join", d)
 
 	// DiscoverNew seeds overlayd's gossip: every plugin sees all three.
 	want := []string{"h1", "h2", "h3"}
-	eventually(t, 30*time.Second, "overlayd gossip of 3 alive members on every host", func() string {
-		for _, h := range sw.hosts {
-			st, err := h.status()
-			if err != nil {
-				return err.Error()
-			}
-			if got := st.alive(); strings.Join(got, ",") != strings.Join(want, ",") {
-				return fmt.Sprintf("%s sees alive %v", h.name, got)
-			}
-		}
-		return ""
-	})
+	waitGossip(t, sw.hosts)
 	timing(t, "overlayd gossip formed (3 alive members everywhere) after the last swarm join", time.Since(joined))
 	gossipFormed := time.Now()
 	for _, h := range sw.hosts {
@@ -387,7 +430,7 @@ func TestSwarm(t *testing.T) {
 
 	// The network, allocated by the leader's plugin.
 	allocBefore := h1.countInLog("method=AllocateNetwork")
-	d = h1.createNetwork(pluginRef, swarmNet, "--scope", "swarm", "--attachable", "--subnet", swarmSubnet, "-o", "encrypted=false")
+	d := h1.createNetwork(pluginRef, swarmNet, "--scope", "swarm", "--attachable", "--subnet", swarmSubnet, "-o", "encrypted=false")
 	timing(t, "docker network create (swarm scope, AllocateNetwork on the leader)", d)
 	// dockerd relays the plugin's output to its log asynchronously.
 	eventually(t, 5*time.Second, "the leader's plugin logs its AllocateNetwork call", func() string {
@@ -408,26 +451,11 @@ func TestSwarm(t *testing.T) {
 	netID := h1.must("network", "inspect", "-f", "{{.Id}}", swarmNet)
 
 	// A global service: one task per host, DNS round robin (no IPVS here).
-	start = time.Now()
-	h1.must("service", "create", "--detach", "--name", swarmSvc, "--mode", "global",
-		"--endpoint-mode", "dnsrr", "--network", swarmNet, "--no-resolve-image",
-		"--stop-grace-period", "1s", image, sleeper[0], sleeper[1], sleeper[2])
+	start := time.Now()
+	h1.createService()
 	ips := map[string]string{} // host → its task's address on swnet
 	tasks := map[string]string{}
-	converge := func() string {
-		for _, h := range sw.hosts {
-			ts := h.tasks(swarmSvc)
-			if len(ts) != 1 {
-				return fmt.Sprintf("%s runs %d tasks", h.name, len(ts))
-			}
-			ip := h.netIP(ts[0], swarmNet)
-			if ip == "" {
-				return fmt.Sprintf("%s: task %s has no address on %s", h.name, ts[0], swarmNet)
-			}
-			tasks[h.name], ips[h.name] = ts[0], ip
-		}
-		return ""
-	}
+	converge := taskAddrs(sw.hosts, tasks, ips)
 	eventually(t, 60*time.Second, "service tasks running on every host", converge)
 	timing(t, "service converge (docker service create to a running task on each of 3 hosts)", time.Since(start))
 	t.Logf("task addresses: %v", ips)
@@ -485,16 +513,7 @@ func TestSwarm(t *testing.T) {
 			}
 		}
 	}()
-	d = eventually(t, 60*time.Second, "manager back with 3 ready nodes", func() string {
-		out, err := h1.docker("node", "ls", "--format", "{{.Hostname}} {{.Status}}")
-		if err != nil {
-			return err.Error()
-		}
-		if strings.Count(out, "Ready") != 3 {
-			return out
-		}
-		return ""
-	})
+	eventually(t, 60*time.Second, "manager back with 3 ready nodes", readyNodes(h1, 3))
 	timing(t, "leader dockerd restart: manager ready", time.Since(start))
 	eventually(t, 60*time.Second, "service tasks running on every host after the leader restart", converge)
 	timing(t, "leader dockerd restart: service converged again", time.Since(start))
@@ -622,20 +641,35 @@ func TestSwarm(t *testing.T) {
 	}
 
 	// Remove everything and check that nothing is left.
-	start = time.Now()
 	h2.must("rm", "-f", "att")
-	h1.must("service", "rm", swarmSvc)
+	removeSwarm(t, sw.hosts)
+	sw.done = true
+	timing(t, "TestSwarm body", time.Since(begin))
+	for _, h := range sw.hosts {
+		if lines := pluginProblems(h.engine); lines != "" {
+			t.Logf("engine %s: the plugin's warnings and errors:\n%s", h.name, lines)
+		}
+	}
+}
+
+// removeSwarm removes the service and the network, checks that nothing of
+// them is left on any host, dissolves the swarm and removes the plugins.
+// The first host is the manager.
+func removeSwarm(t *testing.T, hosts []*swarmHost) {
+	t.Helper()
+	start := time.Now()
+	hosts[0].must("service", "rm", swarmSvc)
 	eventually(t, 30*time.Second, "service tasks gone", func() string {
-		for _, h := range sw.hosts {
+		for _, h := range hosts {
 			if ts := h.tasks(swarmSvc); len(ts) > 0 {
 				return fmt.Sprintf("%s still runs %v", h.name, ts)
 			}
 		}
 		return ""
 	})
-	h1.must("network", "rm", swarmNet)
+	hosts[0].must("network", "rm", swarmNet)
 	eventually(t, 30*time.Second, "overlayd networks, sandboxes and links gone on every host", func() string {
-		for _, h := range sw.hosts {
+		for _, h := range hosts {
 			st, err := h.status()
 			if err != nil {
 				return err.Error()
@@ -657,21 +691,14 @@ func TestSwarm(t *testing.T) {
 		return ""
 	})
 	timing(t, "service rm + network rm to nothing left", time.Since(start))
-	for _, h := range []*swarmHost{h3, h2, h1} {
-		h.must("swarm", "leave", "--force")
+	for i := len(hosts) - 1; i >= 0; i-- {
+		hosts[i].must("swarm", "leave", "--force")
 	}
-	for _, h := range sw.hosts {
+	for _, h := range hosts {
 		h.must("plugin", "disable", pluginRef)
 		h.must("plugin", "rm", pluginRef)
 		if pids := h.pluginPIDs(); len(pids) > 0 {
 			t.Errorf("engine %s: plugin processes left: %v", h.name, pids)
-		}
-	}
-	sw.done = true
-	timing(t, "TestSwarm body", time.Since(begin))
-	for _, h := range sw.hosts {
-		if lines := pluginProblems(h.engine); lines != "" {
-			t.Logf("engine %s: the plugin's warnings and errors:\n%s", h.name, lines)
 		}
 	}
 }

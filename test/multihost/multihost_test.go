@@ -74,8 +74,11 @@ type host struct {
 	netnsDir string
 	cmd      *exec.Cmd
 	join0    []string // seeds it was first started with
-	logs     *syncBuffer
-	plugin   *http.Client
+	// swarm: started as a managed plugin in a swarm is, with scope global
+	// and no address: it learns its VTEP from DiscoverNew (Self).
+	swarm  bool
+	logs   *syncBuffer
+	plugin *http.Client
 }
 
 type syncBuffer struct {
@@ -103,8 +106,13 @@ func startHost(t *testing.T, h *host, keyFile string, join []string) {
 	nsPath := fmt.Sprintf("/proc/%d/fd/%d", os.Getpid(), int(h.ns.Handle))
 	args := []string{"--net=" + nsPath, binary(t),
 		"--socket", h.socket(), "--state-dir", filepath.Join(h.dir, "state"), "--netns-dir", h.netnsDir,
-		"--advertise-addr", h.vtep.String(), "--secret-file", keyFile, "--control-socket", h.control(),
+		"--secret-file", keyFile, "--control-socket", h.control(),
 		"--node-name", h.name, "--log-level", "debug"}
+	if h.swarm {
+		args = append(args, "--scope", "global")
+	} else {
+		args = append(args, "--advertise-addr", h.vtep.String())
+	}
 	if len(join) > 0 {
 		args = append(args, "--join", strings.Join(join, ","))
 	}
