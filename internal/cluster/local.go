@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/overlayd/overlayd/internal/lockorder"
+	"github.com/overlayd/overlayd/internal/netdef"
 	"github.com/overlayd/overlayd/peerdb"
 )
 
@@ -27,6 +28,10 @@ type localStore struct {
 	live  int
 	hash  uint64
 	dirty map[recKey]struct{} // changed since the publisher last ran
+	// defs: this node's network definitions by VNI (defs.go); defsVer is
+	// the clock value of their last change.
+	defs    map[uint32]netdef.Definition
+	defsVer uint64
 	// metaBytes: metaLocked() encoded, replaced with mu held whenever the
 	// VTEP or the application state change; read without the lock
 	// (memberlist's NodeMeta).
@@ -44,6 +49,7 @@ func newLocalStore(name string, inc uint64, vtep netip.Addr, now func() time.Tim
 		name: name, inc: inc, vtep: vtep, now: now,
 		recs:  make(map[recKey]*lrec),
 		dirty: make(map[recKey]struct{}),
+		defs:  make(map[uint32]netdef.Definition),
 	}
 	b := encodeMeta(l.metaLocked())
 	l.metaBytes.Store(&b)
