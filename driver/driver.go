@@ -105,6 +105,9 @@ type Config struct {
 	// plane re-announces the local records with it and the encryption
 	// state follows it.
 	OnVTEPChange func(vtep netip.Addr)
+	// Definitions is the owner of the network definitions hosts gossip
+	// (nil: no check, e.g. a host without a control plane in tests).
+	Definitions DefinitionSource
 	// Encryption is the host's encryption owner; without one encrypted
 	// networks are refused.
 	Encryption EncryptionOwner

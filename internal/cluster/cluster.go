@@ -142,7 +142,7 @@ func New(cfg Config) (*Cluster, error) {
 			c.log.Warn("refusing an initial local record", "vni", e.vni, "reason", e.reason, "record", e.rec)
 		}
 	}
-	if errs, _ := c.local.syncDefs(cfg.LocalDefinitions); len(errs) > 0 {
+	if errs, _ := c.local.syncDefs(0, cfg.LocalDefinitions); len(errs) > 0 {
 		for vni, err := range errs {
 			c.countDrop(DropLocalInvalid)
 			c.log.Warn("refusing an initial network definition", "vni", vni, "error", err)

@@ -205,18 +205,28 @@ func (l *localStore) setDefLocked(vni uint32, def *netdef.Definition) (bool, err
 		l.defs[vni] = cloneDef(*def)
 	}
 	l.defsVer = l.tick()
+	l.defChanged[vni] = l.defsVer
 	return true, invalid
 }
 
-// syncDefs makes this node's definitions exactly defs (level-triggered
-// repair, like sync for records). It returns the refusals and whether
-// anything changed.
-func (l *localStore) syncDefs(defs map[uint32]netdef.Definition) (map[uint32]error, bool) {
+// syncDefs makes this node's definitions exactly defs, a list taken after
+// mark (level-triggered repair, like sync for records): VNIs changed after
+// mark are left as they are (a publication newer than the list wins). It
+// returns the refusals and whether anything changed.
+func (l *localStore) syncDefs(mark uint64, defs map[uint32]netdef.Definition) (map[uint32]error, bool) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	var errs map[uint32]error
 	changed := false
+	for vni, at := range l.defChanged {
+		if at <= mark {
+			delete(l.defChanged, vni) // older than the list: the list decides
+		}
+	}
 	for vni, d := range defs {
+		if _, newer := l.defChanged[vni]; newer {
+			continue
+		}
 		ch, err := l.setDefLocked(vni, &d)
 		changed = changed || ch
 		if err != nil {
@@ -227,6 +237,9 @@ func (l *localStore) syncDefs(defs map[uint32]netdef.Definition) (map[uint32]err
 		}
 	}
 	for vni := range l.defs {
+		if _, newer := l.defChanged[vni]; newer {
+			continue
+		}
 		if _, ok := defs[vni]; !ok {
 			ch, _ := l.setDefLocked(vni, nil)
 			changed = changed || ch
@@ -282,19 +295,23 @@ func (s *replica) markDefs(o *origin) {
 	}
 }
 
-// definitions returns the definitions of vni in force, by host name order.
+// definitions returns the definitions of vni in force, by host name
+// order, and as Pending every member in force that speaks protocolDefs
+// but has none of vni in force (it has no network of vni, or its set has
+// not arrived yet). It visits the members, not the records.
 func (s *replica) definitions(vni uint32) []netdef.Remote {
 	var out []netdef.Remote
-	for name, o := range s.origins {
-		d, ok := o.defs[vni]
-		if !ok {
+	for name, m := range s.members {
+		if !s.inForce(name, m) || m.meta.ProtoMax < protoDefs {
 			continue
 		}
-		m := s.members[name]
-		if !s.inForce(name, m) || o.inc != m.meta.Incarnation {
-			continue
+		r := netdef.Remote{Host: name, VTEP: m.meta.VTEP, Pending: true}
+		if o := s.origins[name]; o != nil && o.inc == m.meta.Incarnation {
+			if d, ok := o.defs[vni]; ok {
+				r.Def, r.Pending = cloneDef(d), false
+			}
 		}
-		out = append(out, netdef.Remote{Host: name, VTEP: m.meta.VTEP, Def: cloneDef(d)})
+		out = append(out, r)
 	}
 	slices.SortFunc(out, func(a, b netdef.Remote) int { return cmp.Compare(a.Host, b.Host) })
 	return out
@@ -320,11 +337,13 @@ func (c *Cluster) PublishDefinition(vni uint32, def *netdef.Definition) error {
 }
 
 // SyncDefinitions makes this node's definitions exactly defs, one per VNI
-// of every local network (the daemon's periodic level-triggered repair;
-// unchanged ones cost nothing). It never blocks. Invalid ones are
+// of every local network, listed after mark (LocalMark): VNIs published
+// after mark stay as they are (a network created or deleted while the list
+// was taken wins). The daemon runs it periodically: level-triggered
+// repair; unchanged ones cost nothing. It never blocks. Invalid ones are
 // withdrawn, counted and logged.
-func (c *Cluster) SyncDefinitions(defs map[uint32]netdef.Definition) {
-	errs, changed := c.local.syncDefs(defs)
+func (c *Cluster) SyncDefinitions(mark uint64, defs map[uint32]netdef.Definition) {
+	errs, changed := c.local.syncDefs(mark, defs)
 	for vni, err := range errs {
 		c.countDrop(DropLocalInvalid)
 		c.logLimited(slog.LevelWarn, fmt.Sprintf("localdef:%d", vni), "refusing to publish an invalid network definition", "vni", vni, "error", err)
@@ -336,7 +355,9 @@ func (c *Cluster) SyncDefinitions(defs map[uint32]netdef.Definition) {
 }
 
 // Definitions returns the definitions other nodes have in force for vni
-// (never this node's), sorted by node name. Safe for concurrent use; it
+// (never this node's), sorted by node name, with every other member that
+// speaks definitions but has none of vni in force as Pending (members of
+// protocol 1 are not listed). Safe for concurrent use; it
 // takes only Cluster.mu briefly, so callers may hold a network lock.
 func (c *Cluster) Definitions(vni uint32) []netdef.Remote {
 	c.mu.Lock()

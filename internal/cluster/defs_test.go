@@ -13,6 +13,9 @@ import (
 func defsAt(n *node, vni uint32) []string {
 	var out []string
 	for _, r := range n.c.Definitions(vni) {
+		if r.Pending {
+			continue
+		}
 		out = append(out, fmt.Sprintf("%s=%d", r.Host, r.Def.MTU))
 	}
 	return out
@@ -40,17 +43,23 @@ func TestDefinitionsReplicate(t *testing.T) {
 	if err := a.c.PublishDefinition(151, &da); err != nil {
 		t.Fatal(err)
 	}
-	b.c.SyncDefinitions(map[uint32]netdef.Definition{151: db, 152: db})
+	b.c.SyncDefinitions(b.c.LocalMark(), map[uint32]netdef.Definition{151: db, 152: db})
 	waitDefs(t, c, 151, a.name+"=1450", b.name+"=1400")
 	waitDefs(t, c, 152, b.name+"=1400")
 	waitDefs(t, a, 151, b.name+"=1400") // never its own
+	if p := a.c.Definitions(152); len(p) != 2 || p[0].Pending || p[1].Host != c.name || !p[1].Pending {
+		t.Fatalf("%s's definitions of VNI 152: %+v, want %s's and %s pending (it has none)", a.name, p, b.name, c.name)
+	}
 	got := c.c.Definitions(151)
+	if len(got) != 2 {
+		t.Fatalf("%s has %d definitions of VNI 151, want 2: %+v", c.name, len(got), got)
+	}
 	if got[1].VTEP != b.vtep || !netdef.Equal(&got[1].Def, &db) {
 		t.Fatalf("%s's definition as seen by %s: %+v, want VTEP %v and %+v", b.name, c.name, got[1], b.vtep, db)
 	}
 
 	// Withdrawn (the network was deleted): gone everywhere.
-	b.c.SyncDefinitions(map[uint32]netdef.Definition{152: db})
+	b.c.SyncDefinitions(b.c.LocalMark(), map[uint32]netdef.Definition{152: db})
 	waitDefs(t, c, 151, a.name+"=1450")
 	waitDefs(t, c, 152, b.name+"=1400")
 

@@ -32,6 +32,9 @@ type localStore struct {
 	// the clock value of their last change.
 	defs    map[uint32]netdef.Definition
 	defsVer uint64
+	// defChanged: the version of each VNI's last definition change, for
+	// VNIs changed after the last syncDefs' mark.
+	defChanged map[uint32]uint64
 	// metaBytes: metaLocked() encoded, replaced with mu held whenever the
 	// VTEP or the application state change; read without the lock
 	// (memberlist's NodeMeta).
@@ -47,9 +50,10 @@ func newLocalStore(name string, inc uint64, vtep netip.Addr, now func() time.Tim
 	l := &localStore{
 		mu:   lockorder.New(lockorder.LevelClusterLocal),
 		name: name, inc: inc, vtep: vtep, now: now,
-		recs:  make(map[recKey]*lrec),
-		dirty: make(map[recKey]struct{}),
-		defs:  make(map[uint32]netdef.Definition),
+		recs:       make(map[recKey]*lrec),
+		dirty:      make(map[recKey]struct{}),
+		defs:       make(map[uint32]netdef.Definition),
+		defChanged: make(map[uint32]uint64),
 	}
 	b := encodeMeta(l.metaLocked())
 	l.metaBytes.Store(&b)

@@ -108,6 +108,16 @@ func (c *Cluster) sendLoop(d *dest) {
 					failed = c.send(&node, b) != nil
 				}
 			}
+			// Definitions before records: a receiver holds back our
+			// records of a VNI until it has our definition of it.
+			if defs && !failed {
+				b, err := encodeMessage(c.local.defsMessage())
+				if err != nil {
+					c.logLimited(slog.LevelError, "defs", "cannot encode the network definitions", "error", err)
+				} else {
+					failed = c.send(&node, b) != nil
+				}
+			}
 			if snap && !failed {
 				b, err := encodeMessage(c.local.snapshot())
 				if err != nil {
@@ -121,14 +131,6 @@ func (c *Cluster) sendLoop(d *dest) {
 					break
 				}
 				failed = c.send(&node, b) != nil
-			}
-			if defs && !failed {
-				b, err := encodeMessage(c.local.defsMessage())
-				if err != nil {
-					c.logLimited(slog.LevelError, "defs", "cannot encode the network definitions", "error", err)
-				} else {
-					failed = c.send(&node, b) != nil
-				}
 			}
 			if digest != nil && !failed {
 				failed = c.send(&node, digest) != nil

@@ -51,7 +51,11 @@ type Definition struct {
 type Remote struct {
 	Host string     // the host's node name
 	VTEP netip.Addr // its VTEP
-	Def  Definition
+	Def  Definition // zero if Pending
+	// Pending: the host gossips definitions but none of this VNI has
+	// arrived (yet): its records of the VNI must wait for it, or they
+	// could be used against a definition that contradicts ours.
+	Pending bool
 }
 
 // MaxSubnets bounds the subnets of one definition (on the wire: a u8).

@@ -29,6 +29,7 @@ import (
 
 	"github.com/overlayd/overlayd/internal/netnsutil"
 	"github.com/overlayd/overlayd/internal/sandbox"
+	"github.com/overlayd/overlayd/internal/testutil/logbuf"
 	"github.com/overlayd/overlayd/internal/testutil/nstest"
 )
 
@@ -74,25 +75,8 @@ type host struct {
 	netnsDir string
 	cmd      *exec.Cmd
 	join0    []string // seeds it was first started with
-	logs     *syncBuffer
+	logs     *logbuf.Buffer
 	plugin   *http.Client
-}
-
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }
 
 func (h *host) socket() string  { return filepath.Join(h.dir, "overlayd.sock") }
@@ -108,7 +92,7 @@ func startHost(t *testing.T, h *host, keyFile string, join []string) {
 	if len(join) > 0 {
 		args = append(args, "--join", strings.Join(join, ","))
 	}
-	h.logs = &syncBuffer{}
+	h.logs = &logbuf.Buffer{}
 	h.cmd = exec.Command("nsenter", args...)
 	h.cmd.Stdout, h.cmd.Stderr = h.logs, h.logs
 	if err := h.cmd.Start(); err != nil {
