@@ -86,3 +86,51 @@ func TestDefinitionsReplicate(t *testing.T) {
 	waitDefs(t, c, 152)
 	checkAllViolations(t, nodes)
 }
+
+// TestDefinitionsSpareProtocol1Members: a member that speaks only
+// protocol 1 (an overlayd from before definitions) is never sent one (it
+// would drop the message as an unknown type), and it is not listed as
+// pending, so its records are not held back waiting for one.
+func TestDefinitionsSpareProtocol1Members(t *testing.T) {
+	t.Parallel()
+	nodes := startCluster(t, "dv", hosts("127.0.0.", 161, 2), nodeOpts{})
+	waitMembers(t, 10*time.Second, nodes)
+	cur, old := nodes[0], nodes[1]
+	l := old.c.local
+	l.mu.Lock()
+	l.protoMax = 1
+	b := encodeMeta(l.metaLocked())
+	l.metaBytes.Store(&b)
+	l.mu.Unlock()
+	if err := old.c.updateNode(); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 10*time.Second, "the protocol-1 metadata to arrive", func() (bool, string) {
+		st := cur.c.Status()
+		for _, m := range st.Members {
+			if m.Name == old.name {
+				return m.Protocol == 1, fmt.Sprint("protocol ", m.Protocol)
+			}
+		}
+		return false, "not a member"
+	})
+	// (It was sent cur's empty set when it joined as a protocol-2 node.)
+	before := old.c.Status().Stats.Definitions
+	def := sampleDef(1450, false, 161)
+	if err := cur.c.PublishDefinition(161, &def); err != nil {
+		t.Fatal(err)
+	}
+	// Definitions go out with every digest: after two digests from cur,
+	// old would have had two chances to get them.
+	digests := old.c.Status().Stats.Digests
+	waitFor(t, 10*time.Second, "two digests to arrive", func() (bool, string) {
+		d := old.c.Status().Stats.Digests
+		return d >= digests+2, fmt.Sprint(d - digests)
+	})
+	if st := old.c.Status(); st.Stats.Definitions != before || st.Dropped[DropUnknownType] != 0 {
+		t.Fatalf("the protocol-1 member was sent definitions: %d applied, %d dropped", st.Stats.Definitions-before, st.Dropped[DropUnknownType])
+	}
+	if d := cur.c.Definitions(161); len(d) != 0 {
+		t.Fatalf("the protocol-1 member is listed for VNI 161: %+v (its records would wait for a definition that never comes)", d)
+	}
+}

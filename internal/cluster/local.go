@@ -21,13 +21,16 @@ type localStore struct {
 	inc  uint64
 	now  func() time.Time
 
-	vtep  netip.Addr // this node's VTEP: local records must carry it
-	app   []byte     // application state (SetAppState)
-	clock uint64     // last version issued
-	recs  map[recKey]*lrec
-	live  int
-	hash  uint64
-	dirty map[recKey]struct{} // changed since the publisher last ran
+	vtep netip.Addr // this node's VTEP: local records must carry it
+	// protoMax is the highest protocol version advertised: ProtocolVersion
+	// (the tests lower it to play a node of an earlier version).
+	protoMax byte
+	app      []byte // application state (SetAppState)
+	clock    uint64 // last version issued
+	recs     map[recKey]*lrec
+	live     int
+	hash     uint64
+	dirty    map[recKey]struct{} // changed since the publisher last ran
 	// defs: this node's network definitions by VNI (defs.go); defsVer is
 	// the clock value of their last change.
 	defs    map[uint32]netdef.Definition
@@ -49,7 +52,7 @@ type lrec struct {
 func newLocalStore(name string, inc uint64, vtep netip.Addr, now func() time.Time) *localStore {
 	l := &localStore{
 		mu:   lockorder.New(lockorder.LevelClusterLocal),
-		name: name, inc: inc, vtep: vtep, now: now,
+		name: name, inc: inc, vtep: vtep, now: now, protoMax: ProtocolVersion,
 		recs:       make(map[recKey]*lrec),
 		dirty:      make(map[recKey]struct{}),
 		defs:       make(map[uint32]netdef.Definition),
@@ -265,7 +268,7 @@ func (l *localStore) meta() nodeMeta {
 }
 
 func (l *localStore) metaLocked() nodeMeta {
-	return nodeMeta{ProtoMin: protocolVersionMin, ProtoMax: ProtocolVersion, Incarnation: l.inc, VTEP: l.vtep, App: l.app}
+	return nodeMeta{ProtoMin: protocolVersionMin, ProtoMax: l.protoMax, Incarnation: l.inc, VTEP: l.vtep, App: l.app}
 }
 
 // currentVTEP returns this node's VTEP.
