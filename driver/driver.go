@@ -11,6 +11,12 @@
 // difference. Networks also pull everything when created and on Reconcile
 // (the daemon's periodic level-triggered repair). Encryption is the
 // encryption owner's (EncryptionOwner): each network hands it its share.
+// Network definitions (subnets and VNIs, gateways, MTU, encrypted,
+// internal) are the control plane's too (DefinitionSource): a network
+// publishes its own, a CreateNetwork that contradicts another host's is
+// refused, and every pull first compares the other hosts' definitions of
+// the VNI and leaves out the records of hosts that contradict it (see
+// definitions.go).
 //
 // # Locking
 //
