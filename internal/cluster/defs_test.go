@@ -2,6 +2,7 @@ package cluster
 
 import (
 	"fmt"
+	"net/netip"
 	"slices"
 	"testing"
 	"time"
@@ -132,5 +133,43 @@ func TestDefinitionsSpareProtocol1Members(t *testing.T) {
 	}
 	if d := cur.c.Definitions(161); len(d) != 0 {
 		t.Fatalf("the protocol-1 member is listed for VNI 161: %+v (its records would wait for a definition that never comes)", d)
+	}
+}
+
+// TestDefinitionsAskedForUntilTheyArrive: a member of protocol 2 whose
+// records came in a complete view (push/pull brings a snapshot but no
+// definitions) without its definitions is asked again until its set
+// arrives, and then no more. Before, nothing asked: its records waited for
+// its next digest, up to DigestMaxInterval (a restart test lost its peers
+// for more than 20 s).
+func TestDefinitionsAskedForUntilTheyArrive(t *testing.T) {
+	r := newReceiver(5, "10.0.0.1")
+	n := mlNode("o", 5, "10.0.0.1")
+	n.Meta = encodeMeta(nodeMeta{ProtoMin: 1, ProtoMax: protoDefs, Incarnation: 5, VTEP: netip.MustParseAddr("10.0.0.1")})
+	t0 := time.Unix(10, 0)
+	r.s.memberAlive(n, t0)
+	rec := liveRec(7, "e", "10.7.0.2", "10.0.0.1", 3)
+	if reason, d := r.s.apply(&message{Type: msgSnapshot, Origin: "o", Incarnation: 5, AsOf: 3, Records: []record{rec}}, t0); reason != "" {
+		t.Fatal(reason, d)
+	}
+	before := r.syncTo["o"]
+	r.s.tick(t0.Add(2 * syncRetry))
+	if r.syncTo["o"] != before+1 {
+		t.Fatalf("a member whose definitions never came was not asked again (%d requests)", r.syncTo["o"]-before)
+	}
+	def := sampleDef(1450, false, 7)
+	if reason, d := r.s.apply(&message{Type: msgDefs, Origin: "o", Incarnation: 5, AsOf: 4, Defs: []defRecord{{VNI: 7, Def: def}}}, t0.Add(3*syncRetry)); reason != "" {
+		t.Fatal(reason, d)
+	}
+	if reason, d := r.s.apply(&message{Type: msgDigest, Origin: "o", Incarnation: 5, AsOf: 4, Count: 1, Hash: recordHash(&rec)}, t0.Add(3*syncRetry)); reason != "" {
+		t.Fatal(reason, d)
+	}
+	before = r.syncTo["o"]
+	r.s.tick(t0.Add(5 * syncRetry))
+	if r.syncTo["o"] != before {
+		t.Fatalf("asked %d more times after the definitions came", r.syncTo["o"]-before)
+	}
+	if d := r.s.definitions(7); len(d) != 1 || d[0].Pending || !netdef.Equal(&d[0].Def, &def) {
+		t.Fatalf("definitions of VNI 7: %+v", d)
 	}
 }

@@ -677,8 +677,18 @@ const resyncAfterLearnt = 50 * time.Millisecond
 // snapshots travel as UDP packets.
 const syncRetry = time.Second
 
+// wantsDefs reports whether o's member speaks definitions but none of
+// its sets has arrived: its records may wait for them (see definitions),
+// and push/pull, which may have brought its records, does not carry them,
+// so it is asked (a sync request is answered with the set) until one
+// arrives.
+func (s *replica) wantsDefs(m *member, o *origin) bool {
+	return m != nil && o.defsVer == 0 && m.meta.ProtoMax >= protoDefs
+}
+
 // tick ends expired restart graces and failed graces, and repeats
-// unanswered sync requests. It visits no record unless a grace ends, and
+// unanswered sync requests (and asks members whose definitions have not
+// arrived). It visits no record unless a grace ends, and
 // runs often. It returns the members whose FailedGrace ended (their
 // records are no longer in force).
 func (s *replica) tick(now time.Time) (expired []string) {
@@ -697,8 +707,8 @@ func (s *replica) tick(now time.Time) (expired []string) {
 			s.stats.GraceExpired++
 			s.dropPrev(name, o)
 		}
-		if o.awaiting && now.Sub(o.lastSyncReq) >= syncRetry {
-			if m := s.members[name]; m != nil && m.state == StateAlive && m.metaErr == nil {
+		if m := s.members[name]; (o.awaiting || s.wantsDefs(m, o)) && now.Sub(o.lastSyncReq) >= syncRetry {
+			if m != nil && m.state == StateAlive && m.metaErr == nil {
 				s.syncFrom(name, o, now)
 			}
 		}
