@@ -42,18 +42,15 @@ type defHost struct {
 func startDefHost(t *testing.T, name string, ns *nstest.NS, vtep netip.Addr, gossipIP string, join ...string) *defHost {
 	t.Helper()
 	h := &defHost{name: name, ns: ns, vtep: vtep, gossip: net.JoinHostPort(gossipIP, strconv.Itoa(defsGossipPort)), logs: &logbuf.Buffer{}}
-	args := []string{"--state-dir", t.TempDir(), "--node-name", name, "--gossip-addr", gossipIP, "--gossip-port", strconv.Itoa(defsGossipPort)}
-	if len(join) > 0 {
-		args = append(args, "--join", strings.Join(join, ","))
-	}
-	st, err := config.Parse(args, func(string) string { return "" })
-	if err != nil {
-		t.Fatal(err)
-	}
+	// The settings the control plane reads (made directly: a loopback
+	// address other than 127.0.0.1 is this host's, but not an interface
+	// address a settings check would find).
+	st := &config.Settings{NodeName: name, GossipAddr: netip.MustParseAddr(gossipIP), GossipPort: defsGossipPort, Join: join}
 	log := slog.New(slog.NewTextHandler(h.logs, &slog.HandlerOptions{Level: slog.LevelInfo})).With("host", name)
 	key := []byte("0123456789abcdef0123456789abcdef")
 	// This kernel has xfrm policies but no ESP states: a stand-in passes
 	// the check, and traffic that needs an SA is dropped (never clear).
+	var err error
 	h.enc, err = encryption.NewOwner(encryption.OwnerConfig{NS: ns.Handle, Port: driver.DefaultVXLANPort, Secret: key,
 		Logger: log, CheckKernel: func() error { return nil }})
 	if err != nil {
