@@ -15,6 +15,12 @@
 // where to join: nodes DiscoverNew announces (OnDiscover), and the gossip
 // seeds a swarm network carries (OnSeeds; the leader's AllocateNetwork
 // puts them there from GossipSeeds, see seeds.go).
+// Network definitions (subnets and VNIs, gateways, MTU, encrypted,
+// internal) are the control plane's too (DefinitionSource): a network
+// publishes its own, a CreateNetwork that contradicts another host's is
+// refused, and every pull first compares the other hosts' definitions of
+// the VNI and leaves out the records of hosts that contradict it (see
+// definitions.go).
 //
 // # Locking
 //
@@ -120,6 +126,9 @@ type Config struct {
 	// plane re-announces the local records with it and the encryption
 	// state follows it.
 	OnVTEPChange func(vtep netip.Addr)
+	// Definitions is the owner of the network definitions hosts gossip
+	// (nil: no check, e.g. a host without a control plane in tests).
+	Definitions DefinitionSource
 	// Encryption is the host's encryption owner; without one encrypted
 	// networks are refused.
 	Encryption EncryptionOwner

@@ -9,6 +9,7 @@ import (
 
 	"github.com/overlayd/overlayd/encryption"
 	"github.com/overlayd/overlayd/internal/lockorder"
+	"github.com/overlayd/overlayd/internal/netdef"
 	"github.com/overlayd/overlayd/internal/sandbox"
 	"github.com/overlayd/overlayd/peerdb"
 )
@@ -39,6 +40,11 @@ type network struct {
 	// lastErr is the last kernel programming error of the network's peers,
 	// for status; cleared by the next success. Guarded by mu.
 	lastErr error
+	// contra: the other hosts whose definition of one of its VNIs
+	// contradicts the network's, by VNI and host, as last checked (for the
+	// log-once and status; the definitions are the control plane's).
+	// Their records of that VNI are refused. Guarded by mu.
+	contra map[uint32]map[string]contradiction
 	// logged: rejected remote records already logged, with the reason;
 	// guarded by mu.
 	logged map[peerdb.Key]string
@@ -133,6 +139,14 @@ func (d *Driver) createNetwork(spec *netSpec, u underlayLink) error {
 	if mtu == 0 {
 		mtu = u.innerMTU(spec.encrypted)
 	}
+	def := netdef.Definition{MTU: mtu, Encrypted: spec.encrypted, Internal: spec.internal}
+	for _, s := range spec.subnets {
+		def.Subnets = append(def.Subnets, netdef.Subnet{VNI: s.vni, Pool: s.pool, Gateway: s.gateway})
+	}
+	if err := d.checkDefinitions(&def, spec.mtu != 0); err != nil {
+		d.log.Warn("CreateNetwork rejected", "network", spec.id, "error", err)
+		return err
+	}
 	n := &network{
 		mu:        lockorder.New(lockorder.LevelNetwork),
 		id:        spec.id,
@@ -173,6 +187,7 @@ func (d *Driver) createNetwork(spec *netSpec, u underlayLink) error {
 	if err := d.pullAll(n); err != nil {
 		d.log.Warn("pulling the remote peers of a new network", "network", n.id, "error", err)
 	}
+	d.publishDefinition(n, false)
 	d.log.Info("network created", "network", n.id, "vnis", formatVNIs(n.vnis()), "mtu", n.mtu, "internal", n.internal, "encrypted", n.encrypted)
 	return nil
 }
@@ -305,6 +320,7 @@ func (d *Driver) DeleteNetwork(req *api.DeleteNetworkRequest) error {
 	if err := d.forgetNetwork(n); err != nil {
 		return fmt.Errorf("DeleteNetwork %q: %w", n.id, err)
 	}
+	d.publishDefinition(n, true)
 	d.unregister(n)
 	d.log.Info("network deleted", "network", n.id)
 	return nil

@@ -58,8 +58,11 @@ func (d *Driver) pull(n *network, vni uint32, keys []peerdb.Key) error {
 	}
 	var delta peerdb.Delta
 	var rej []peerdb.Rejection
+	// The records of hosts whose definition of vni contradicts n's are
+	// refused: taken as absent, so they are removed if programmed.
+	bad := d.checkRemoteDefinitions(n, vni)
 	if keys == nil {
-		delta, rej = n.peers.SyncVNI(vni, src.Peers(vni))
+		delta, rej = n.peers.SyncVNI(vni, withoutHosts(src.Peers(vni), bad))
 	} else {
 		// Scratch space of the network (guarded by n.mu), reused by every
 		// pull: notifications come one key at a time as often as in bursts.
@@ -70,6 +73,9 @@ func (d *Driver) pull(n *network, vni uint32, keys []peerdb.Key) error {
 				continue // not ours to pull: leave it unchanged
 			}
 			p, ok := src.Peer(k)
+			if bad[k.Origin] {
+				p, ok = peerdb.Peer{}, false
+			}
 			vals = append(vals, p)
 			ups = append(ups, peerdb.Update{Key: k})
 			if ok {

@@ -37,6 +37,10 @@ type NetworkStatus struct {
 	// network's VNIs that it does not hold (invalid, or outside the subnet
 	// of their VNI), with the reason.
 	Rejected []RejectedStatus `json:"rejected,omitempty"`
+	// DefinitionConflicts are other hosts whose definition of one of the
+	// network's VNIs contradicts the network's (their records of that VNI
+	// are refused).
+	DefinitionConflicts []DefinitionConflictStatus `json:"definition_conflicts,omitempty"`
 	// Error is the last kernel programming error of the network's peers
 	// (the periodic reconcile retries), or the sandbox left to remove.
 	Error string `json:"error,omitempty"`
@@ -87,7 +91,11 @@ func (d *Driver) Status() Status {
 	}
 	d.mu.Unlock()
 	st.Encryption = d.encryptionStatus()
-	d.eachNetwork(func(n *network) { st.Networks = append(st.Networks, n.status()) })
+	d.eachNetwork(func(n *network) {
+		ns := n.status()
+		ns.DefinitionConflicts = d.definitionStatus(n)
+		st.Networks = append(st.Networks, ns)
+	})
 	return st
 }
 

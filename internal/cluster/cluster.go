@@ -57,7 +57,10 @@ type Cluster struct {
 
 	joiner  *joiner
 	pubWake chan struct{}
-	changed chan struct{} // publisher -> periodic loop: digest soon
+	// defsChanged: our definitions changed since the publisher last sent
+	// them.
+	defsChanged atomic.Bool
+	changed     chan struct{} // publisher -> periodic loop: digest soon
 	// localErrs: invalid local records, logged by the publisher.
 	localErrs chan localErr
 	ready     chan struct{} // closed once ml is set
@@ -139,11 +142,18 @@ func New(cfg Config) (*Cluster, error) {
 			c.log.Warn("refusing an initial local record", "vni", e.vni, "reason", e.reason, "record", e.rec)
 		}
 	}
+	if errs, _ := c.local.syncDefs(0, cfg.LocalDefinitions); len(errs) > 0 {
+		for vni, err := range errs {
+			c.countDrop(DropLocalInvalid)
+			c.log.Warn("refusing an initial network definition", "vni", vni, "error", err)
+		}
+	}
 	c.replica.grace = cfg.RestartGrace
 	c.replica.failedGrace = cfg.FailedGrace
 	c.replica.dirty = c.markDirtyLocked
+	c.replica.dirtyVNI = c.markVNILocked
 	c.replica.requestSync = func(name string) { c.destFlagLocked(name, func(d *dest) { d.syncReq = true }) }
-	c.replica.sendSnapshot = func(name string) { c.destFlagLocked(name, func(d *dest) { d.snapshot = true }) }
+	c.replica.sendSnapshot = func(name string) { c.destFlagLocked(name, func(d *dest) { d.snapshot, d.defs = true, true }) }
 	for range cfg.DeliveryShards {
 		c.shards = append(c.shards, &shard{dirty: make(map[uint32]map[pkey]struct{}), wake: make(chan struct{}, 1)})
 	}
@@ -514,6 +524,13 @@ func (c *Cluster) memberAlive(n *memberlist.Node) {
 		}
 	}
 	c.replica.memberAlive(n, c.now()) // may queue a sync request to it
+	if d := c.dests[n.Name]; d != nil {
+		m := c.replica.members[n.Name]
+		d.mu.Lock()
+		d.defsOK = m != nil && m.metaErr == nil && m.meta.ProtoMax >= protoDefs
+		d.defs = d.defs || fresh != nil
+		d.mu.Unlock()
+	}
 	if fresh != nil {
 		// Then our digest: a member back from dead (same incarnation)
 		// missed our changes meanwhile and asks for a snapshot if so.

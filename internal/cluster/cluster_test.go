@@ -133,15 +133,23 @@ func TestReorderDuplicateConverges(t *testing.T) {
 	t.Logf("stale records ignored: %d", stale)
 }
 
+// partitionable starts n nodes on 127.0.0.from… that a partition can cut
+// apart, with a short FailedGrace (each side drops the other's records
+// soon), and waits until they are members.
+func partitionable(t *testing.T, prefix string, from, n int) ([]*node, []string, *partition) {
+	t.Helper()
+	part := &partition{}
+	hs := hosts("127.0.0.", from, n)
+	nodes := startCluster(t, prefix, hs, nodeOpts{part: part, tweak: func(c *Config) { c.FailedGrace = 500 * time.Millisecond }})
+	waitMembers(t, 10*time.Second, nodes)
+	return nodes, hs, part
+}
+
 // TestPartitionHeals: two groups cut apart drop each other's records,
 // change their own meanwhile, and converge to one state when healed.
 func TestPartitionHeals(t *testing.T) {
 	t.Parallel()
-	part := &partition{}
-	hs := hosts("127.0.0.", 51, 5)
-	// A short FailedGrace: each side drops the other's records soon.
-	nodes := startCluster(t, "pt", hs, nodeOpts{part: part, tweak: func(c *Config) { c.FailedGrace = 500 * time.Millisecond }})
-	waitMembers(t, 10*time.Second, nodes)
+	nodes, hs, part := partitionable(t, "pt", 51, 5)
 	for i, n := range nodes {
 		n.publish(51, n.peer(n.name+"-a", fmt.Sprintf("10.51.%d.2", i)))
 	}

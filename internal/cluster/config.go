@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/hashicorp/memberlist"
+	"github.com/overlayd/overlayd/internal/netdef"
 	"github.com/overlayd/overlayd/peerdb"
 )
 
@@ -28,8 +29,9 @@ const DefaultLabel = "overlayd"
 // keys marked dirty since the previous call for vni, sorted by origin then
 // endpoint id, all of VNI vni and never of this node; a key may be
 // reported although its record did not change. keys == nil means: any
-// record of vni may have changed (pull them all); this package does not
-// send nil today, but a Watcher must accept it. The first calls may come
+// record of vni may have changed (pull them all); this package sends nil
+// when the network definitions in force for vni changed (see
+// Definitions). The first calls may come
 // before New has returned (a member may join at once): a Watcher that
 // needs the *Cluster must wait for it, not fail.
 type Watcher interface {
@@ -49,9 +51,12 @@ type Config struct {
 	Seeds         []string   // "host[:port]" to join, retried in the background with backoff
 	// Local are this node's records at start (a restarted daemon's
 	// endpoints), in place before anything is gossiped.
-	Local        []LocalRecord
-	TombstoneTTL time.Duration
-	Watcher      Watcher // required
+	Local []LocalRecord
+	// LocalDefinitions are this node's network definitions at start, by
+	// VNI (see SyncDefinitions).
+	LocalDefinitions map[uint32]netdef.Definition
+	TombstoneTTL     time.Duration
+	Watcher          Watcher // required
 	// OnMembersChange, if set, is called when a member joins, leaves, dies
 	// or changes its metadata (its VTEP or application state, see
 	// SetAppState and MemberApps). It is called from memberlist's callbacks
@@ -295,7 +300,12 @@ func (c *Config) memberlistConfig(d *delegate, logw *mlLogWriter) *memberlist.Co
 	mc.DeadNodeReclaimTime = deadNodeReclaimTime
 	mc.HandoffQueueDepth = 4096
 	mc.UDPBufferSize = udpBufferSize
-	mc.DelegateProtocolVersion = ProtocolVersion
+	// memberlist requires every node's current version to lie within
+	// every node's [min, max]: advertising 2 as current would make it
+	// refuse protocol-1 nodes. The version actually used per member is
+	// chosen from its metadata (ProtoMax), so the current one is the
+	// oldest still spoken.
+	mc.DelegateProtocolVersion = protocolVersionMin
 	mc.DelegateProtocolMin = protocolVersionMin
 	mc.DelegateProtocolMax = ProtocolVersion
 	mc.Delegate = d

@@ -29,6 +29,9 @@ const (
 	DropInvalidIP       DropReason = "invalid_ip"       // not a unicast IPv4 address
 	DropInvalidMAC      DropReason = "invalid_mac"      // not a unicast MAC
 	DropInvalidVTEP     DropReason = "invalid_vtep"     // not a unicast IPv4/IPv6 address
+	// DropInvalidDefinition: a network definition that is not valid
+	// (netdef.Definition.Validate) or does not define its own VNI.
+	DropInvalidDefinition DropReason = "invalid_definition"
 	// Apply time.
 	DropSelfOrigin  DropReason = "self_origin"          // claims to come from this node
 	DropUnknownOrig DropReason = "unknown_origin"       // origin is not an alive member
@@ -80,6 +83,15 @@ func (r *reader) bytes(n int, what string) ([]byte, *decodeError) {
 	return v, nil
 }
 
+// u24 reads a 24-bit big-endian number (a VNI).
+func (r *reader) u24(what string) (uint32, *decodeError) {
+	b, err := r.bytes(3, what)
+	if err != nil {
+		return 0, err
+	}
+	return uint32(b[0])<<16 | uint32(b[1])<<8 | uint32(b[2]), nil
+}
+
 func (r *reader) u64(what string) (uint64, *decodeError) {
 	b, err := r.bytes(8, what)
 	if err != nil {
@@ -119,7 +131,7 @@ func decodeMessage(b []byte) (*message, *decodeError) {
 	if err != nil {
 		return nil, err
 	}
-	if typ < msgDelta || typ > msgLeave {
+	if typ < msgDelta || typ > msgDefs {
 		return nil, derr(DropUnknownType, "type %d", typ)
 	}
 	m := &message{Type: typ}
@@ -188,6 +200,30 @@ func decodeMessage(b []byte) (*message, *decodeError) {
 		if m.Hash, err = r.u64("digest hash"); err != nil {
 			return nil, err
 		}
+	case msgDefs:
+		if m.AsOf, err = r.uvarint("definitions clock"); err != nil {
+			return nil, err
+		}
+		if m.AsOf == 0 {
+			return nil, derr(DropMalformed, "definitions clock 0")
+		}
+		n, err := r.uvarint("definition count")
+		if err != nil {
+			return nil, err
+		}
+		if n > uint64(r.left()/minDefLen) {
+			return nil, derr(DropTruncated, "%d definitions in %d bytes", n, r.left())
+		}
+		m.Defs = make([]defRecord, n)
+		for i := range m.Defs {
+			if err := decodeDef(r, &m.Defs[i]); err != nil {
+				err.Detail = fmt.Sprintf("definition %d: %s", i, err.Detail)
+				return nil, err
+			}
+			if i > 0 && m.Defs[i].VNI <= m.Defs[i-1].VNI {
+				return nil, derr(DropMalformed, "definition %d: VNI %d not after VNI %d (sorted, no duplicates)", i, m.Defs[i].VNI, m.Defs[i-1].VNI)
+			}
+		}
 	case msgSyncRequest, msgLeave:
 	}
 	if r.left() != 0 {
@@ -197,11 +233,10 @@ func decodeMessage(b []byte) (*message, *decodeError) {
 }
 
 func decodeRecord(r *reader, rec *record) *decodeError {
-	vb, err := r.bytes(3, "VNI")
-	if err != nil {
+	var err *decodeError
+	if rec.VNI, err = r.u24("VNI"); err != nil {
 		return err
 	}
-	rec.VNI = uint32(vb[0])<<16 | uint32(vb[1])<<8 | uint32(vb[2])
 	flags, err := r.u8("flags")
 	if err != nil {
 		return err

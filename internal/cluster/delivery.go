@@ -13,7 +13,10 @@ import (
 // concurrent.
 type shard struct {
 	dirty map[uint32]map[pkey]struct{} // guarded by Cluster.mu
-	wake  chan struct{}
+	// all: VNIs whose every record may have changed (their definitions
+	// in force did); reported with keys nil. Guarded by Cluster.mu.
+	all  map[uint32]struct{}
+	wake chan struct{}
 }
 
 func (c *Cluster) shardOf(vni uint32) *shard {
@@ -30,6 +33,21 @@ func (c *Cluster) markDirtyLocked(vni uint32, k pkey) {
 		sh.dirty[vni] = set
 	}
 	set[k] = struct{}{}
+	select {
+	case sh.wake <- struct{}{}:
+	default:
+	}
+}
+
+// markVNILocked notes that the definitions in force for vni may have
+// changed: the Watcher is told PeersChanged(vni, nil). Expects c.mu held;
+// never blocks.
+func (c *Cluster) markVNILocked(vni uint32) {
+	sh := c.shardOf(vni)
+	if sh.all == nil {
+		sh.all = make(map[uint32]struct{})
+	}
+	sh.all[vni] = struct{}{}
 	select {
 	case sh.wake <- struct{}{}:
 	default:
@@ -69,15 +87,21 @@ func (c *Cluster) deliveryLoop(sh *shard) {
 // with sorted keys.
 func (c *Cluster) takeDirty(sh *shard) []change {
 	c.mu.Lock()
-	if len(sh.dirty) == 0 {
+	if len(sh.dirty) == 0 && len(sh.all) == 0 {
 		c.mu.Unlock()
 		return nil
 	}
-	dirty := sh.dirty
-	sh.dirty = make(map[uint32]map[pkey]struct{})
+	dirty, all := sh.dirty, sh.all
+	sh.dirty, sh.all = make(map[uint32]map[pkey]struct{}), nil
 	c.mu.Unlock()
-	out := make([]change, 0, len(dirty))
+	out := make([]change, 0, len(dirty)+len(all))
+	for vni := range all {
+		out = append(out, change{vni: vni}) // keys nil: pull everything
+	}
 	for vni, set := range dirty {
+		if _, ok := all[vni]; ok {
+			continue
+		}
 		keys := make([]peerdb.Key, 0, len(set))
 		for k := range set {
 			keys = append(keys, peerdb.Key{VNI: vni, Origin: k.Origin, EndpointID: k.EndpointID})

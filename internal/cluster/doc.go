@@ -64,6 +64,20 @@
 // request (it has just learnt us) and ours to it is older than 50 ms, it
 // is asked again at once rather than at the 1 s retry.
 //
+// # Network definitions
+//
+// Each node also owns one network definition (internal/netdef) per VNI it
+// has a network for, published with PublishDefinition and SyncDefinitions.
+// They travel as the node's complete set (a defs message, protocol version
+// 2, sent only to members that advertise it), on change, before every
+// snapshot and with every digest; a receiver keeps the newest set of the
+// origin's current incarnation, in force exactly when its records are
+// (FailedGrace included; a restarted node's former set until its new one
+// arrives). Definitions(vni) lists them, and as Pending every member of
+// protocol 2 that has none of vni, whose records the driver holds back
+// until it has. A change of what is in force for a VNI is delivered as
+// Watcher.PeersChanged(vni, nil). See defs.go.
+//
 // # Membership
 //
 // Node metadata carries a metadata version, the protocol versions the node

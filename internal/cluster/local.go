@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/overlayd/overlayd/internal/lockorder"
+	"github.com/overlayd/overlayd/internal/netdef"
 	"github.com/overlayd/overlayd/peerdb"
 )
 
@@ -20,13 +21,23 @@ type localStore struct {
 	inc  uint64
 	now  func() time.Time
 
-	vtep  netip.Addr // this node's VTEP: local records must carry it
-	app   []byte     // application state (SetAppState)
-	clock uint64     // last version issued
-	recs  map[recKey]*lrec
-	live  int
-	hash  uint64
-	dirty map[recKey]struct{} // changed since the publisher last ran
+	vtep netip.Addr // this node's VTEP: local records must carry it
+	// protoMax is the highest protocol version advertised: ProtocolVersion
+	// (the tests lower it to play a node of an earlier version).
+	protoMax byte
+	app      []byte // application state (SetAppState)
+	clock    uint64 // last version issued
+	recs     map[recKey]*lrec
+	live     int
+	hash     uint64
+	dirty    map[recKey]struct{} // changed since the publisher last ran
+	// defs: this node's network definitions by VNI (defs.go); defsVer is
+	// the clock value of their last change.
+	defs    map[uint32]netdef.Definition
+	defsVer uint64
+	// defChanged: the version of each VNI's last definition change, for
+	// VNIs changed after the last syncDefs' mark.
+	defChanged map[uint32]uint64
 	// metaBytes: metaLocked() encoded, replaced with mu held whenever the
 	// VTEP or the application state change; read without the lock
 	// (memberlist's NodeMeta).
@@ -41,9 +52,11 @@ type lrec struct {
 func newLocalStore(name string, inc uint64, vtep netip.Addr, now func() time.Time) *localStore {
 	l := &localStore{
 		mu:   lockorder.New(lockorder.LevelClusterLocal),
-		name: name, inc: inc, vtep: vtep, now: now,
-		recs:  make(map[recKey]*lrec),
-		dirty: make(map[recKey]struct{}),
+		name: name, inc: inc, vtep: vtep, now: now, protoMax: ProtocolVersion,
+		recs:       make(map[recKey]*lrec),
+		dirty:      make(map[recKey]struct{}),
+		defs:       make(map[uint32]netdef.Definition),
+		defChanged: make(map[uint32]uint64),
 	}
 	b := encodeMeta(l.metaLocked())
 	l.metaBytes.Store(&b)
@@ -255,7 +268,7 @@ func (l *localStore) meta() nodeMeta {
 }
 
 func (l *localStore) metaLocked() nodeMeta {
-	return nodeMeta{ProtoMin: protocolVersionMin, ProtoMax: ProtocolVersion, Incarnation: l.inc, VTEP: l.vtep, App: l.app}
+	return nodeMeta{ProtoMin: protocolVersionMin, ProtoMax: l.protoMax, Incarnation: l.inc, VTEP: l.vtep, App: l.app}
 }
 
 // currentVTEP returns this node's VTEP.

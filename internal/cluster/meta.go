@@ -24,7 +24,9 @@ const (
 	metaVersion byte = 2
 	// ProtocolVersion is the wire protocol this package speaks; nodes
 	// advertise the range they understand in their metadata.
-	ProtocolVersion    byte = 1
+	// Version 2 adds the network definitions (msgDefs); version 1 nodes
+	// are still served, without them.
+	ProtocolVersion    byte = 2
 	protocolVersionMin byte = 1
 )
 

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/hashicorp/memberlist"
+	"github.com/overlayd/overlayd/internal/netdef"
 	"github.com/overlayd/overlayd/peerdb"
 )
 
@@ -78,6 +79,11 @@ type origin struct {
 	// awaiting: a snapshot was asked for and no complete view (snapshot
 	// or matching digest) came since; the request is repeated.
 	awaiting bool
+	// defs: the origin's network definitions by VNI, as of its clock
+	// defsVer (0: carried over from its previous incarnation, replaced by
+	// the first set of this one). See defs.go.
+	defs    map[uint32]netdef.Definition
+	defsVer uint64
 }
 
 func newOrigin(inc uint64) *origin {
@@ -128,6 +134,7 @@ type storeStats struct {
 	SyncRequests, IncarnationChanges, GraceExpired uint64
 	MemberFailures, MemberReturns                  uint64
 	FailedGraceExpired                             uint64
+	Defs, StaleDefs                                uint64 // definition sets applied, and older than held
 }
 
 // replica is the replicated remote state: membership as memberlist reports
@@ -150,6 +157,9 @@ type replica struct {
 
 	// dirty reports that the effective value of (vni, k) may have changed.
 	dirty func(vni uint32, k pkey)
+	// dirtyVNI reports that the definitions in force for vni may have
+	// changed.
+	dirtyVNI func(vni uint32)
 	// requestSync asks origin for its snapshot.
 	requestSync func(origin string)
 	// sendSnapshot sends this node's snapshot to the member requester.
@@ -164,6 +174,7 @@ func newReplica(self string) *replica {
 		byVNI:           make(map[uint32]map[pkey]struct{}),
 		syncMinInterval: 500 * time.Millisecond,
 		dirty:           func(uint32, pkey) {},
+		dirtyVNI:        func(uint32) {},
 		requestSync:     func(string) {},
 		sendSnapshot:    func(string) {},
 	}
@@ -212,6 +223,10 @@ func (s *replica) setOrigin(name string, nu *origin) {
 	}
 	if old == nil {
 		return
+	}
+	s.markDefs(old)
+	if nu != nil {
+		s.markDefs(nu)
 	}
 	gone := func(k recKey) {
 		if !nu.holds(k) {
@@ -325,6 +340,12 @@ func (s *replica) memberAlive(n *memberlist.Node, now time.Time) {
 			no.prev = s.effectiveSet(o, oldMeta)
 			no.graceUntil = now.Add(s.grace)
 		}
+		if wasInForce && meta.ProtoMax >= protoDefs {
+			// Its definitions stay until the new incarnation sends its
+			// set (it answers our sync request with it): a restart must
+			// not make a contradiction vanish and reappear.
+			no.defs = o.defs
+		}
 		s.setOrigin(n.Name, no)
 		s.syncFrom(n.Name, nil, now)
 	}
@@ -377,8 +398,10 @@ func (s *replica) memberLeft(m *member, now time.Time) {
 	s.setOrigin(m.name, nil)
 }
 
-// markOrigin marks every key o holds or shadows dirty.
+// markOrigin marks every key o holds or shadows dirty, and every VNI it
+// defines.
 func (s *replica) markOrigin(name string, o *origin) {
+	s.markDefs(o)
 	for k := range o.recs {
 		s.dirty(k.VNI, pkey{name, k.EndpointID})
 	}
@@ -514,6 +537,8 @@ func (s *replica) apply(m *message, now time.Time) (DropReason, string) {
 		s.applySnapshot(m.Origin, o, m, now)
 	case msgDigest:
 		s.applyDigest(m.Origin, o, m, now)
+	case msgDefs:
+		s.applyDefs(m.Origin, o, m)
 	}
 	return "", ""
 }
@@ -652,8 +677,18 @@ const resyncAfterLearnt = 50 * time.Millisecond
 // snapshots travel as UDP packets.
 const syncRetry = time.Second
 
+// wantsDefs reports whether o's member speaks definitions but none of
+// its sets has arrived: its records may wait for them (see definitions),
+// and push/pull, which may have brought its records, does not carry them,
+// so it is asked (a sync request is answered with the set) until one
+// arrives.
+func (s *replica) wantsDefs(m *member, o *origin) bool {
+	return m != nil && o.defsVer == 0 && m.meta.ProtoMax >= protoDefs
+}
+
 // tick ends expired restart graces and failed graces, and repeats
-// unanswered sync requests. It visits no record unless a grace ends, and
+// unanswered sync requests (and asks members whose definitions have not
+// arrived). It visits no record unless a grace ends, and
 // runs often. It returns the members whose FailedGrace ended (their
 // records are no longer in force).
 func (s *replica) tick(now time.Time) (expired []string) {
@@ -672,8 +707,8 @@ func (s *replica) tick(now time.Time) (expired []string) {
 			s.stats.GraceExpired++
 			s.dropPrev(name, o)
 		}
-		if o.awaiting && now.Sub(o.lastSyncReq) >= syncRetry {
-			if m := s.members[name]; m != nil && m.state == StateAlive && m.metaErr == nil {
+		if m := s.members[name]; (o.awaiting || s.wantsDefs(m, o)) && now.Sub(o.lastSyncReq) >= syncRetry {
+			if m != nil && m.state == StateAlive && m.metaErr == nil {
 				s.syncFrom(name, o, now)
 			}
 		}

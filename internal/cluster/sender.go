@@ -26,6 +26,9 @@ type dest struct {
 	// syncReq: ask the member for its snapshot; digest: latest digest.
 	snapshot, syncReq bool
 	digest            []byte
+	// defs: send our definitions (defs.go); defsOK: the member speaks
+	// protocolDefs (it would drop them otherwise).
+	defs, defsOK bool
 }
 
 // maxQueued bounds a sender's queue; beyond it the queue is replaced by
@@ -89,9 +92,10 @@ func (c *Cluster) sendLoop(d *dest) {
 			d.mu.Lock()
 			node := d.node
 			syncReq, snap, queue, digest := d.syncReq, d.snapshot, d.queue, d.digest
-			d.syncReq, d.snapshot, d.queue, d.queued, d.digest = false, false, nil, 0, nil
+			defs := d.defs && d.defsOK
+			d.syncReq, d.snapshot, d.queue, d.queued, d.digest, d.defs = false, false, nil, 0, nil, false
 			d.mu.Unlock()
-			if !syncReq && !snap && len(queue) == 0 && digest == nil {
+			if !syncReq && !snap && len(queue) == 0 && digest == nil && !defs {
 				break
 			}
 			if snap {
@@ -101,6 +105,16 @@ func (c *Cluster) sendLoop(d *dest) {
 			if syncReq {
 				b, err := encodeMessage(&message{Type: msgSyncRequest, Origin: c.cfg.NodeName, Incarnation: c.inc})
 				if err == nil {
+					failed = c.send(&node, b) != nil
+				}
+			}
+			// Definitions before records: a receiver holds back our
+			// records of a VNI until it has our definition of it.
+			if defs && !failed {
+				b, err := encodeMessage(c.local.defsMessage())
+				if err != nil {
+					c.logLimited(slog.LevelError, "defs", "cannot encode the network definitions", "error", err)
+				} else {
 					failed = c.send(&node, b) != nil
 				}
 			}
@@ -128,6 +142,7 @@ func (c *Cluster) sendLoop(d *dest) {
 				d.mu.Lock()
 				d.snapshot, d.queue, d.queued = true, nil, 0
 				d.syncReq = d.syncReq || syncReq
+				d.defs = d.defs || defs
 				d.mu.Unlock()
 				t := time.NewTimer(backoff + rand.N(backoff/2))
 				select {
@@ -179,10 +194,14 @@ func (c *Cluster) publishLoop() {
 				"vni", e.vni, "reason", e.reason, "record", e.rec, "vtep", c.local.currentVTEP())
 		}
 		recs := c.local.takeDirty()
-		if len(recs) == 0 {
+		defs := c.defsChanged.Swap(false)
+		if len(recs) == 0 && !defs {
 			continue
 		}
-		msgs := c.encodeDeltas(recs)
+		var msgs [][]byte
+		if len(recs) > 0 {
+			msgs = c.encodeDeltas(recs)
+		}
 		c.mu.Lock()
 		ds := make([]*dest, 0, len(c.dests))
 		for _, d := range c.dests {
@@ -190,6 +209,11 @@ func (c *Cluster) publishLoop() {
 		}
 		c.mu.Unlock()
 		for _, d := range ds {
+			if defs {
+				d.mu.Lock()
+				d.defs = true
+				d.mu.Unlock()
+			}
 			d.enqueue(msgs)
 		}
 		select {
@@ -283,6 +307,7 @@ func (c *Cluster) sendDigests() {
 	for _, d := range c.dests {
 		d.mu.Lock()
 		d.digest = b
+		d.defs = true // repairs a lost definitions packet
 		d.mu.Unlock()
 		d.signal()
 	}

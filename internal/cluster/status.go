@@ -85,6 +85,8 @@ type Stats struct {
 	RestartGraceExpired uint64 `json:"restart_grace_expired"` // previous records dropped at RestartGrace, not by a complete view
 	PeersChangedCalls   uint64 `json:"peers_changed_calls"`   // Watcher.PeersChanged calls
 	PeersChangedKeys    uint64 `json:"peers_changed_keys"`    // keys passed in them
+	Definitions         uint64 `json:"definitions"`           // definition sets applied
+	StaleDefinitions    uint64 `json:"stale_definitions"`     // definition sets older than held
 }
 
 // Status returns the current status.
@@ -183,6 +185,7 @@ func (c *Cluster) Status() Status {
 		MemberFailures: ss.MemberFailures, MemberReturns: ss.MemberReturns,
 		FailedGraceExpired: ss.FailedGraceExpired, RestartGraceExpired: ss.GraceExpired,
 		PeersChangedCalls: c.changeCalls.Load(), PeersChangedKeys: c.changedKeys.Load(),
+		Definitions: ss.Defs, StaleDefinitions: ss.StaleDefs,
 	}
 	return st
 }

@@ -15,12 +15,14 @@ import (
 //
 //	message   = version:u8 (=1) type:u8 origin incarnation:u64be body
 //	origin    = len:u8 (1..255) name (UTF-8)
-//	body      = delta | snapshot | digest | syncRequest | leave
+//	body      = delta | snapshot | digest | syncRequest | leave | defs
 //	delta     = count:uvarint record*count           (type 1)
 //	snapshot  = asOf:uvarint count:uvarint record*count (type 2, live records only)
 //	digest    = asOf:uvarint count:uvarint hash:u64be (type 3)
 //	syncRequest = (empty)                            (type 4)
 //	leave     = (empty)                              (type 5)
+//	defs      = asOf:uvarint count:uvarint def*count (type 6, protocol 2: the
+//	            origin's complete set of network definitions, see defs.go)
 //	record    = vni:u24be flags:u8 id version:uvarint [value]
 //	flags     = bit 0 deleted, bit 1 id is hex-packed; other bits zero
 //	id        = len:u8 (1..255) bytes   (hex-packed: the bytes of a
@@ -38,6 +40,7 @@ const (
 	msgDigest      byte = 3
 	msgSyncRequest byte = 4
 	msgLeave       byte = 5
+	msgDefs        byte = 6 // protocol version 2 only
 
 	flagDeleted byte = 1 << 0
 	flagHexID   byte = 1 << 1
@@ -94,6 +97,7 @@ type message struct {
 	Count       uint64 // digest: number of live records
 	Hash        uint64 // digest: sum of the live records' hashes
 	Records     []record
+	Defs        []defRecord // defs: by VNI, no duplicates
 }
 
 var errEncode = errors.New("cluster: message cannot be encoded")
@@ -231,10 +235,22 @@ func encodeMessage(m *message) ([]byte, error) {
 		if len(m.Records) != 0 {
 			return nil, errEncode
 		}
+	case msgDefs:
+		if len(m.Records) != 0 || len(m.Defs) > maxRecords || m.AsOf == 0 {
+			return nil, errEncode
+		}
+		b = binary.AppendUvarint(b, m.AsOf)
+		b = binary.AppendUvarint(b, uint64(len(m.Defs)))
+		for i := range m.Defs {
+			if validDef(&m.Defs[i]) != nil || i > 0 && m.Defs[i].VNI <= m.Defs[i-1].VNI {
+				return nil, errEncode
+			}
+			b = appendDef(b, &m.Defs[i])
+		}
 	default:
 		return nil, errEncode
 	}
-	if len(b) > maxMessageBytes {
+	if m.Type != msgDefs && len(m.Defs) != 0 || len(b) > maxMessageBytes {
 		return nil, errEncode
 	}
 	return b, nil

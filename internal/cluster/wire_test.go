@@ -9,6 +9,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/overlayd/overlayd/internal/netdef"
 	"github.com/overlayd/overlayd/peerdb"
 )
 
@@ -37,7 +38,25 @@ func sampleMessages() []*message {
 		{Type: msgDigest, Origin: "host-c", Incarnation: 5, AsOf: 1 << 62, Count: 1000, Hash: 0xdeadbeefcafef00d},
 		{Type: msgSyncRequest, Origin: "host-d", Incarnation: 6},
 		{Type: msgLeave, Origin: "ünïcode-host", Incarnation: 7},
+		{Type: msgDefs, Origin: "host-e", Incarnation: 8, AsOf: 1 << 40, Defs: []defRecord{
+			{VNI: 300, Def: sampleDef(1450, false, 300)},
+			{VNI: 301, Def: sampleDef(1416, true, 300, 301)},
+			{VNI: MaxVNI, Def: netdef.Definition{MTU: 9000, Internal: true, Subnets: []netdef.Subnet{
+				{VNI: MaxVNI, Pool: netip.MustParsePrefix("203.0.113.0/30")}}}},
+		}},
+		{Type: msgDefs, Origin: "host-e", Incarnation: 8, AsOf: 1, Defs: []defRecord{}},
 	}
+}
+
+// sampleDef is a definition of vnis with subnets 198.51.100.0/26,
+// 198.51.100.64/26, … and gateways at .1 of each.
+func sampleDef(mtu int, encrypted bool, vnis ...uint32) netdef.Definition {
+	d := netdef.Definition{MTU: mtu, Encrypted: encrypted}
+	for i, v := range vnis {
+		pool := netip.PrefixFrom(netip.AddrFrom4([4]byte{198, 51, 100, byte(64 * i)}), 26)
+		d.Subnets = append(d.Subnets, netdef.Subnet{VNI: v, Pool: pool, Gateway: netip.PrefixFrom(pool.Addr().Next(), 26)})
+	}
+	return d
 }
 
 func mustEncode(t testing.TB, m *message) []byte {
@@ -132,7 +151,31 @@ func badCases(t testing.TB) []badCase {
 	snapFuture = append(snapFuture, 10, 1)
 	r := liveRec(1, "x", "10.0.0.9", "192.168.0.1", 11)
 	snapFuture = appendRecord(snapFuture, &r)
+	// Offsets in defsBase: 0-12 header (origin "ab"), 13 asOf, 14 count,
+	// 15-17 VNI, 18 flags, 19-20 MTU, 21 subnet count, 22-24 subnet VNI,
+	// 25-28 pool, 29 prefix length, 30 gateway flag, 31-34 gateway.
+	defsBase := mustEncode(t, &message{Type: msgDefs, Origin: "ab", Incarnation: 9, AsOf: 5,
+		Defs: []defRecord{{VNI: 300, Def: sampleDef(1450, false, 300)}}})
+	defsSet := func(off int, v ...byte) []byte {
+		b := append([]byte(nil), defsBase...)
+		copy(b[off:], v)
+		return b
+	}
+	defsTwice := append(append([]byte(nil), defsBase...), defsBase[15:]...)
+	defsTwice[14] = 2
 	return []badCase{
+		{"definitions clock zero", defsSet(13, 0), DropMalformed},
+		{"definition count over bytes", defsSet(14, 9), DropTruncated},
+		{"definition unknown flag", defsSet(18, 0x04), DropMalformed},
+		{"definition MTU zero", defsSet(19, 0, 0), DropInvalidDefinition},
+		{"definition without subnets", defsSet(21, 0), DropInvalidDefinition},
+		{"definition not of its VNI", defsSet(22, 0, 1, 0x2d), DropInvalidDefinition},
+		{"definition pool not masked", defsSet(28, 7), DropInvalidDefinition},
+		{"definition prefix length 33", defsSet(29, 33), DropInvalidDefinition},
+		{"definition gateway flag 2", defsSet(30, 2), DropMalformed},
+		{"definition gateway outside", defsSet(31, 10, 0, 0, 1), DropInvalidDefinition},
+		{"definition truncated", defsBase[:len(defsBase)-1], DropTruncated},
+		{"definition duplicate VNI", defsTwice, DropMalformed},
 		{"empty", nil, DropTruncated},
 		{"version only", base[:1], DropTruncated},
 		{"unknown version", set(0, 2), DropUnknownVersion},
@@ -237,7 +280,7 @@ func TestMetaRoundTrip(t *testing.T) {
 			t.Errorf("meta v1 %v: got %+v, %v", m, got, err)
 		}
 	}
-	for _, b := range [][]byte{nil, {1}, encodeMeta(nodeMeta{ProtoMin: 2, ProtoMax: 3, Incarnation: 1, VTEP: netip.MustParseAddr("10.0.0.1")}),
+	for _, b := range [][]byte{nil, {1}, encodeMeta(nodeMeta{ProtoMin: ProtocolVersion + 1, ProtoMax: ProtocolVersion + 2, Incarnation: 1, VTEP: netip.MustParseAddr("10.0.0.1")}),
 		encodeMeta(nodeMeta{ProtoMin: 1, ProtoMax: 1, Incarnation: 0, VTEP: netip.MustParseAddr("10.0.0.1")}),
 		encodeMeta(nodeMeta{ProtoMin: 1, ProtoMax: 1, Incarnation: 1, VTEP: netip.MustParseAddr("0.0.0.0")})} {
 		if m, err := decodeMeta(b); err == nil {

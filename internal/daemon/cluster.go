@@ -18,6 +18,7 @@ import (
 	"github.com/overlayd/overlayd/internal/cluster"
 	"github.com/overlayd/overlayd/internal/config"
 	"github.com/overlayd/overlayd/internal/lockorder"
+	"github.com/overlayd/overlayd/internal/netdef"
 	"github.com/overlayd/overlayd/internal/statefile"
 	"github.com/overlayd/overlayd/peerdb"
 )
@@ -98,6 +99,24 @@ func (cp *controlPlane) PublishLocalPeer(vni uint32, prev, next *peerdb.Peer) {
 	if c := cp.c.Load(); c != nil {
 		c.PublishLocalPeer(vni, prev, next)
 	}
+}
+
+// Definitions implements driver.DefinitionSource.
+func (cp *controlPlane) Definitions(vni uint32) []netdef.Remote {
+	if c := cp.c.Load(); c != nil {
+		return c.Definitions(vni)
+	}
+	return nil
+}
+
+// PublishDefinition implements driver.DefinitionSource. Definitions
+// published before the cluster starts are published by start (and every
+// reconcile).
+func (cp *controlPlane) PublishDefinition(vni uint32, def *netdef.Definition) error {
+	if c := cp.c.Load(); c != nil {
+		return c.PublishDefinition(vni, def)
+	}
+	return nil
 }
 
 // discovered is told of other swarm nodes by the driver (DiscoverNew).
@@ -192,16 +211,17 @@ func (cp *controlPlane) tryStart() {
 	// without them would end the others' restart grace and flap them).
 	// Changes racing with the start are caught by the SyncLocal below.
 	c, err := cluster.New(cluster.Config{
-		Local:         localRecords(cp.d),
-		NodeName:      cp.st.NodeName,
-		BindAddr:      bind,
-		BindPort:      cp.st.GossipPort,
-		AdvertiseAddr: bind,
-		VTEP:          vtep,
-		Key:           cp.key,
-		Seeds:         all,
-		Watcher:       cp.d,
-		Logger:        cp.log,
+		Local:            localRecords(cp.d),
+		LocalDefinitions: cp.d.LocalDefinitions(),
+		NodeName:         cp.st.NodeName,
+		BindAddr:         bind,
+		BindPort:         cp.st.GossipPort,
+		AdvertiseAddr:    bind,
+		VTEP:             vtep,
+		Key:              cp.key,
+		Seeds:            all,
+		Watcher:          cp.d,
+		Logger:           cp.log,
 		// Members or their adverts changed: the encryption owner steps
 		// the key rotation soon (Poke never blocks).
 		OnMembersChange: cp.enc.Poke,
@@ -213,6 +233,7 @@ func (cp *controlPlane) tryStart() {
 	mark := c.LocalMark()
 	cp.c.Store(c)
 	c.SyncLocal(mark, localRecords(cp.d))
+	c.SyncDefinitions(mark, cp.d.LocalDefinitions())
 	// Seeds learned while the cluster was being made.
 	cp.seedMu.Lock()
 	late := cp.seeds
@@ -275,6 +296,7 @@ func (cp *controlPlane) reconcile() {
 	if c := cp.c.Load(); c != nil {
 		mark := c.LocalMark()
 		c.SyncLocal(mark, localRecords(cp.d))
+		c.SyncDefinitions(mark, cp.d.LocalDefinitions())
 	}
 }
 

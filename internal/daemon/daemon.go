@@ -64,6 +64,7 @@ func Run(ctx context.Context, st *config.Settings, log *slog.Logger) error {
 		StateFile:     db,
 		Publisher:     cp,
 		Peers:         cp,
+		Definitions:   cp,
 		OnDiscover:    cp.discovered,
 		GossipSeeds:   cp.gossipSeeds,
 		OnSeeds:       func(seeds []string) { cp.addSeeds(seeds...) },

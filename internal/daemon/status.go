@@ -98,6 +98,10 @@ func (r *StatusReport) Render(w io.Writer) {
 		for _, r := range n.Rejected {
 			fmt.Fprintf(w, "  refused record vni %d from %s endpoint %s: %s\n", r.VNI, r.Origin, short(r.EndpointID), r.Reason)
 		}
+		for _, c := range n.DefinitionConflicts {
+			fmt.Fprintf(w, "  definition contradicted: vni %d on host %s (VTEP %s): %s; its %d record(s) refused\n",
+				c.VNI, c.Host, c.VTEP, strings.Join(c.Differences, "; "), c.RefusedRecords)
+		}
 		if n.Error != "" {
 			fmt.Fprintf(w, "  error: %s\n", n.Error)
 		}

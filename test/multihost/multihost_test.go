@@ -29,6 +29,7 @@ import (
 
 	"github.com/overlayd/overlayd/internal/netnsutil"
 	"github.com/overlayd/overlayd/internal/sandbox"
+	"github.com/overlayd/overlayd/internal/testutil/logbuf"
 	"github.com/overlayd/overlayd/internal/testutil/nstest"
 )
 
@@ -77,25 +78,8 @@ type host struct {
 	// swarm: started as a managed plugin in a swarm is, with scope global
 	// and no address: it learns its VTEP from DiscoverNew (Self).
 	swarm  bool
-	logs   *syncBuffer
+	logs   *logbuf.Buffer
 	plugin *http.Client
-}
-
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }
 
 func (h *host) socket() string  { return filepath.Join(h.dir, "overlayd.sock") }
@@ -116,7 +100,7 @@ func startHost(t *testing.T, h *host, keyFile string, join []string) {
 	if len(join) > 0 {
 		args = append(args, "--join", strings.Join(join, ","))
 	}
-	h.logs = &syncBuffer{}
+	h.logs = &logbuf.Buffer{}
 	h.cmd = exec.Command("nsenter", args...)
 	h.cmd.Stdout, h.cmd.Stderr = h.logs, h.logs
 	if err := h.cmd.Start(); err != nil {

@@ -1,0 +1,221 @@
+package driver
+
+import (
+	"fmt"
+	"maps"
+	"slices"
+	"strings"
+
+	"github.com/overlayd/overlayd/internal/netdef"
+	"github.com/overlayd/overlayd/peerdb"
+)
+
+// DefinitionSource is the one owner of the network definitions hosts
+// gossip (the control plane): this host's, which the driver publishes, and
+// the other hosts', which it asks for. Nobody else keeps a copy.
+//
+// Thread safety: every method is called with a network's lock held
+// (lockorder.LevelNetwork); like PeerSource they must be safe for
+// concurrent use, return promptly, take only locks below the driver's and
+// never call into the Driver.
+type DefinitionSource interface {
+	// Definitions returns the definitions of vni that other hosts have in
+	// force (never this host's).
+	Definitions(vni uint32) []netdef.Remote
+	// PublishDefinition sets (def non-nil) or withdraws (nil) this host's
+	// definition of vni. It never blocks.
+	PublishDefinition(vni uint32, def *netdef.Definition) error
+}
+
+// definition returns n's definition, the same for each of its VNIs;
+// expects n.mu held (its fields are immutable anyway).
+func (n *network) definition() netdef.Definition {
+	def := netdef.Definition{MTU: n.mtu, Encrypted: n.encrypted, Internal: n.internal}
+	for _, s := range n.subnets {
+		def.Subnets = append(def.Subnets, netdef.Subnet{VNI: s.vni, Pool: s.pool, Gateway: s.gateway})
+	}
+	return def
+}
+
+// contradiction is another host's definition of one of a network's VNIs
+// that differs from the network's.
+type contradiction struct {
+	vni   uint32
+	other netdef.Remote
+	diffs []string
+}
+
+func (c *contradiction) String() string {
+	return fmt.Sprintf("VNI %d on host %q (VTEP %v): %s", c.vni, c.other.Host, c.other.VTEP, strings.Join(c.diffs, "; "))
+}
+
+// contradictions returns the definitions other hosts have in force for vni
+// that differ from def, by host, and the hosts whose definition of vni
+// has not arrived (see netdef.Remote.Pending).
+func (d *Driver) contradictions(def *netdef.Definition, vni uint32) (out map[string]contradiction, pending []string) {
+	src := d.cfg.Definitions
+	if src == nil {
+		return nil, nil
+	}
+	for _, r := range src.Definitions(vni) {
+		if r.Pending {
+			pending = append(pending, r.Host)
+			continue
+		}
+		if diffs := netdef.Diff(def, &r.Def); len(diffs) > 0 {
+			if out == nil {
+				out = map[string]contradiction{}
+			}
+			out[r.Host] = contradiction{vni: vni, other: r, diffs: diffs}
+		}
+	}
+	return out, pending
+}
+
+// checkDefinitions refuses a new network whose definition contradicts
+// what another host has for one of its VNIs, naming each host, its VTEP
+// and what differs.
+func (d *Driver) checkDefinitions(def *netdef.Definition, mtuGiven bool) error {
+	var found []string
+	for _, s := range def.Subnets {
+		cs, _ := d.contradictions(def, s.VNI)
+		for _, host := range slices.Sorted(maps.Keys(cs)) {
+			c := cs[host]
+			found = append(found, c.String())
+		}
+	}
+	if len(found) == 0 {
+		return nil
+	}
+	hint := ""
+	if !mtuGiven {
+		hint = fmt.Sprintf(" (without -o %s the MTU is taken from this host's underlay: give the same -o %s on every host)", OptMTU, OptMTU)
+	}
+	return fmt.Errorf("option %s: this network contradicts the definition another host has: %s; every host must define a VNI the same way (the same --subnet, --gateway, -o %s, -o %s and --internal)%s, or use another VNI",
+		OptVNI, strings.Join(found, "; "), OptMTU, OptEncrypted, hint)
+}
+
+// checkRemoteDefinitions compares n's definition of vni with the other
+// hosts' and returns the hosts whose records of vni are refused: those
+// whose definition contradicts n's, and those whose definition has not
+// arrived yet (their records wait for it; a host only has records of a
+// VNI it has a network for). A new contradiction is logged at WARN once,
+// and its end at INFO. Expects n.mu held.
+func (d *Driver) checkRemoteDefinitions(n *network, vni uint32) map[string]bool {
+	def := n.definition()
+	cs, pending := d.contradictions(&def, vni)
+	old := n.contra[vni]
+	for host, c := range cs {
+		if o, ok := old[host]; ok && slices.Equal(o.diffs, c.diffs) && o.other.VTEP == c.other.VTEP {
+			continue
+		}
+		d.log.Warn("another host defines this network's VNI differently; its peers of the VNI are refused until the definitions agree",
+			"network", n.id, "vni", vni, "host", host, "vtep", c.other.VTEP, "differences", strings.Join(c.diffs, "; "))
+	}
+	for host := range old {
+		if _, ok := cs[host]; !ok {
+			d.log.Info("another host's definition of this network's VNI no longer contradicts it (agrees, or is gone)",
+				"network", n.id, "vni", vni, "host", host)
+		}
+	}
+	if len(cs) == 0 {
+		delete(n.contra, vni)
+	} else {
+		if n.contra == nil {
+			n.contra = map[uint32]map[string]contradiction{}
+		}
+		n.contra[vni] = cs
+	}
+	if len(cs)+len(pending) == 0 {
+		return nil
+	}
+	refused := make(map[string]bool, len(cs)+len(pending))
+	for host := range cs {
+		refused[host] = true
+	}
+	for _, host := range pending {
+		refused[host] = true
+	}
+	return refused
+}
+
+// publishDefinition publishes (or, for a deleted network, withdraws) n's
+// definition of each of its VNIs; expects n.mu held.
+func (d *Driver) publishDefinition(n *network, withdraw bool) {
+	src := d.cfg.Definitions
+	if src == nil {
+		return
+	}
+	def := n.definition()
+	for _, s := range n.subnets {
+		p := &def
+		if withdraw {
+			p = nil
+		}
+		if err := src.PublishDefinition(s.vni, p); err != nil {
+			d.log.Error("publishing the network's definition", "network", n.id, "vni", s.vni, "error", err)
+		}
+	}
+}
+
+// LocalDefinitions returns the definition of every VNI of every network,
+// for the control plane (at start, and periodically: it makes the
+// published definitions exactly these).
+func (d *Driver) LocalDefinitions() map[uint32]netdef.Definition {
+	out := map[uint32]netdef.Definition{}
+	d.eachNetwork(func(n *network) {
+		def := n.definition()
+		for _, s := range n.subnets {
+			out[s.vni] = def
+		}
+	})
+	return out
+}
+
+// withoutHosts returns peers without the records of the given hosts.
+func withoutHosts(peers map[peerdb.Key]peerdb.Peer, hosts map[string]bool) map[peerdb.Key]peerdb.Peer {
+	if len(hosts) == 0 {
+		return peers
+	}
+	out := make(map[peerdb.Key]peerdb.Peer, len(peers))
+	for k, p := range peers {
+		if !hosts[k.Origin] {
+			out[k] = p
+		}
+	}
+	return out
+}
+
+// DefinitionConflictStatus is another host whose definition of one of
+// the network's VNIs contradicts the network's; its records of that VNI
+// are refused.
+type DefinitionConflictStatus struct {
+	VNI            uint32   `json:"vni"`
+	Host           string   `json:"host"`
+	VTEP           string   `json:"vtep"`
+	Differences    []string `json:"differences"`
+	RefusedRecords int      `json:"refused_records"`
+}
+
+// definitionStatus lists n's contradicting definitions; expects n.mu held.
+func (d *Driver) definitionStatus(n *network) []DefinitionConflictStatus {
+	var out []DefinitionConflictStatus
+	for _, vni := range slices.Sorted(maps.Keys(n.contra)) {
+		var peers map[peerdb.Key]peerdb.Peer
+		if d.cfg.Peers != nil {
+			peers = d.cfg.Peers.Peers(vni)
+		}
+		cs := n.contra[vni]
+		for _, host := range slices.Sorted(maps.Keys(cs)) {
+			c := cs[host]
+			refused := 0
+			for k := range peers {
+				if k.Origin == host {
+					refused++
+				}
+			}
+			out = append(out, DefinitionConflictStatus{VNI: vni, Host: host, VTEP: c.other.VTEP.String(), Differences: c.diffs, RefusedRecords: refused})
+		}
+	}
+	return out
+}

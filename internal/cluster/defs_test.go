@@ -1,0 +1,175 @@
+package cluster
+
+import (
+	"fmt"
+	"net/netip"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/overlayd/overlayd/internal/netdef"
+)
+
+// defsAt returns what n has in force for vni as "host=MTU" strings, sorted.
+func defsAt(n *node, vni uint32) []string {
+	var out []string
+	for _, r := range n.c.Definitions(vni) {
+		if r.Pending {
+			continue
+		}
+		out = append(out, fmt.Sprintf("%s=%d", r.Host, r.Def.MTU))
+	}
+	return out
+}
+
+func waitDefs(t *testing.T, n *node, vni uint32, want ...string) {
+	t.Helper()
+	waitFor(t, 10*time.Second, fmt.Sprintf("%s's definitions of VNI %d to be %v", n.name, vni, want), func() (bool, string) {
+		got := defsAt(n, vni)
+		return slices.Equal(got, want), fmt.Sprint(got)
+	})
+}
+
+// TestDefinitionsReplicate: each node's network definitions reach every
+// member, with their host and VTEP; a withdrawn one disappears; a node cut
+// off keeps them in force for FailedGrace only, and they are back once
+// the partition heals; a restarted node's definitions are those of its
+// new process.
+func TestDefinitionsReplicate(t *testing.T) {
+	t.Parallel()
+	nodes, hs, part := partitionable(t, "df", 151, 3)
+	a, b, c := nodes[0], nodes[1], nodes[2]
+	da := sampleDef(1450, false, 151)
+	db := sampleDef(1400, true, 151, 152)
+	if err := a.c.PublishDefinition(151, &da); err != nil {
+		t.Fatal(err)
+	}
+	b.c.SyncDefinitions(b.c.LocalMark(), map[uint32]netdef.Definition{151: db, 152: db})
+	waitDefs(t, c, 151, a.name+"=1450", b.name+"=1400")
+	waitDefs(t, c, 152, b.name+"=1400")
+	waitDefs(t, a, 151, b.name+"=1400") // never its own
+	if p := a.c.Definitions(152); len(p) != 2 || p[0].Pending || p[1].Host != c.name || !p[1].Pending {
+		t.Fatalf("%s's definitions of VNI 152: %+v, want %s's and %s pending (it has none)", a.name, p, b.name, c.name)
+	}
+	got := c.c.Definitions(151)
+	if len(got) != 2 {
+		t.Fatalf("%s has %d definitions of VNI 151, want 2: %+v", c.name, len(got), got)
+	}
+	if got[1].VTEP != b.vtep || !netdef.Equal(&got[1].Def, &db) {
+		t.Fatalf("%s's definition as seen by %s: %+v, want VTEP %v and %+v", b.name, c.name, got[1], b.vtep, db)
+	}
+
+	// Withdrawn (the network was deleted): gone everywhere.
+	b.c.SyncDefinitions(b.c.LocalMark(), map[uint32]netdef.Definition{152: db})
+	waitDefs(t, c, 151, a.name+"=1450")
+	waitDefs(t, c, 152, b.name+"=1400")
+
+	// An invalid definition is refused, not published.
+	bad := sampleDef(1450, false, 153)
+	if err := a.c.PublishDefinition(154, &bad); err == nil {
+		t.Fatal("a definition that does not define its own VNI was published")
+	}
+
+	// a cut off: the others drop its definitions after FailedGrace, and
+	// have them again once healed.
+	part.set(hs[:1], hs[1:])
+	waitDefs(t, c, 151)
+	part.heal()
+	waitDefs(t, c, 151, a.name+"=1450")
+
+	// A restart: the new process publishes another set, which replaces
+	// the former one.
+	b.stop()
+	b.start(nodeOpts{part: part, seeds: []string{a.addr()}, tweak: func(cfg *Config) {
+		cfg.LocalDefinitions = map[uint32]netdef.Definition{151: da}
+	}})
+	waitDefs(t, c, 151, a.name+"=1450", b.name+"=1450")
+	waitDefs(t, c, 152)
+	checkAllViolations(t, nodes)
+}
+
+// TestDefinitionsSpareProtocol1Members: a member that speaks only
+// protocol 1 (an overlayd from before definitions) is never sent one (it
+// would drop the message as an unknown type), and it is not listed as
+// pending, so its records are not held back waiting for one.
+func TestDefinitionsSpareProtocol1Members(t *testing.T) {
+	t.Parallel()
+	nodes := startCluster(t, "dv", hosts("127.0.0.", 161, 2), nodeOpts{})
+	waitMembers(t, 10*time.Second, nodes)
+	cur, old := nodes[0], nodes[1]
+	l := old.c.local
+	l.mu.Lock()
+	l.protoMax = 1
+	b := encodeMeta(l.metaLocked())
+	l.metaBytes.Store(&b)
+	l.mu.Unlock()
+	if err := old.c.updateNode(); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 10*time.Second, "the protocol-1 metadata to arrive", func() (bool, string) {
+		st := cur.c.Status()
+		for _, m := range st.Members {
+			if m.Name == old.name {
+				return m.Protocol == 1, fmt.Sprint("protocol ", m.Protocol)
+			}
+		}
+		return false, "not a member"
+	})
+	// (It was sent cur's empty set when it joined as a protocol-2 node.)
+	before := old.c.Status().Stats.Definitions
+	def := sampleDef(1450, false, 161)
+	if err := cur.c.PublishDefinition(161, &def); err != nil {
+		t.Fatal(err)
+	}
+	// Definitions go out with every digest: after two digests from cur,
+	// old would have had two chances to get them.
+	digests := old.c.Status().Stats.Digests
+	waitFor(t, 10*time.Second, "two digests to arrive", func() (bool, string) {
+		d := old.c.Status().Stats.Digests
+		return d >= digests+2, fmt.Sprint(d - digests)
+	})
+	if st := old.c.Status(); st.Stats.Definitions != before || st.Dropped[DropUnknownType] != 0 {
+		t.Fatalf("the protocol-1 member was sent definitions: %d applied, %d dropped", st.Stats.Definitions-before, st.Dropped[DropUnknownType])
+	}
+	if d := cur.c.Definitions(161); len(d) != 0 {
+		t.Fatalf("the protocol-1 member is listed for VNI 161: %+v (its records would wait for a definition that never comes)", d)
+	}
+}
+
+// TestDefinitionsAskedForUntilTheyArrive: a member of protocol 2 whose
+// records came in a complete view (push/pull brings a snapshot but no
+// definitions) without its definitions is asked again until its set
+// arrives, and then no more. Before, nothing asked: its records waited for
+// its next digest, up to DigestMaxInterval (a restart test lost its peers
+// for more than 20 s).
+func TestDefinitionsAskedForUntilTheyArrive(t *testing.T) {
+	r := newReceiver(5, "10.0.0.1")
+	n := mlNode("o", 5, "10.0.0.1")
+	n.Meta = encodeMeta(nodeMeta{ProtoMin: 1, ProtoMax: protoDefs, Incarnation: 5, VTEP: netip.MustParseAddr("10.0.0.1")})
+	t0 := time.Unix(10, 0)
+	r.s.memberAlive(n, t0)
+	rec := liveRec(7, "e", "10.7.0.2", "10.0.0.1", 3)
+	if reason, d := r.s.apply(&message{Type: msgSnapshot, Origin: "o", Incarnation: 5, AsOf: 3, Records: []record{rec}}, t0); reason != "" {
+		t.Fatal(reason, d)
+	}
+	before := r.syncTo["o"]
+	r.s.tick(t0.Add(2 * syncRetry))
+	if r.syncTo["o"] != before+1 {
+		t.Fatalf("a member whose definitions never came was not asked again (%d requests)", r.syncTo["o"]-before)
+	}
+	def := sampleDef(1450, false, 7)
+	if reason, d := r.s.apply(&message{Type: msgDefs, Origin: "o", Incarnation: 5, AsOf: 4, Defs: []defRecord{{VNI: 7, Def: def}}}, t0.Add(3*syncRetry)); reason != "" {
+		t.Fatal(reason, d)
+	}
+	if reason, d := r.s.apply(&message{Type: msgDigest, Origin: "o", Incarnation: 5, AsOf: 4, Count: 1, Hash: recordHash(&rec)}, t0.Add(3*syncRetry)); reason != "" {
+		t.Fatal(reason, d)
+	}
+	before = r.syncTo["o"]
+	r.s.tick(t0.Add(5 * syncRetry))
+	if r.syncTo["o"] != before {
+		t.Fatalf("asked %d more times after the definitions came", r.syncTo["o"]-before)
+	}
+	if d := r.s.definitions(7); len(d) != 1 || d[0].Pending || !netdef.Equal(&d[0].Def, &def) {
+		t.Fatalf("definitions of VNI 7: %+v", d)
+	}
+}
