@@ -359,17 +359,7 @@ func contains(s []string, v string) bool {
 }
 
 func sandboxLinks(t *testing.T, d *Driver, id string) []string {
-	n, unlock, err := d.lockNetwork(id)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer unlock()
-	h, err := netlink.NewHandleAt(n.sb.NS(), unix.NETLINK_ROUTE)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer h.Close()
-	return nstest.LinkNames(t, h)
+	return nstest.LinkNames(t, sandboxHandle(t, d, id))
 }
 
 // dumpPeers reads the permanent neighbours (ip → mac) and FDB self entries

@@ -264,8 +264,9 @@ func endpointFromRecord(n *network, r statefile.Endpoint) (*endpoint, error) {
 // Reconcile is the driver's level-triggered repair; the daemon runs it on a
 // short tick, and it can run at any time. For every network: pull all its
 // records from the source (repairing any notification that was missed or
-// could not be applied), remove a sandbox a failed Leave left behind, and
-// make the sandbox's peer state exactly what the peer table says (dump,
+// could not be applied), remove a sandbox a failed Leave left behind,
+// restore the VXLAN links' bridge ports (no learning: see package sandbox)
+// and make the sandbox's peer state exactly what the peer table says (dump,
 // diff, apply). While the driver is adopting the kernel state of an earlier
 // run (until Settle), entries the kernel holds beyond the table's are kept:
 // the control plane has not re-delivered the cluster's records yet. It
@@ -290,6 +291,13 @@ func (d *Driver) Reconcile() ([]string, error) {
 		}
 		if n.sb == nil || n.teardown {
 			return
+		}
+		ports, err := n.sb.RepairPorts()
+		for _, s := range ports {
+			fixed = append(fixed, fmt.Sprintf("network %s: %s", n.id, s))
+		}
+		if err != nil {
+			errs = append(errs, fmt.Errorf("network %q: %w", n.id, err))
 		}
 		have, err := n.sb.Dump()
 		if err != nil {

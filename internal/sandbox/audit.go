@@ -14,7 +14,8 @@ import (
 
 // Audit compares the sandbox's links and peer entries with what they should
 // be: a bridge per subnet (up, MTU, gateway address), a VXLAN per subnet (VNI,
-// port, learning off, proxy on, MTU, enslaved, up), the sandbox end of every
+// port, learning off, proxy on, MTU, enslaved, up, its bridge port not
+// learning and nothing learned on it), the sandbox end of every
 // joined endpoint's veth (enslaved to its subnet's bridge, up) and nothing
 // else, and exactly the desired neighbour and FDB entries. An empty result
 // means the kernel holds exactly the desired state.
@@ -71,6 +72,12 @@ func (sb *Sandbox) Audit(want peerdb.State, endpoints []Endpoint) ([]string, err
 			}
 			if vx.Attrs().Index != sl.vxlan {
 				problems = append(problems, fmt.Sprintf("vxlan %s: ifindex %d, want %d", vxName, vx.Attrs().Index, sl.vxlan))
+			} else {
+				p, _, err := sb.portProblems(sl)
+				if err != nil {
+					return nil, err
+				}
+				problems = append(problems, p...)
 			}
 		}
 	}

@@ -10,6 +10,16 @@
 // creating links in their target namespace is an order of magnitude cheaper
 // than moving them.
 //
+// Local always wins, in the kernel too: the bridge port of each VXLAN link
+// does not learn. Otherwise the bridge moves a MAC to the tunnel as soon as
+// a frame from a remote host carries it as its source (a duplicate address
+// on another host, or a spoofed frame), and the local endpoint that owns it
+// loses its traffic. Frames to MACs the bridge has not learned on its local
+// ports are flooded to the VXLAN link, whose own FDB entries decide where
+// they go: only to the remote peers overlayd programmed, never for a local
+// MAC. Audit reports a port that learns (or learned) and RepairPorts
+// restores it.
+//
 // A Sandbox is not safe for concurrent use: its owner (the driver's network,
 // under network.mu) serialises calls.
 package sandbox
@@ -213,6 +223,9 @@ func (sb *Sandbox) createSubnet(s Subnet) (subnetLinks, error) {
 	sl.vxlan = link.Attrs().Index
 	if err := sb.h.LinkSetMasterByIndex(link, sl.bridge); err != nil {
 		return sl, fmt.Errorf("failed to attach VXLAN %s to bridge %s in sandbox %s: %w", vxName, brName, sb.path, err)
+	}
+	if err := sb.h.LinkSetLearning(link, false); err != nil {
+		return sl, fmt.Errorf("failed to turn off learning on the bridge port of VXLAN %s in sandbox %s: %w", vxName, sb.path, err)
 	}
 	if err := sb.h.LinkSetUp(link); err != nil {
 		return sl, fmt.Errorf("failed to bring up VXLAN %s in sandbox %s: %w", vxName, sb.path, err)

@@ -1,0 +1,199 @@
+package driver
+
+import (
+	"fmt"
+	"net/netip"
+	"strings"
+	"testing"
+	"time"
+
+	api "github.com/docker/go-plugins-helpers/network"
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+
+	"github.com/overlayd/overlayd/internal/sandbox"
+	"github.com/overlayd/overlayd/internal/testutil/nstest"
+	"github.com/overlayd/overlayd/peerdb"
+)
+
+// A frame from a remote host that carries a local endpoint's MAC as its
+// source (here the remote duplicate of a local address, with the same MAC
+// as dockerd gave both) never moves that MAC to the tunnel: the two local
+// containers keep reaching each other while the duplicate sends. When
+// someone turns learning back on on the VXLAN's bridge port, the audit
+// reports it and the reconcile restores it, removing what was learned.
+func TestRemoteFrameCannotMoveLocalMAC(t *testing.T) {
+	hosts, vteps := nstest.Hosts(t, 2, false)
+	const mac = "02:00:5e:00:53:10"
+	dup := netip.MustParsePrefix("198.51.100.10/24")
+	other := netip.MustParsePrefix("198.51.100.11/24")
+	var d []*Driver
+	for i := range hosts {
+		d = append(d, newTestDriver(t, hosts[i], vteps[i]))
+		mustCreate(t, d[i], createReq("net1", "77", "198.51.100.0/24"))
+	}
+	// host0: c1 (the duplicate address, MAC given) and c2; host1: the
+	// duplicate of c1.
+	ctr := func(i int, eid string, addr netip.Prefix, mac string) *nstest.NS {
+		t.Helper()
+		if _, err := d[i].CreateEndpoint(&api.CreateEndpointRequest{NetworkID: "net1", EndpointID: eid,
+			Interface: &api.EndpointInterface{Address: addr.String(), MacAddress: mac}}); err != nil {
+			t.Fatal(err)
+		}
+		resp := mustJoin(t, d[i], "net1", eid)
+		return nstest.Container(t, eid, hosts[i], resp.InterfaceName.SrcName, addr, nil)
+	}
+	c1 := ctr(0, "c1", dup, mac)
+	c2 := ctr(0, "c2", other, "")
+	remote := ctr(1, "remote-dup", dup, mac)
+	// Each host learns the other's records, as from the control plane.
+	m, _ := peerdb.ParseMAC(mac)
+	for _, ev := range []struct {
+		d *Driver
+		p peerdb.Peer
+	}{
+		{d[0], peerdb.Peer{EndpointID: "remote-dup", IP: dup.Addr(), MAC: m, VTEP: vteps[1]}},
+		{d[1], peerdb.Peer{EndpointID: "c2", IP: other.Addr(), MAC: endpointMAC(t, d[0], "net1", "c2"), VTEP: vteps[0]}},
+		{d[1], peerdb.Peer{EndpointID: "c1", IP: dup.Addr(), MAC: m, VTEP: vteps[0]}},
+	} {
+		if err := applyPeerEvent(ev.d, PeerEvent{VNI: 77, Next: &ev.p}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	mustAudit(t, d[0])
+
+	// The duplicate pings c2 continuously: its frames reach host0's
+	// bridge through the VXLAN link with c1's MAC as their source.
+	loop := nstest.StartPingLoop(remote, other.Addr(), 0, 20*time.Millisecond)
+	defer loop.Stop()
+	vx := sandboxLink(t, d[0], "net1", sandbox.VXLANName(77))
+	base := rxPackets(t, d[0], "net1", vx)
+	if err := nstest.Eventually(10*time.Second, 10*time.Millisecond, func() error {
+		if got := rxPackets(t, d[0], "net1", vx) - base; got < 20 {
+			return fmt.Errorf("host0's VXLAN received %d frames from the duplicate, want 20", got)
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if port, ok := bridgePortOf(t, d[0], "net1", m); ok && port == vx {
+		t.Fatalf("the bridge moved c1's MAC %s to the VXLAN port", mac)
+	}
+	if lost := pingLosses(c2, c1, dup.Addr(), other.Addr(), 10); lost != 0 {
+		t.Fatalf("c1 and c2 lost %d of 20 pings while the remote duplicate sends", lost)
+	}
+	mustAudit(t, d[0])
+
+	// Someone turns learning on: the duplicate's frames move c1's MAC.
+	h := sandboxHandle(t, d[0], "net1")
+	if err := h.LinkSetLearning(&netlink.Vxlan{LinkAttrs: netlink.LinkAttrs{Index: vx}}, true); err != nil {
+		t.Fatal(err)
+	}
+	if err := nstest.Eventually(10*time.Second, 10*time.Millisecond, func() error {
+		if port, ok := bridgePortOf(t, d[0], "net1", m); !ok || port != vx {
+			return fmt.Errorf("c1's MAC not learned on the VXLAN port yet")
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	problems, err := d[0].Audit()
+	if err != nil {
+		t.Fatal(err)
+	}
+	all := strings.Join(problems, "\n")
+	for _, want := range []string{"vxlan ovvx-77: bridge port learning on, want off", "vxlan ovvx-77: bridge learned " + mac + " on the port"} {
+		if !strings.Contains(all, want) {
+			t.Fatalf("audit does not report %q:\n%s", want, all)
+		}
+	}
+	fixed, err := d[0].Reconcile()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(strings.Join(fixed, "\n"), "bridge port learning on") {
+		t.Fatalf("reconcile did not report the repair: %v", fixed)
+	}
+	mustAudit(t, d[0])
+	if lost := pingLosses(c2, c1, dup.Addr(), other.Addr(), 10); lost != 0 {
+		t.Fatalf("after the repair, c1 and c2 lost %d of 20 pings", lost)
+	}
+}
+
+// pingLosses pings n times each way between a (at addrA) and b (at addrB)
+// and returns how many got no reply. b pings a first: b never sends from
+// a's MAC, so only the bridge's own entry can bring its frames to a.
+func pingLosses(b, a *nstest.NS, addrA, addrB netip.Addr, n int) int {
+	lost := 0
+	for range n {
+		if nstest.Ping(b, addrA, time.Second) != nil {
+			lost++
+		}
+		if nstest.Ping(a, addrB, time.Second) != nil {
+			lost++
+		}
+	}
+	return lost
+}
+
+func endpointMAC(t *testing.T, d *Driver, nid, eid string) peerdb.MAC {
+	t.Helper()
+	n, unlock, err := d.lockNetwork(nid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unlock()
+	return n.endpoints[eid].mac
+}
+
+// sandboxHandle opens a netlink handle in the sandbox of network id.
+func sandboxHandle(t *testing.T, d *Driver, id string) *netlink.Handle {
+	t.Helper()
+	n, unlock, err := d.lockNetwork(id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unlock()
+	h, err := netlink.NewHandleAt(n.sb.NS(), unix.NETLINK_ROUTE)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(h.Close)
+	return h
+}
+
+func sandboxLink(t *testing.T, d *Driver, id, name string) int {
+	t.Helper()
+	l, err := sandboxHandle(t, d, id).LinkByName(name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return l.Attrs().Index
+}
+
+func rxPackets(t *testing.T, d *Driver, id string, index int) uint64 {
+	t.Helper()
+	l, err := sandboxHandle(t, d, id).LinkByIndex(index)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return l.Attrs().Statistics.RxPackets
+}
+
+// bridgePortOf returns the ifindex of the bridge port the sandbox's bridge
+// forwards mac to, if it has an entry for it.
+func bridgePortOf(t *testing.T, d *Driver, id string, mac peerdb.MAC) (int, bool) {
+	t.Helper()
+	fdb, err := sandboxHandle(t, d, id).NeighList(0, unix.AF_BRIDGE)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range fdb {
+		// The bridge's entries come with their master, the VXLAN's own
+		// with NTF_SELF.
+		if f.MasterIndex != 0 && f.Flags&netlink.NTF_SELF == 0 && len(f.HardwareAddr) == 6 && peerdb.MAC(f.HardwareAddr) == mac {
+			return f.LinkIndex, true
+		}
+	}
+	return 0, false
+}
