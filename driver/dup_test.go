@@ -197,3 +197,46 @@ func bridgePortOf(t *testing.T, d *Driver, id string, mac peerdb.MAC) (int, bool
 	}
 	return 0, false
 }
+
+// Two hosts that hand out the same address (two engines with the same
+// --subnet) give their endpoints different MACs; a MAC dockerd gives is
+// kept as it is; and a restarted driver has the MAC it answered before.
+func TestDuplicateAddressesGetDistinctMACs(t *testing.T) {
+	stateDir := t.TempDir()
+	host := nstest.NewNS(t, "host")
+	cfg := Config{HostNS: host.Handle, NetnsDir: nstest.NetnsDir(t), Logger: testLogger(), Peers: newMemSource(), StateFile: openStore(t, stateDir)}
+	d0, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d1 := newOfflineDriver(t)
+	for _, d := range []*Driver{d0, d1} {
+		mustCreate(t, d, createReq("net1", "77", "198.51.100.0/24"))
+	}
+	mac0 := mustEndpoint(t, d0, "net1", "ep-on-host0", "198.51.100.10/24")
+	mac1 := mustEndpoint(t, d1, "net1", "ep-on-host1", "198.51.100.10/24")
+	if mac0 == mac1 {
+		t.Fatalf("endpoints with the same address on two hosts both got MAC %s", mac0)
+	}
+	resp, err := d1.CreateEndpoint(&api.CreateEndpointRequest{NetworkID: "net1", EndpointID: "given",
+		Interface: &api.EndpointInterface{Address: "198.51.100.11/24", MacAddress: "02:00:5e:00:53:11"}})
+	if err != nil || resp.Interface != nil {
+		t.Fatalf("CreateEndpoint with dockerd's MAC: %+v, %v; want it kept and nothing returned", resp, err)
+	}
+	if got := endpointMAC(t, d1, "net1", "given").String(); got != "02:00:5e:00:53:11" {
+		t.Fatalf("dockerd's MAC became %s", got)
+	}
+
+	d0.Close()
+	cfg.StateFile.Close()
+	cfg.StateFile = openStore(t, stateDir)
+	defer cfg.StateFile.Close()
+	d0, err = New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d0.Close()
+	if got := endpointMAC(t, d0, "net1", "ep-on-host0").String(); got != mac0 {
+		t.Fatalf("after a restart the endpoint's MAC is %s, want %s", got, mac0)
+	}
+}
