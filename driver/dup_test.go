@@ -1,7 +1,10 @@
 package driver
 
 import (
+	"bytes"
+	"encoding/json"
 	"fmt"
+	"log/slog"
 	"net/netip"
 	"strings"
 	"testing"
@@ -239,4 +242,87 @@ func TestDuplicateAddressesGetDistinctMACs(t *testing.T) {
 	if got := endpointMAC(t, d0, "net1", "ep-on-host0").String(); got != mac0 {
 		t.Fatalf("after a restart the endpoint's MAC is %s, want %s", got, mac0)
 	}
+}
+
+// A cross-host address conflict is logged once at WARN on both hosts,
+// naming the network, its VNI, the address and the two hosts, however
+// often the periodic reconcile finds it, and counted in the status; when it
+// goes away it is logged once at INFO.
+func TestAddressConflictLoggedOnceOnBothHosts(t *testing.T) {
+	addr := netip.MustParsePrefix("198.51.100.10/24")
+	vteps := []netip.Addr{netip.MustParseAddr("192.0.2.10"), netip.MustParseAddr("192.0.2.11")}
+	var d []*Driver
+	var logs []*bytes.Buffer
+	var recs []peerdb.Peer
+	for i := range vteps {
+		buf := &bytes.Buffer{}
+		logs = append(logs, buf)
+		d = append(d, newTestDriverLogging(t, nil, vteps[i], slog.New(slog.NewJSONHandler(buf, nil))))
+		mustCreate(t, d[i], createReq("net1", "77", "198.51.100.0/24"))
+		eid := fmt.Sprintf("ep-on-host%d", i)
+		mac, _ := peerdb.ParseMAC(mustEndpoint(t, d[i], "net1", eid, addr.String()))
+		mustJoin(t, d[i], "net1", eid)
+		recs = append(recs, peerdb.Peer{EndpointID: eid, IP: addr.Addr(), MAC: mac, VTEP: vteps[i]})
+	}
+	for i := range d {
+		if err := applyPeerEvent(d[i], PeerEvent{VNI: 77, Next: &recs[1-i]}); err != nil {
+			t.Fatal(err)
+		}
+		for range 3 { // three reconcile ticks
+			if _, err := d[i].Reconcile(); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	for i := range d {
+		warns := logLines(t, logs[i], "WARN", "address conflict:")
+		if len(warns) != 1 {
+			t.Fatalf("host%d logged the conflict %d times at WARN, want once:\n%s", i, len(warns), logs[i])
+		}
+		w := warns[0]
+		want := map[string]any{"network": "net1", "vni": float64(77), "address": "198.51.100.10",
+			"winner_host": fmt.Sprintf("this host (%s)", vteps[i]), "winner_endpoint": recs[i].EndpointID,
+			"other_hosts": fmt.Sprintf("host-%s (%s)", vteps[1-i], vteps[1-i]), "other_endpoints": recs[1-i].EndpointID}
+		for k, v := range want {
+			if w[k] != v {
+				t.Errorf("host%d: WARN line has %s=%v, want %v: %v", i, k, w[k], v, w)
+			}
+		}
+		ns := d[i].Status().Networks[0]
+		if len(ns.Conflicts) != 1 || ns.ConflictsSeen != 1 {
+			t.Errorf("host%d status: conflicts %+v, seen %d; want 1 and 1", i, ns.Conflicts, ns.ConflictsSeen)
+		}
+	}
+	// host1's endpoint goes: host0's conflict is resolved.
+	if err := applyPeerEvent(d[0], PeerEvent{VNI: 77, Prev: &recs[1]}); err != nil {
+		t.Fatal(err)
+	}
+	for range 2 {
+		if _, err := d[0].Reconcile(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if infos := logLines(t, logs[0], "INFO", "address conflict resolved"); len(infos) != 1 || infos[0]["address"] != "198.51.100.10" {
+		t.Fatalf("host0 logged the resolution %d times, want once:\n%s", len(infos), logs[0])
+	}
+	if ns := d[0].Status().Networks[0]; len(ns.Conflicts) != 0 || ns.ConflictsSeen != 1 {
+		t.Fatalf("host0 status after the resolution: conflicts %+v, seen %d; want none now, 1 seen", ns.Conflicts, ns.ConflictsSeen)
+	}
+}
+
+// logLines returns the JSON log lines at level whose message starts with
+// prefix.
+func logLines(t *testing.T, buf *bytes.Buffer, level, prefix string) []map[string]any {
+	t.Helper()
+	var out []map[string]any
+	for _, line := range strings.Split(strings.TrimSpace(buf.String()), "\n") {
+		var m map[string]any
+		if err := json.Unmarshal([]byte(line), &m); err != nil {
+			t.Fatalf("log line %q: %v", line, err)
+		}
+		if m["level"] == level && strings.HasPrefix(fmt.Sprint(m["msg"]), prefix) {
+			out = append(out, m)
+		}
+	}
+	return out
 }

@@ -264,7 +264,8 @@ func endpointFromRecord(n *network, r statefile.Endpoint) (*endpoint, error) {
 // Reconcile is the driver's level-triggered repair; the daemon runs it on a
 // short tick, and it can run at any time. For every network: pull all its
 // records from the source (repairing any notification that was missed or
-// could not be applied), remove a sandbox a failed Leave left behind,
+// could not be applied), log the cross-host address conflicts that
+// appeared or went away, remove a sandbox a failed Leave left behind,
 // restore the VXLAN links' bridge ports (no learning: see package sandbox)
 // and make the sandbox's peer state exactly what the peer table says (dump,
 // diff, apply). While the driver is adopting the kernel state of an earlier
@@ -282,6 +283,7 @@ func (d *Driver) Reconcile() ([]string, error) {
 		if err := d.pullAll(n); err != nil {
 			errs = append(errs, err)
 		}
+		d.noteConflicts(n)
 		if n.teardown {
 			if err := d.destroySandbox(n); err != nil {
 				errs = append(errs, fmt.Errorf("network %q: removing the sandbox of the last Leave: %w", n.id, err))
