@@ -326,3 +326,42 @@ func logLines(t *testing.T, buf *bytes.Buffer, level, prefix string) []map[strin
 	}
 	return out
 }
+
+// An address that moves to another endpoint (so to another MAC: MACs are
+// no longer derived from the address) is reachable again at once from a
+// container that had the old MAC cached: the sandbox announces the new one.
+func TestMovedAddressIsAnnounced(t *testing.T) {
+	s := setupTwoHosts(t)
+	for i, d := range s.d {
+		if err := applyPeerEvent(d, PeerEvent{VNI: 77, Next: &s.peers[1-i]}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := nstest.PingEventually(s.ctrs[0], s.peers[1].IP, 5*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	// host1's container goes, another one with its address comes: the
+	// container on host0 has the old MAC cached, as reachable.
+	if err := s.d[1].Leave(&api.LeaveRequest{NetworkID: "net1", EndpointID: "ep-host1"}); err != nil {
+		t.Fatal(err)
+	}
+	addr := netip.PrefixFrom(s.peers[1].IP, 24)
+	mac, _ := peerdb.ParseMAC(mustEndpoint(t, s.d[1], "net1", "ep-host1-new", addr.String()))
+	if mac == s.peers[1].MAC {
+		t.Fatalf("the new endpoint has the old one's MAC %s", mac)
+	}
+	resp := mustJoin(t, s.d[1], "net1", "ep-host1-new")
+	nstest.Container(t, "c1-new", s.hosts[1], resp.InterfaceName.SrcName, addr, nil)
+	moved := peerdb.Peer{EndpointID: "ep-host1-new", IP: addr.Addr(), MAC: mac, VTEP: s.vteps[1]}
+	if err := applyPeerEvents(s.d[0], PeerEvent{VNI: 77, Prev: &s.peers[1]}, PeerEvent{VNI: 77, Next: &moved}); err != nil {
+		t.Fatal(err)
+	}
+	if err := applyPeerEvent(s.d[1], PeerEvent{VNI: 77, Next: &s.peers[0]}); err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	if err := nstest.PingEventually(s.ctrs[0], addr.Addr(), 2*time.Second); err != nil {
+		t.Fatalf("the moved address is not reachable within 2 s (the container still sends to the old MAC): %v", err)
+	}
+	t.Logf("moved address reachable again after %v", time.Since(start).Round(time.Millisecond))
+}

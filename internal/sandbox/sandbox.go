@@ -20,6 +20,10 @@
 // MAC. Audit reports a port that learns (or learned) and RepairPorts
 // restores it.
 //
+// Endpoint MACs are not derived from their address, so an address that
+// moves to another endpoint changes MAC: every neighbour ApplyDelta sets is
+// announced to the local containers with a gratuitous ARP (see announce).
+//
 // A Sandbox is not safe for concurrent use: its owner (the driver's network,
 // under network.mu) serialises calls.
 package sandbox
@@ -96,6 +100,7 @@ type Sandbox struct {
 	h       *netlink.Handle
 	batch   *nlbatch.Conn
 	subnets []subnetLinks
+	arp     int // packet socket for announcements, -1 until the first (see announce)
 }
 
 // Path returns where the sandbox namespace of network id is mounted.
@@ -115,7 +120,7 @@ func Create(host *Host, id string, subnets []Subnet) (_ *Sandbox, err error) {
 	if err != nil {
 		return nil, err
 	}
-	sb := &Sandbox{host: host, id: id, path: path, ns: ns}
+	sb := &Sandbox{host: host, id: id, path: path, ns: ns, arp: -1}
 	defer func() {
 		if err != nil {
 			sb.Destroy()
@@ -261,6 +266,7 @@ func (sb *Sandbox) Destroy() error {
 		sb.batch.Close()
 		sb.batch = nil
 	}
+	errs = append(errs, sb.closeARP())
 	if sb.ns.IsOpen() {
 		sb.ns.Close()
 		sb.ns = netns.None()
@@ -353,7 +359,7 @@ func Adopt(host *Host, id string, subnets []Subnet) (_ *Sandbox, err error) {
 	if err != nil {
 		return nil, err
 	}
-	sb := &Sandbox{host: host, id: id, path: path, ns: ns}
+	sb := &Sandbox{host: host, id: id, path: path, ns: ns, arp: -1}
 	defer func() {
 		if err != nil {
 			sb.close()
@@ -411,6 +417,7 @@ func (sb *Sandbox) close() {
 		sb.batch.Close()
 		sb.batch = nil
 	}
+	sb.closeARP() // nothing to report: the kernel state stays
 	if sb.ns.IsOpen() {
 		sb.ns.Close()
 		sb.ns = netns.None()
