@@ -9,6 +9,10 @@ import (
 	"github.com/overlayd/overlayd/peerdb"
 )
 
+// ConflictWarning is the message of the WARN line of a cross-host address
+// conflict.
+const ConflictWarning = "address conflict: endpoints on several hosts have the same address"
+
 // conflictLog is what a network has said about its cross-host address
 // conflicts: the conflicts it logged (by address, with their claimants) and
 // how many appeared since the driver started. Guarded by network.mu.
@@ -44,10 +48,12 @@ func (d *Driver) noteConflicts(n *network) {
 		for i, p := range claimants {
 			hosts[i], eps[i] = d.hostOf(vni, p), p.EndpointID
 		}
-		d.log.Warn("address conflict: endpoints on several hosts have the same address; each host keeps its own endpoint, which the others cannot reach (give each engine its own --subnet or --ip-range)",
+		d.log.Warn(ConflictWarning,
 			"network", n.id, "vni", vni, "address", c.IP,
 			"winner_host", hosts[0], "winner_endpoint", eps[0],
-			"other_hosts", strings.Join(hosts[1:], ", "), "other_endpoints", strings.Join(eps[1:], ", "))
+			"other_hosts", strings.Join(hosts[1:], ", "), "other_endpoints", strings.Join(eps[1:], ", "),
+			"effect", "each host keeps its own endpoint with this address; the others cannot reach it",
+			"remedy", "give each engine its own --subnet or --ip-range")
 	}
 	for ip := range n.conflicts.logged {
 		if _, still := current[ip]; !still {

@@ -266,9 +266,11 @@ type logCapture struct {
 // expectedWarnings are logged by a correct driver in this workload: a
 // CreateNetwork with invalid options, a record the source holds that a
 // network refuses (it stays at the source and is listed in Status), a VTEP
-// that DiscoverNew moves to another address.
+// that DiscoverNew moves to another address, an address claimed on several
+// hosts.
 var expectedWarnings = []string{
 	"CreateNetwork rejected",
+	driver.ConflictWarning,
 	"refusing a remote peer record (it stays with the control plane and is taken when valid)",
 	"local VTEP changed: local endpoints are re-announced with the new address",
 }
