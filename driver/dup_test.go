@@ -365,3 +365,92 @@ func TestMovedAddressIsAnnounced(t *testing.T) {
 	}
 	t.Logf("moved address reachable again after %v", time.Since(start).Round(time.Millisecond))
 }
+
+// With no learning on the VXLAN's bridge port, the bridge never learns
+// where a remote MAC is; frames to remote endpoints must still go to the
+// VXLAN link only, not be flooded to every local container (which would
+// cost a copy per container and show one container's cross-host traffic
+// to the others). Only broadcasts (ARP) reach a bystander.
+func TestCrossHostTrafficNotFloodedToLocalContainers(t *testing.T) {
+	s := setupTwoHosts(t)
+	for i, d := range s.d {
+		if err := applyPeerEvent(d, PeerEvent{VNI: 77, Next: &s.peers[1-i]}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	mustEndpoint(t, s.d[0], "net1", "bystander", "198.51.100.20/24")
+	resp := mustJoin(t, s.d[0], "net1", "bystander")
+	by := nstest.Container(t, "bystander", s.hosts[0], resp.InterfaceName.SrcName, netip.MustParsePrefix("198.51.100.20/24"), nil)
+	if err := nstest.PingEventually(s.ctrs[0], s.peers[1].IP, 5*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	rx := func() uint64 {
+		l, err := by.NL.LinkByName("eth0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return l.Attrs().Statistics.RxPackets
+	}
+	before := rx()
+	for range 50 {
+		if err := nstest.Ping(s.ctrs[0], s.peers[1].IP, time.Second); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got := rx() - before; got > 5 {
+		t.Fatalf("a bystander container received %d frames while its neighbour exchanged 100 with a remote container", got)
+	}
+	mustAudit(t, s.d[0])
+
+	// Someone floods to the bystander's port again and removes its static
+	// entry: the audit reports both, the reconcile restores them.
+	_, sbName := linkNames("net1", "bystander")
+	h := sandboxHandle(t, s.d[0], "net1")
+	port, err := h.LinkByName(sbName)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mac := endpointMAC(t, s.d[0], "net1", "bystander")
+	if err := h.LinkSetFlood(port, true); err != nil {
+		t.Fatal(err)
+	}
+	if err := h.NeighDel(&netlink.Neigh{LinkIndex: port.Attrs().Index, Family: unix.AF_BRIDGE, Flags: netlink.NTF_MASTER, HardwareAddr: mac.HardwareAddr()}); err != nil {
+		t.Fatal(err)
+	}
+	problems, err := s.d[0].Audit()
+	if err != nil {
+		t.Fatal(err)
+	}
+	all := strings.Join(problems, "\n")
+	for _, want := range []string{"veth " + sbName + ": unknown-unicast flooding on, want off", "veth " + sbName + ": static bridge entry for " + mac.String() + " missing"} {
+		if !strings.Contains(all, want) {
+			t.Fatalf("audit does not report %q:\n%s", want, all)
+		}
+	}
+	if _, err := s.d[0].Reconcile(); err != nil {
+		t.Fatal(err)
+	}
+	mustAudit(t, s.d[0])
+}
+
+// Two local endpoints dockerd gave the same MAC share the bridge's one
+// static entry for it: when the one holding it leaves, the other gets it
+// back at once (the audit finds nothing to repair).
+func TestSharedMACKeepsItsBridgeEntry(t *testing.T) {
+	host := nstest.NewNS(t, "host")
+	d := newTestDriver(t, host, netip.Addr{})
+	mustCreate(t, d, createReq("n", "9", "198.51.100.0/24"))
+	for i, eid := range []string{"a", "b"} {
+		if _, err := d.CreateEndpoint(&api.CreateEndpointRequest{NetworkID: "n", EndpointID: eid,
+			Interface: &api.EndpointInterface{Address: fmt.Sprintf("198.51.100.%d/24", 5+i), MacAddress: "02:00:5e:00:53:05"}}); err != nil {
+			t.Fatal(err)
+		}
+		mustJoin(t, d, "n", eid)
+		mustAudit(t, d)
+	}
+	// b joined last: the entry is on its port.
+	if err := d.Leave(&api.LeaveRequest{NetworkID: "n", EndpointID: "b"}); err != nil {
+		t.Fatal(err)
+	}
+	mustAudit(t, d)
+}

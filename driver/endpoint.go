@@ -344,6 +344,16 @@ func (d *Driver) leave(n *network, ep *endpoint) error {
 		if err := n.sb.RemoveEndpoint(ep.sbName); err != nil {
 			errs = append(errs, err)
 		}
+		// The bridge's one entry for ep's MAC may have gone with its veth:
+		// give it back to another endpoint with that MAC (dockerd gave
+		// both the same).
+		for _, o := range n.endpoints {
+			if o.joined && o.mac == ep.mac && o.subnet == ep.subnet {
+				if err := n.sb.RestoreEndpointPort(o.sandboxEndpoint(n.mtu)); err != nil {
+					errs = append(errs, err)
+				}
+			}
+		}
 		// The delta may re-activate a remote claimant of the IP: its VTEP
 		// needs SAs and a policy before its neighbour is programmed.
 		if err := d.program(n, delta); err != nil {
