@@ -21,7 +21,7 @@ import (
 // never creates one from it), so the announcement only corrects what is
 // cached. The VXLAN link does not forward it: broadcasts have no FDB entry.
 func (sb *Sandbox) announce(neighs []peerdb.Neigh) error {
-	if len(neighs) == 0 {
+	if len(neighs) == 0 || sb.fresh {
 		return nil
 	}
 	if sb.arp < 0 {

@@ -58,6 +58,7 @@ func (sb *Sandbox) AddEndpoint(ep Endpoint) error {
 		sb.h.LinkDel(veth)
 		return err
 	}
+	sb.fresh = false
 	return nil
 }
 

@@ -101,6 +101,9 @@ type Sandbox struct {
 	batch   *nlbatch.Conn
 	subnets []subnetLinks
 	arp     int // packet socket for announcements, -1 until the first (see announce)
+	// fresh: created by Create and no endpoint added yet, so no container
+	// has anything cached to correct (announce sends nothing).
+	fresh bool
 }
 
 // Path returns where the sandbox namespace of network id is mounted.
@@ -120,7 +123,7 @@ func Create(host *Host, id string, subnets []Subnet) (_ *Sandbox, err error) {
 	if err != nil {
 		return nil, err
 	}
-	sb := &Sandbox{host: host, id: id, path: path, ns: ns, arp: -1}
+	sb := &Sandbox{host: host, id: id, path: path, ns: ns, arp: -1, fresh: true}
 	defer func() {
 		if err != nil {
 			sb.Destroy()
