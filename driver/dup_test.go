@@ -454,3 +454,21 @@ func TestSharedMACKeepsItsBridgeEntry(t *testing.T) {
 	}
 	mustAudit(t, d)
 }
+
+// An endpoint without a MAC from dockerd gets the one derived from its id
+// and is told it; one dockerd gives is kept and not answered.
+func TestCreateEndpointMAC(t *testing.T) {
+	d := newOfflineDriver(t)
+	mustCreate(t, d, createReq("n1", "5", "198.51.100.0/24"))
+	if mac, want := mustEndpoint(t, d, "n1", "e1", "198.51.100.7/24"), peerdb.MACFromEndpointID("e1").String(); mac != want {
+		t.Fatalf("derived MAC %s, want %s (from the endpoint id)", mac, want)
+	}
+	resp, err := d.CreateEndpoint(&api.CreateEndpointRequest{NetworkID: "n1", EndpointID: "e2",
+		Interface: &api.EndpointInterface{Address: "198.51.100.8/24", MacAddress: "02:00:00:00:00:08"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if resp.Interface != nil {
+		t.Fatalf("CreateEndpoint changed fields Docker filled: %+v", resp.Interface)
+	}
+}

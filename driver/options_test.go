@@ -5,8 +5,6 @@ import (
 	"testing"
 
 	api "github.com/docker/go-plugins-helpers/network"
-
-	"github.com/overlayd/overlayd/peerdb"
 )
 
 // Every bad CreateNetwork input is refused with an error naming the field and
@@ -168,22 +166,6 @@ func TestEndpointBadInput(t *testing.T) {
 	defer unlock()
 	if len(n.endpoints) != 1 {
 		t.Fatalf("bad input left endpoints behind: %d", len(n.endpoints))
-	}
-}
-
-func TestCreateEndpointMAC(t *testing.T) {
-	d := newOfflineDriver(t)
-	mustCreate(t, d, createReq("n1", "5", "198.51.100.0/24"))
-	if mac, want := mustEndpoint(t, d, "n1", "e1", "198.51.100.7/24"), peerdb.MACFromEndpointID("e1").String(); mac != want {
-		t.Fatalf("derived MAC %s, want %s (from the endpoint id)", mac, want)
-	}
-	resp, err := d.CreateEndpoint(&api.CreateEndpointRequest{NetworkID: "n1", EndpointID: "e2",
-		Interface: &api.EndpointInterface{Address: "198.51.100.8/24", MacAddress: "02:00:00:00:00:08"}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if resp.Interface != nil {
-		t.Fatalf("CreateEndpoint changed fields Docker filled: %+v", resp.Interface)
 	}
 }
 

@@ -266,13 +266,12 @@ type logCapture struct {
 // expectedWarnings are logged by a correct driver in this workload: a
 // CreateNetwork with invalid options, a record the source holds that a
 // network refuses (it stays at the source and is listed in Status), a VTEP
-// that DiscoverNew moves to another address, an address claimed on several
-// hosts.
+// that DiscoverNew moves to another address.
 var expectedWarnings = []string{
 	"CreateNetwork rejected",
-	driver.ConflictWarning,
 	"refusing a remote peer record (it stays with the control plane and is taken when valid)",
 	"local VTEP changed: local endpoints are re-announced with the new address",
+	driver.ConflictWarning, // the workload claims addresses on several hosts
 }
 
 // expectedErrors are errors a correct encryption owner logs here: this
