@@ -273,9 +273,8 @@ func endpointFromRecord(n *network, r statefile.Endpoint) (*endpoint, error) {
 // records from the source (repairing any notification that was missed or
 // could not be applied), log the cross-host address conflicts that
 // appeared or went away, remove a sandbox a failed Leave left behind,
-// restore the bridge ports (see package sandbox)
-// and make the sandbox's peer state exactly what the peer table says (dump,
-// diff, apply). While the driver is adopting the kernel state of an earlier
+// restore the bridge ports (see package sandbox) and make the sandbox's
+// peer state exactly what the peer table says (dump, diff, apply). While the driver is adopting the kernel state of an earlier
 // run (until Settle), entries the kernel holds beyond the table's are kept:
 // the control plane has not re-delivered the cluster's records yet. It
 // returns the differences it corrected, each naming its network.

@@ -88,8 +88,9 @@ func (sb *Sandbox) endpointPortProblems(l netlink.Link, ep Endpoint) ([]string, 
 // static bridge entry on the port of an endpoint with that MAC in the same
 // subnet, the endpoint that should have it (the first by veth name). A
 // bridge holds one entry per MAC: endpoints that share one (dockerd gave
-// them the same) share the entry, on whichever of their ports it is. Endpoints whose veth is
-// gone are left out (Audit reports the veth; Leave removes the endpoint).
+// them the same) share the entry, on whichever of their ports it is.
+// Endpoints whose veth is gone are left out (Audit reports the veth; Leave
+// removes the endpoint).
 func (sb *Sandbox) missingStatic(endpoints []Endpoint) ([]Endpoint, error) {
 	type group struct {
 		first Endpoint
@@ -165,14 +166,18 @@ func (sb *Sandbox) RepairPorts(endpoints []Endpoint) ([]string, error) {
 			continue // a veth gone with its container: Audit reports it, Leave removes it
 		}
 		problems, err := sb.endpointPortProblems(l, ep)
-		if err == nil && len(problems) > 0 {
-			if err = sb.h.LinkSetFlood(l, false); err == nil {
-				fixed = append(fixed, problems...)
-			}
-		}
 		if err != nil {
-			errs = append(errs, fmt.Errorf("veth %s in sandbox %s: %w", ep.SandboxName, sb.path, err))
+			errs = append(errs, err)
+			continue
 		}
+		if len(problems) == 0 {
+			continue
+		}
+		if err := sb.h.LinkSetFlood(l, false); err != nil {
+			errs = append(errs, fmt.Errorf("failed to turn off unknown-unicast flooding to veth %s in sandbox %s: %w", ep.SandboxName, sb.path, err))
+			continue
+		}
+		fixed = append(fixed, problems...)
 	}
 	missing, err := sb.missingStatic(endpoints)
 	if err != nil {
