@@ -72,15 +72,21 @@ func (d *Driver) auditNetwork(n *network) ([]string, error) {
 	if n.joined == 0 {
 		problems = append(problems, "sandbox exists but no endpoint is joined")
 	}
+	p, err := n.sb.Audit(n.peers.Desired(), n.joinedEndpoints())
+	if err != nil {
+		return nil, fmt.Errorf("auditing network %q: %w", n.id, err)
+	}
+	return append(problems, p...), nil
+}
+
+// joinedEndpoints describes the veths of n's joined endpoints for its
+// sandbox. Expects n.mu held.
+func (n *network) joinedEndpoints() []sandbox.Endpoint {
 	var eps []sandbox.Endpoint
 	for _, ep := range n.endpoints {
 		if ep.joined {
 			eps = append(eps, ep.sandboxEndpoint(n.mtu))
 		}
 	}
-	p, err := n.sb.Audit(n.peers.Desired(), eps)
-	if err != nil {
-		return nil, fmt.Errorf("auditing network %q: %w", n.id, err)
-	}
-	return append(problems, p...), nil
+	return eps
 }

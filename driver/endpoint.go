@@ -45,7 +45,9 @@ func linkNames(netID, epID string) (host, sb string) {
 
 // CreateEndpoint records an endpoint. The address must lie in one of the
 // network's subnets. The MAC is Docker's if given (never changed), otherwise
-// derived from the IP and returned. No kernel change.
+// derived from the endpoint id (unique even when two hosts hand out the same
+// address) and returned; either way it is persisted with the endpoint, so a
+// restart keeps it. No kernel change.
 func (d *Driver) CreateEndpoint(req *api.CreateEndpointRequest) (*api.CreateEndpointResponse, error) {
 	if req == nil {
 		return nil, errors.New("CreateEndpoint: empty request")
@@ -70,7 +72,7 @@ func (d *Driver) CreateEndpoint(req *api.CreateEndpointRequest) (*api.CreateEndp
 			return nil, fmt.Errorf("endpoint %q: Interface.MacAddress %q is not a unicast 48-bit MAC address", req.EndpointID, req.Interface.MacAddress)
 		}
 	} else {
-		mac = peerdb.MACFromIP(addr.Addr())
+		mac = peerdb.MACFromEndpointID(req.EndpointID)
 	}
 
 	n, unlock, err := d.lockNetwork(req.NetworkID)
@@ -341,6 +343,16 @@ func (d *Driver) leave(n *network, ep *endpoint) error {
 	} else {
 		if err := n.sb.RemoveEndpoint(ep.sbName); err != nil {
 			errs = append(errs, err)
+		}
+		// The bridge's one entry for ep's MAC may have gone with its veth:
+		// give it back to another endpoint with that MAC (dockerd gave
+		// both the same).
+		for _, o := range n.endpoints {
+			if o.joined && o.mac == ep.mac && o.subnet == ep.subnet {
+				if err := n.sb.RestoreEndpointPort(o.sandboxEndpoint(n.mtu)); err != nil {
+					errs = append(errs, err)
+				}
+			}
 		}
 		// The delta may re-activate a remote claimant of the IP: its VTEP
 		// needs SAs and a policy before its neighbour is programmed.

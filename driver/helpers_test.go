@@ -24,6 +24,12 @@ func testLogger() *slog.Logger {
 // nil) and whose sandboxes live in a temporary directory.
 func newTestDriver(t testing.TB, host *nstest.NS, adv netip.Addr) *Driver {
 	t.Helper()
+	return newTestDriverLogging(t, host, adv, testLogger())
+}
+
+// newTestDriverLogging is newTestDriver logging to log.
+func newTestDriverLogging(t testing.TB, host *nstest.NS, adv netip.Addr, log *slog.Logger) *Driver {
+	t.Helper()
 	if host == nil {
 		host = nstest.NewNS(t, "host")
 	}
@@ -31,7 +37,7 @@ func newTestDriver(t testing.TB, host *nstest.NS, adv netip.Addr) *Driver {
 		HostNS:        host.Handle,
 		NetnsDir:      nstest.NetnsDir(t),
 		AdvertiseAddr: adv,
-		Logger:        testLogger(),
+		Logger:        log,
 		Peers:         newMemSource(),
 	})
 	if err != nil {

@@ -149,7 +149,8 @@ func TestTwoHostsInjectedPeers(t *testing.T) {
 	if err := nstest.PingEventually(s.ctrs[1], s.peers[0].IP, 5*time.Second); err != nil {
 		t.Fatal(err)
 	}
-	wantPeers(t, s.d[0], "net1", map[string]string{"198.51.100.11": "02:42:c6:33:64:0b"}, map[string]string{"02:42:c6:33:64:0b": "192.0.2.11"})
+	mac1 := s.peers[1].MAC.String()
+	wantPeers(t, s.d[0], "net1", map[string]string{"198.51.100.11": mac1}, map[string]string{mac1: "192.0.2.11"})
 
 	// Update: 198.51.100.11 moves to a new MAC on a new VTEP.
 	prev := s.peers[1]
@@ -359,17 +360,7 @@ func contains(s []string, v string) bool {
 }
 
 func sandboxLinks(t *testing.T, d *Driver, id string) []string {
-	n, unlock, err := d.lockNetwork(id)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer unlock()
-	h, err := netlink.NewHandleAt(n.sb.NS(), unix.NETLINK_ROUTE)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer h.Close()
-	return nstest.LinkNames(t, h)
+	return nstest.LinkNames(t, sandboxHandle(t, d, id))
 }
 
 // dumpPeers reads the permanent neighbours (ip → mac) and FDB self entries

@@ -48,6 +48,8 @@ type network struct {
 	// logged: rejected remote records already logged, with the reason;
 	// guarded by mu.
 	logged map[peerdb.Key]string
+	// conflicts: the cross-host address conflicts logged; guarded by mu.
+	conflicts conflictLog
 	// pullUps, pullVals: scratch space of pull; guarded by mu.
 	pullUps  []peerdb.Update
 	pullVals []peerdb.Peer

@@ -197,22 +197,6 @@ func TestEndpointBadInput(t *testing.T) {
 	}
 }
 
-func TestCreateEndpointMAC(t *testing.T) {
-	d := newOfflineDriver(t)
-	mustCreate(t, d, createReq("n1", "5", "198.51.100.0/24"))
-	if mac := mustEndpoint(t, d, "n1", "e1", "198.51.100.7/24"); mac != "02:42:c6:33:64:07" {
-		t.Fatalf("derived MAC %s, want 02:42:c6:33:64:07", mac)
-	}
-	resp, err := d.CreateEndpoint(&api.CreateEndpointRequest{NetworkID: "n1", EndpointID: "e2",
-		Interface: &api.EndpointInterface{Address: "198.51.100.8/24", MacAddress: "02:00:00:00:00:08"}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if resp.Interface != nil {
-		t.Fatalf("CreateEndpoint changed fields Docker filled: %+v", resp.Interface)
-	}
-}
-
 // Calls for unknown ids: deletes succeed (dockerd sends them after
 // restarts), creates and joins fail clearly.
 func TestUnknownIDs(t *testing.T) {

@@ -142,6 +142,13 @@ func (d *Driver) restore() error {
 				d.log.Info("endpoint's veth is gone (its container stopped while overlayd was down); waiting for Leave", "network", n.id, "endpoint", ep.id)
 			}
 		}
+		// A sandbox an earlier version made has bridge ports that let a
+		// remote frame move a local MAC: fix them before serving.
+		if fixed, err := sb.RepairPorts(n.joinedEndpoints()); err != nil {
+			d.log.Warn("restoring the bridge ports of an adopted sandbox; the periodic reconcile retries", "network", n.id, "error", err)
+		} else if len(fixed) > 0 {
+			d.log.Info("restored the bridge ports of an adopted sandbox", "network", n.id, "corrected", len(fixed), "first", fixed[0])
+		}
 		d.log.Info("network restored", "network", n.id, "vnis", formatVNIs(n.vnis()), "joined", n.joined)
 	}
 	// Every network's share, before dockerd can call: the encryption
@@ -264,9 +271,10 @@ func endpointFromRecord(n *network, r statefile.Endpoint) (*endpoint, error) {
 // Reconcile is the driver's level-triggered repair; the daemon runs it on a
 // short tick, and it can run at any time. For every network: pull all its
 // records from the source (repairing any notification that was missed or
-// could not be applied), remove a sandbox a failed Leave left behind, and
-// make the sandbox's peer state exactly what the peer table says (dump,
-// diff, apply). While the driver is adopting the kernel state of an earlier
+// could not be applied), log the cross-host address conflicts that
+// appeared or went away, remove a sandbox a failed Leave left behind,
+// restore the bridge ports (see package sandbox) and make the sandbox's
+// peer state exactly what the peer table says (dump, diff, apply). While the driver is adopting the kernel state of an earlier
 // run (until Settle), entries the kernel holds beyond the table's are kept:
 // the control plane has not re-delivered the cluster's records yet. It
 // returns the differences it corrected, each naming its network.
@@ -281,6 +289,7 @@ func (d *Driver) Reconcile() ([]string, error) {
 		if err := d.pullAll(n); err != nil {
 			errs = append(errs, err)
 		}
+		d.noteConflicts(n)
 		if n.teardown {
 			if err := d.destroySandbox(n); err != nil {
 				errs = append(errs, fmt.Errorf("network %q: removing the sandbox of the last Leave: %w", n.id, err))
@@ -290,6 +299,13 @@ func (d *Driver) Reconcile() ([]string, error) {
 		}
 		if n.sb == nil || n.teardown {
 			return
+		}
+		ports, err := n.sb.RepairPorts(n.joinedEndpoints())
+		for _, s := range ports {
+			fixed = append(fixed, fmt.Sprintf("network %s: %s", n.id, s))
+		}
+		if err != nil {
+			errs = append(errs, fmt.Errorf("network %q: %w", n.id, err))
 		}
 		have, err := n.sb.Dump()
 		if err != nil {

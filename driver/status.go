@@ -33,6 +33,10 @@ type NetworkStatus struct {
 	Endpoints   []EndpointStatus `json:"endpoints"`
 	RemotePeers []PeerStatus     `json:"remote_peers"`
 	Conflicts   []ConflictStatus `json:"conflicts,omitempty"`
+	// ConflictsSeen counts the cross-host address conflicts that appeared
+	// since the start (each is logged once at WARN when the periodic
+	// reconcile finds it).
+	ConflictsSeen int `json:"conflicts_seen,omitempty"`
 	// Rejected are records the control plane has in force for the
 	// network's VNIs that it does not hold (invalid, or outside the subnet
 	// of their VNI), with the reason.
@@ -101,7 +105,8 @@ func (d *Driver) Status() Status {
 
 // status expects n.mu held.
 func (n *network) status() NetworkStatus {
-	ns := NetworkStatus{ID: n.id, VNIs: n.vnis(), MTU: n.mtu, Internal: n.internal, Encrypted: n.encrypted, Endpoints: []EndpointStatus{}, RemotePeers: []PeerStatus{}}
+	ns := NetworkStatus{ID: n.id, VNIs: n.vnis(), MTU: n.mtu, Internal: n.internal, Encrypted: n.encrypted, Endpoints: []EndpointStatus{}, RemotePeers: []PeerStatus{},
+		ConflictsSeen: n.conflicts.seen}
 	for _, s := range n.subnets {
 		ns.Subnets = append(ns.Subnets, s.pool.String())
 	}

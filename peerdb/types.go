@@ -1,6 +1,7 @@
 package peerdb
 
 import (
+	"crypto/sha256"
 	"fmt"
 	"net"
 	"net/netip"
@@ -21,9 +22,25 @@ func ParseMAC(s string) (MAC, error) {
 	return MAC(hw), nil
 }
 
+// MACFromEndpointID derives the MAC of an endpoint dockerd gave none: the
+// first six bytes of the SHA-256 of its id, made locally administered and
+// unicast. Not from its IP: two hosts that hand out the same address (two
+// engines with the same --subnet) would give their endpoints the same MAC,
+// and a duplicate address would become a duplicate MAC as well, which no
+// L2 rule can keep apart. Docker's endpoint ids are random and unique, so
+// the MACs are unique in practice (46 random bits); the same id always
+// gives the same MAC, and the driver also persists it.
+func MACFromEndpointID(id string) MAC {
+	sum := sha256.Sum256([]byte(id))
+	var m MAC
+	copy(m[:], sum[:6])
+	m[0] = m[0]&^0x01 | 0x02 // unicast, locally administered
+	return m
+}
+
 // MACFromIP derives a locally administered unicast MAC from an IPv4 address
-// (02:42:a:b:c:d), the way Docker does, so the MAC of an endpoint is the same
-// on every host that derives it.
+// (02:42:a:b:c:d), the way Docker's bridge driver does. Endpoints do not
+// use it (see MACFromEndpointID); tests use it for readable MACs.
 func MACFromIP(ip netip.Addr) MAC {
 	m := MAC{0x02, 0x42}
 	if ip.Is4() {

@@ -21,6 +21,7 @@ import (
 	"github.com/overlayd/overlayd/internal/config"
 	"github.com/overlayd/overlayd/internal/netnsutil"
 	"github.com/overlayd/overlayd/internal/testutil/nstest"
+	"github.com/overlayd/overlayd/peerdb"
 )
 
 // startDaemon runs the daemon in-process on a temporary socket and returns
@@ -165,7 +166,7 @@ func TestPluginAPIOverHTTP(t *testing.T) {
 				switch s.method {
 				case "NetworkDriver.CreateEndpoint":
 					iface, _ := out["Interface"].(map[string]interface{})
-					if iface["MacAddress"] != "02:42:c0:00:02:02" {
+					if iface["MacAddress"] != peerdb.MACFromEndpointID("e1").String() {
 						t.Fatalf("CreateEndpoint: %v", out)
 					}
 				case "NetworkDriver.Join":

@@ -95,6 +95,9 @@ func (r *StatusReport) Render(w io.Writer) {
 		for _, c := range n.Conflicts {
 			fmt.Fprintf(w, "  conflict on %s: %s wins over %s\n", c.IP, short(c.Active), strings.Join(c.Shadowed, ","))
 		}
+		if len(n.Conflicts) > 0 || n.ConflictsSeen > 0 {
+			fmt.Fprintf(w, "  address conflicts: %d now, %d across hosts since the start (see the WARN log lines)\n", len(n.Conflicts), n.ConflictsSeen)
+		}
 		for _, r := range n.Rejected {
 			fmt.Fprintf(w, "  refused record vni %d from %s endpoint %s: %s\n", r.VNI, r.Origin, short(r.EndpointID), r.Reason)
 		}

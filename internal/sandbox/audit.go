@@ -14,8 +14,10 @@ import (
 
 // Audit compares the sandbox's links and peer entries with what they should
 // be: a bridge per subnet (up, MTU, gateway address), a VXLAN per subnet (VNI,
-// port, learning off, proxy on, MTU, enslaved, up), the sandbox end of every
-// joined endpoint's veth (enslaved to its subnet's bridge, up) and nothing
+// port, learning off, proxy on, MTU, enslaved, up, its bridge port not
+// learning and nothing learned on it), the sandbox end of every
+// joined endpoint's veth (enslaved to its subnet's bridge, up, no
+// unknown-unicast flooding to it, a static entry for its MAC) and nothing
 // else, and exactly the desired neighbour and FDB entries. An empty result
 // means the kernel holds exactly the desired state.
 func (sb *Sandbox) Audit(want peerdb.State, endpoints []Endpoint) ([]string, error) {
@@ -71,6 +73,12 @@ func (sb *Sandbox) Audit(want peerdb.State, endpoints []Endpoint) ([]string, err
 			}
 			if vx.Attrs().Index != sl.vxlan {
 				problems = append(problems, fmt.Sprintf("vxlan %s: ifindex %d, want %d", vxName, vx.Attrs().Index, sl.vxlan))
+			} else {
+				p, _, err := sb.portProblems(sl)
+				if err != nil {
+					return nil, err
+				}
+				problems = append(problems, p...)
 			}
 		}
 	}
@@ -88,7 +96,20 @@ func (sb *Sandbox) Audit(want peerdb.State, endpoints []Endpoint) ([]string, err
 		problems = append(problems, checkUpMTU(l, ep.MTU)...)
 		if ep.Subnet >= 0 && ep.Subnet < len(sb.subnets) && l.Attrs().MasterIndex != sb.subnets[ep.Subnet].bridge {
 			problems = append(problems, fmt.Sprintf("veth %s: master ifindex %d, want %s", ep.SandboxName, l.Attrs().MasterIndex, BridgeName(sb.subnets[ep.Subnet].VNI)))
+			continue
 		}
+		p, err := sb.endpointPortProblems(l, ep)
+		if err != nil {
+			return nil, err
+		}
+		problems = append(problems, p...)
+	}
+	missing, err := sb.missingStatic(endpoints)
+	if err != nil {
+		return nil, err
+	}
+	for _, ep := range missing {
+		problems = append(problems, staticProblem(ep))
 	}
 	for name, l := range byName {
 		if !expected[name] {

@@ -22,8 +22,10 @@ type Endpoint struct {
 }
 
 // AddEndpoint creates the endpoint's veth pair: the sandbox end enslaved to
-// the subnet's bridge and up, the host end in the host namespace with the
-// endpoint's MAC and MTU. On failure nothing is left behind.
+// the subnet's bridge and up, as a port that gets no unknown unicast and
+// has a static entry for the endpoint's MAC (see setEndpointPort), the host
+// end in the host namespace with the endpoint's MAC and MTU. On failure
+// nothing is left behind.
 func (sb *Sandbox) AddEndpoint(ep Endpoint) error {
 	if ep.Subnet < 0 || ep.Subnet >= len(sb.subnets) {
 		return fmt.Errorf("endpoint %s: subnet index %d out of range (sandbox %s has %d subnets)", ep.HostName, ep.Subnet, sb.path, len(sb.subnets))
@@ -52,6 +54,11 @@ func (sb *Sandbox) AddEndpoint(ep Endpoint) error {
 		sb.h.LinkDel(veth)
 		return fmt.Errorf("failed to attach veth %s to bridge %s in sandbox %s: %w", ep.SandboxName, BridgeName(sl.VNI), sb.path, err)
 	}
+	if err := sb.setEndpointPort(veth, ep); err != nil {
+		sb.h.LinkDel(veth)
+		return err
+	}
+	sb.fresh = false
 	return nil
 }
 

@@ -52,6 +52,11 @@ func (sb *Sandbox) ApplyDelta(d peerdb.Delta) error {
 	if err := sb.batch.Apply(ops); err != nil {
 		bad = append(bad, fmt.Errorf("sandbox %s: %w", sb.path, err))
 	}
+	// A neighbour set may be an address that moved to another MAC: tell
+	// the containers, which may have the old one cached.
+	if err := sb.announce(d.NeighSet); err != nil {
+		bad = append(bad, err)
+	}
 	return errors.Join(bad...)
 }
 

@@ -10,6 +10,20 @@
 // creating links in their target namespace is an order of magnitude cheaper
 // than moving them.
 //
+// Local always wins, in the kernel too: the bridge port of each VXLAN link
+// does not learn. Otherwise the bridge moves a MAC to the tunnel as soon as
+// a frame from a remote host carries it as its source (a duplicate address
+// on another host, or a spoofed frame), and the local endpoint that owns it
+// loses its traffic. Frames to MACs the bridge has not learned on its local
+// ports are flooded to the VXLAN link, whose own FDB entries decide where
+// they go: only to the remote peers overlayd programmed, never for a local
+// MAC. Audit reports a port that learns (or learned) and RepairPorts
+// restores it.
+//
+// Endpoint MACs are not derived from their address, so an address that
+// moves to another endpoint changes MAC: every neighbour ApplyDelta sets is
+// announced to the local containers with a gratuitous ARP (see announce).
+//
 // A Sandbox is not safe for concurrent use: its owner (the driver's network,
 // under network.mu) serialises calls.
 package sandbox
@@ -86,6 +100,10 @@ type Sandbox struct {
 	h       *netlink.Handle
 	batch   *nlbatch.Conn
 	subnets []subnetLinks
+	arp     int // packet socket for announcements, -1 until the first (see announce)
+	// fresh: created by Create and no endpoint added yet, so no container
+	// has anything cached to correct (announce sends nothing).
+	fresh bool
 }
 
 // Path returns where the sandbox namespace of network id is mounted.
@@ -105,7 +123,7 @@ func Create(host *Host, id string, subnets []Subnet) (_ *Sandbox, err error) {
 	if err != nil {
 		return nil, err
 	}
-	sb := &Sandbox{host: host, id: id, path: path, ns: ns}
+	sb := &Sandbox{host: host, id: id, path: path, ns: ns, arp: -1, fresh: true}
 	defer func() {
 		if err != nil {
 			sb.Destroy()
@@ -214,6 +232,9 @@ func (sb *Sandbox) createSubnet(s Subnet) (subnetLinks, error) {
 	if err := sb.h.LinkSetMasterByIndex(link, sl.bridge); err != nil {
 		return sl, fmt.Errorf("failed to attach VXLAN %s to bridge %s in sandbox %s: %w", vxName, brName, sb.path, err)
 	}
+	if err := sb.h.LinkSetLearning(link, false); err != nil {
+		return sl, fmt.Errorf("failed to turn off learning on the bridge port of VXLAN %s in sandbox %s: %w", vxName, sb.path, err)
+	}
 	if err := sb.h.LinkSetUp(link); err != nil {
 		return sl, fmt.Errorf("failed to bring up VXLAN %s in sandbox %s: %w", vxName, sb.path, err)
 	}
@@ -248,6 +269,7 @@ func (sb *Sandbox) Destroy() error {
 		sb.batch.Close()
 		sb.batch = nil
 	}
+	errs = append(errs, sb.closeARP())
 	if sb.ns.IsOpen() {
 		sb.ns.Close()
 		sb.ns = netns.None()
@@ -340,7 +362,7 @@ func Adopt(host *Host, id string, subnets []Subnet) (_ *Sandbox, err error) {
 	if err != nil {
 		return nil, err
 	}
-	sb := &Sandbox{host: host, id: id, path: path, ns: ns}
+	sb := &Sandbox{host: host, id: id, path: path, ns: ns, arp: -1}
 	defer func() {
 		if err != nil {
 			sb.close()
@@ -398,6 +420,7 @@ func (sb *Sandbox) close() {
 		sb.batch.Close()
 		sb.batch = nil
 	}
+	sb.closeARP() // nothing to report: the kernel state stays
 	if sb.ns.IsOpen() {
 		sb.ns.Close()
 		sb.ns = netns.None()

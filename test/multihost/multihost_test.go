@@ -197,20 +197,8 @@ func (h *host) leave(t *testing.T, eid string) {
 // (mac → dst) of the network's sandbox on h, from the kernel.
 func (h *host) neighbours(t *testing.T) (map[string]string, map[string]string) {
 	t.Helper()
-	ns, err := netnsutil.Open(filepath.Join(h.netnsDir, netID))
-	if err != nil {
-		t.Fatalf("%s: %v", h.name, err)
-	}
-	defer ns.Close()
-	nl, err := netlink.NewHandleAt(ns, unix.NETLINK_ROUTE)
-	if err != nil {
-		t.Fatal(err)
-	}
+	nl, vx := h.vxlan(t)
 	defer nl.Close()
-	vx, err := nl.LinkByName(sandbox.VXLANName(vni))
-	if err != nil {
-		t.Fatalf("%s: %v", h.name, err)
-	}
 	neigh, fdb := map[string]string{}, map[string]string{}
 	ns4, _ := nl.NeighList(vx.Attrs().Index, unix.AF_INET)
 	for _, n := range ns4 {
@@ -227,9 +215,11 @@ func (h *host) neighbours(t *testing.T) (map[string]string, map[string]string) {
 	return neigh, fdb
 }
 
-func TestThreeHosts(t *testing.T) {
-	nstest.RequireRoot(t)
-	nsHosts, vteps := nstest.Hosts(t, 3, false)
+// startCluster starts n hosts sharing one cluster key, each joining the
+// first, and creates the test network on every one.
+func startCluster(t *testing.T, n int) []*host {
+	t.Helper()
+	nsHosts, vteps := nstest.Hosts(t, n, false)
 	keyFile := filepath.Join(t.TempDir(), "cluster.key")
 	key := make([]byte, 32)
 	for i := range key {
@@ -253,6 +243,33 @@ func TestThreeHosts(t *testing.T) {
 			"Options":  map[string]any{"com.docker.network.generic": map[string]string{"vni": fmt.Sprint(vni)}},
 			"IPv4Data": []map[string]string{{"Pool": subnet, "Gateway": gateway}}})
 	}
+	return hosts
+}
+
+// vxlan returns a netlink handle in the network's sandbox on h (the
+// caller closes it) and the sandbox's VXLAN link.
+func (h *host) vxlan(t *testing.T) (*netlink.Handle, netlink.Link) {
+	t.Helper()
+	ns, err := netnsutil.Open(filepath.Join(h.netnsDir, netID))
+	if err != nil {
+		t.Fatalf("%s: %v", h.name, err)
+	}
+	defer ns.Close()
+	nl, err := netlink.NewHandleAt(ns, unix.NETLINK_ROUTE)
+	if err != nil {
+		t.Fatal(err)
+	}
+	vx, err := nl.LinkByName(sandbox.VXLANName(vni))
+	if err != nil {
+		nl.Close()
+		t.Fatalf("%s: %v", h.name, err)
+	}
+	return nl, vx
+}
+
+func TestThreeHosts(t *testing.T) {
+	nstest.RequireRoot(t)
+	hosts := startCluster(t, 3)
 	addrs := []netip.Prefix{netip.MustParsePrefix("198.51.100.10/24"), netip.MustParsePrefix("198.51.100.11/24"), netip.MustParsePrefix("198.51.100.12/24")}
 	var ctrs []*nstest.NS
 	for i, h := range hosts {

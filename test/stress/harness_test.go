@@ -273,6 +273,7 @@ var expectedWarnings = []string{
 	"cannot check the MTU of a new network against the underlay: no VTEP yet",
 	"refusing a remote peer record (it stays with the control plane and is taken when valid)",
 	"local VTEP changed: local endpoints are re-announced with the new address",
+	driver.ConflictWarning, // the workload claims addresses on several hosts
 }
 
 // expectedErrors are errors a correct encryption owner logs here: this

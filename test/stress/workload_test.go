@@ -432,13 +432,13 @@ func (g *gen) createEndpoint(id, ep string) op {
 			if err != nil {
 				return err
 			}
-			want := peerdb.MACFromIP(addr.Addr()).String()
+			want := peerdb.MACFromEndpointID(ep).String()
 			if iface.MacAddress != "" {
 				if resp.Interface != nil && resp.Interface.MacAddress != "" {
 					return fmt.Errorf("CreateEndpoint returned MAC %q although dockerd gave one", resp.Interface.MacAddress)
 				}
 			} else if resp.Interface == nil || resp.Interface.MacAddress != want {
-				return fmt.Errorf("CreateEndpoint returned %+v, want the MAC derived from the IP, %s", resp.Interface, want)
+				return fmt.Errorf("CreateEndpoint returned %+v, want the MAC derived from the endpoint id, %s", resp.Interface, want)
 			}
 			return nil
 		}}

@@ -1,0 +1,98 @@
+package sandbox
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/overlayd/overlayd/internal/netnsutil"
+	"github.com/overlayd/overlayd/peerdb"
+)
+
+// announce tells the local endpoints of each neighbour's new MAC with a
+// gratuitous ARP reply, broadcast on its subnet's bridge as if from the
+// remote endpoint. Endpoint MACs are unique (not derived from the IP), so
+// when an address moves to another endpoint (another host, or the winner of
+// a conflict changes) its MAC changes, and a container that still has the
+// old one cached would send into the void until its neighbour entry expires
+// (tens of seconds). Linux updates an existing entry from such a reply (and
+// never creates one from it), so the announcement only corrects what is
+// cached. The VXLAN link does not forward it: broadcasts have no FDB entry.
+func (sb *Sandbox) announce(neighs []peerdb.Neigh) error {
+	if len(neighs) == 0 || sb.fresh {
+		return nil
+	}
+	if sb.arp < 0 {
+		// Protocol 0: the socket only sends, it never queues what it sees.
+		err := netnsutil.DoIn(sb.ns, func() error {
+			fd, err := unix.Socket(unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, 0)
+			sb.arp = fd
+			return err
+		})
+		if err != nil {
+			sb.arp = -1
+			return fmt.Errorf("failed to open a packet socket in sandbox %s to announce moved addresses: %w", sb.path, err)
+		}
+	}
+	var frame [42]byte
+	bcast := [6]byte{0xff, 0xff, 0xff, 0xff, 0xff, 0xff}
+	var failed int
+	var first error
+	for _, n := range neighs {
+		if n.Subnet < 0 || n.Subnet >= len(sb.subnets) || !n.IP.Is4() {
+			continue
+		}
+		garp(&frame, bcast, n)
+		sa := &unix.SockaddrLinklayer{Protocol: htons(unix.ETH_P_ARP), Ifindex: sb.subnets[n.Subnet].bridge, Halen: 6}
+		copy(sa.Addr[:], bcast[:])
+		if err := unix.Sendto(sb.arp, frame[:], 0, sa); err != nil {
+			if failed++; first == nil {
+				first = fmt.Errorf("%s is at %s: %w", n.IP, n.MAC, err)
+			}
+		}
+	}
+	if failed > 0 {
+		return fmt.Errorf("failed to announce %d of %d moved addresses in sandbox %s (containers relearn them when their neighbour entries expire): %w",
+			failed, len(neighs), sb.path, first)
+	}
+	return nil
+}
+
+// garp writes into f the Ethernet frame of a gratuitous ARP reply: n.IP is
+// at n.MAC, sender and target alike (which Linux takes as gratuitous).
+func garp(f *[42]byte, bcast [6]byte, n peerdb.Neigh) {
+	copy(f[0:6], bcast[:])
+	copy(f[6:12], n.MAC[:])
+	binary.BigEndian.PutUint16(f[12:], unix.ETH_P_ARP)
+	binary.BigEndian.PutUint16(f[14:], 1)             // hardware: Ethernet
+	binary.BigEndian.PutUint16(f[16:], unix.ETH_P_IP) // protocol: IPv4
+	f[18], f[19] = 6, 4                               // address lengths
+	binary.BigEndian.PutUint16(f[20:], 2)             // reply
+	ip := n.IP.As4()
+	copy(f[22:28], n.MAC[:]) // sender
+	copy(f[28:32], ip[:])
+	copy(f[32:38], n.MAC[:]) // target: the same, as a gratuitous reply wants
+	copy(f[38:42], ip[:])
+}
+
+// htons converts to network byte order, as sockaddr_ll wants its protocol.
+func htons(v uint16) uint16 {
+	var b [2]byte
+	binary.BigEndian.PutUint16(b[:], v)
+	return binary.NativeEndian.Uint16(b[:])
+}
+
+// closeARP closes the announcement socket, if open.
+func (sb *Sandbox) closeARP() error {
+	if sb.arp < 0 {
+		return nil
+	}
+	err := unix.Close(sb.arp)
+	sb.arp = -1
+	if err != nil && !errors.Is(err, unix.EBADF) {
+		return fmt.Errorf("failed to close the packet socket of sandbox %s: %w", sb.path, err)
+	}
+	return nil
+}
