@@ -414,12 +414,15 @@ func (d *Driver) AllocateNetwork(req *api.AllocateNetworkRequest) (*api.Allocate
 		// endpoint on the network) only for its built-in overlay driver
 		// (moby daemon/network.go: `agent && driver == "overlay"`): on any
 		// plugin network the VIP answers nothing.
-		d.log.Warn("swarm network allocated: services on overlayd networks need --endpoint-mode dnsrr "+
-			"(dockerd builds the virtual-IP load balancer only for its built-in overlay driver, so in the default VIP mode the service name does not answer; tasks.<service> and dnsrr work)",
+		d.log.Warn(DNSRRWarning,
 			"network", req.NetworkID, "vni", resp.Options[OptVNI])
 	}
 	return resp, nil
 }
+
+// DNSRRWarning is logged once per swarm network the leader allocates.
+const DNSRRWarning = "swarm network allocated: services on overlayd networks need --endpoint-mode dnsrr " +
+	"(dockerd builds the virtual-IP load balancer only for its built-in overlay driver, so in the default VIP mode the service name does not answer; tasks.<service> and dnsrr work)"
 
 // allocate allocates the VNIs of an AllocateNetwork request whose answer's
 // options are out; first reports that the network held no allocation

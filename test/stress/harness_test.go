@@ -267,13 +267,15 @@ type logCapture struct {
 // CreateNetwork with invalid options, an explicit MTU that cannot be checked
 // against the underlay before DiscoverNew gave the VTEP, a record the source
 // holds that a network refuses (it stays at the source and is listed in
-// Status), a VTEP that DiscoverNew moves to another address.
+// Status), a VTEP that DiscoverNew moves to another address, an address
+// claimed on several hosts, the dnsrr notice of an allocated swarm network.
 var expectedWarnings = []string{
 	"CreateNetwork rejected",
 	"cannot check the MTU of a new network against the underlay: no VTEP yet",
 	"refusing a remote peer record (it stays with the control plane and is taken when valid)",
 	"local VTEP changed: local endpoints are re-announced with the new address",
 	driver.ConflictWarning, // the workload claims addresses on several hosts
+	driver.DNSRRWarning,    // the workload allocates swarm networks
 }
 
 // expectedErrors are errors a correct encryption owner logs here: this
