@@ -29,6 +29,7 @@ import (
 
 	"github.com/overlayd/overlayd/internal/netnsutil"
 	"github.com/overlayd/overlayd/internal/sandbox"
+	"github.com/overlayd/overlayd/internal/testutil/logbuf"
 	"github.com/overlayd/overlayd/internal/testutil/nstest"
 )
 
@@ -78,22 +79,7 @@ type host struct {
 	plugin   *http.Client
 }
 
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
+type syncBuffer = logbuf.Buffer
 
 func (h *host) socket() string  { return filepath.Join(h.dir, "overlayd.sock") }
 func (h *host) control() string { return filepath.Join(h.dir, "control.sock") }
