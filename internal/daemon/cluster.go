@@ -348,10 +348,21 @@ func (cp *controlPlane) close() {
 	}
 }
 
+// loadKey reads the cluster key. Only the default path is generated when
+// missing: an explicitly given file must exist (CheckHost said so first;
+// a file removed since is refused the same way). A key file that cannot
+// be used is a refused setting.
 func loadKey(st *config.Settings, log *slog.Logger) ([]byte, error) {
+	if st.SecretFile != "" {
+		key, err := cluster.LoadKey(st.SecretFile)
+		if err != nil {
+			return nil, &config.Invalid{Err: fmt.Errorf("%s: %w", st.Source("secret-file"), err)}
+		}
+		return key, nil
+	}
 	key, created, err := cluster.LoadOrCreateKey(st.SecretPath())
 	if err != nil {
-		return nil, fmt.Errorf("cluster key: %w", err)
+		return nil, &config.Invalid{Err: err}
 	}
 	if created {
 		log.Info("generated a new cluster key: copy this file to every other host (mode 0600) and point --secret-file at it",
