@@ -2,8 +2,6 @@ package docker
 
 import (
 	"fmt"
-	"os"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -18,12 +16,7 @@ import (
 func TestManagedPluginBadSetting(t *testing.T) {
 	l := newLab(t)
 	e := l.addEngine("h1", 1)
-	dir := filepath.Join(l.dir, "plugin")
-	buildPluginDir(t, dir)
-	state := filepath.Join(l.dir, "plugin-state")
-	if err := os.MkdirAll(state, 0o700); err != nil {
-		t.Fatal(err)
-	}
+	dir, state := l.pluginFiles(t)
 	for i, c := range []struct{ setting, reason string }{
 		{"OVERLAYD_SCOPE=cluster", `$OVERLAYD_SCOPE \"cluster\": must be local or global`}, // quotes escaped in dockerd's log
 		{"OVERLAYD_ADVERTISE_ADDR=203.0.113.9", "$OVERLAYD_ADVERTISE_ADDR 203.0.113.9: not an address of this host"},
