@@ -68,6 +68,9 @@ type controlPlane struct {
 	started chan struct{}
 	stop    chan struct{}
 	done    sync.WaitGroup
+
+	// startErr is the last start failure logged (guarded by startMu).
+	startErr string
 }
 
 func newControlPlane(st *config.Settings, db *statefile.File, log *slog.Logger, key []byte, enc *encryption.Owner) *controlPlane {
@@ -172,8 +175,19 @@ func (cp *controlPlane) tryStart() {
 		OnMembersChange: cp.enc.Poke,
 	})
 	if err != nil {
-		cp.log.Error("control plane failed to start; retrying every second", "error", err)
+		// Once per distinct error, not every second: the retry goes on
+		// (an address coming back, a port freed), the log stays readable.
+		if msg := err.Error(); msg != cp.startErr {
+			cp.startErr = msg
+			cp.log.Error("control plane failed to start; retrying every second (logged again only if the error changes)", "error", err)
+		} else {
+			cp.log.Debug("control plane still fails to start; retrying", "error", err)
+		}
 		return
+	}
+	if cp.startErr != "" {
+		cp.log.Info("control plane starts after failing", "last_error", cp.startErr)
+		cp.startErr = ""
 	}
 	mark := c.LocalMark()
 	cp.c.Store(c)

@@ -3,11 +3,13 @@ package daemon
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"net"
 	"net/netip"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -170,4 +172,58 @@ func lineWith(logs, s string) string {
 		}
 	}
 	return ""
+}
+
+// A control plane that cannot start (here: its gossip port is taken) is
+// retried every second, but the failure is logged at ERROR once per
+// distinct error, not every second; its start afterwards is logged.
+func TestStartFailureLoggedOnce(t *testing.T) {
+	nstest.RequireRoot(t)
+	host := nstest.NewNS(t, "host")
+	lo, err := host.NL.LinkByName("lo")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := host.NL.LinkSetUp(lo); err != nil {
+		t.Fatal(err)
+	}
+	// Take the port in the test's namespace and in the host's: the first
+	// start runs on Run's thread (in the test's namespace), the retries on
+	// the control plane's goroutine.
+	taken, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer taken.Close()
+	port := taken.Addr().(*net.TCPAddr).Port
+	var takenNS net.Listener
+	if err := netnsutil.DoIn(host.Handle, func() error {
+		takenNS, err = net.Listen("tcp", taken.Addr().String())
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	defer takenNS.Close()
+	r := goDaemon(t, host, t.TempDir(), "--advertise-addr", "127.0.0.1", "--gossip-port", strconv.Itoa(port))
+	if err := nstest.Eventually(15*time.Second, 20*time.Millisecond, func() error {
+		if n := strings.Count(r.logs.String(), "control plane still fails to start"); n < 2 {
+			return fmt.Errorf("%d retries logged at debug", n)
+		}
+		return nil
+	}); err != nil {
+		t.Fatalf("%v; log:\n%s", err, r.logs)
+	}
+	if n := strings.Count(r.logs.String(), `level=ERROR msg="control plane failed to start`); n != 1 {
+		t.Errorf("the start failure logged %d times at ERROR, want once; log:\n%s", n, r.logs)
+	}
+	taken.Close()
+	takenNS.Close()
+	if err := nstest.Eventually(15*time.Second, 20*time.Millisecond, func() error {
+		if !strings.Contains(r.logs.String(), "control plane starts after failing") || !strings.Contains(r.logs.String(), `msg="control plane started"`) {
+			return errors.New("no start logged")
+		}
+		return nil
+	}); err != nil {
+		t.Fatalf("%v; log:\n%s", err, r.logs)
+	}
 }
