@@ -2,6 +2,10 @@
 # network namespaces and remove them).
 GO        ?= go
 BIN       := bin/overlayd
+# The version `overlayd version` prints and the serving line logs: from git
+# (the tag, commits since, the commit, -dirty for uncommitted changes).
+VERSION   ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo unknown)
+LDFLAGS   := -X github.com/overlayd/overlayd/internal/version.stamp=$(VERSION)
 # Fuzz budgets are execution counts, not durations: a duration ends the run
 # through a context deadline, which go test sometimes reports as a failure
 # ("context deadline exceeded") while workers are shutting down.
@@ -19,7 +23,7 @@ PKGS      := ./...
 all: build
 
 build:
-	CGO_ENABLED=0 $(GO) build -trimpath -o $(BIN) ./cmd/overlayd
+	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN) ./cmd/overlayd
 
 # The whole suite, as CI runs it: lint, every package under the race
 # detector, then the fuzz targets for a bounded time.

@@ -1,6 +1,13 @@
 // Command overlayd is a Docker network plugin that joins containers on many
 // hosts into one network over VXLAN. With no command it serves the plugin
 // API; see `overlayd --help`.
+//
+// Exit status: 0 on success (and after SIGTERM), 1 when the daemon or a
+// client command fails, 2 when the settings or arguments are refused. A
+// refusal or a failure is one line on stderr, "overlayd: <why>": a managed
+// plugin's stderr reaches dockerd's log at level error line by line, so the
+// reason is one line there, not buried under the usage text. The usage text
+// is printed only when asked for (--help, help).
 package main
 
 import (
@@ -9,69 +16,102 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io"
 	"log/slog"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 
 	"github.com/overlayd/overlayd/internal/config"
 	"github.com/overlayd/overlayd/internal/control"
 	"github.com/overlayd/overlayd/internal/daemon"
+	"github.com/overlayd/overlayd/internal/version"
 )
 
 func main() {
-	os.Exit(run(os.Args[1:]))
+	os.Exit(run(os.Args[1:], os.Stdout, os.Stderr))
 }
 
-func run(args []string) int {
+// run runs the command in args (without the program name) and returns the
+// exit status.
+func run(args []string, stdout, stderr io.Writer) int {
 	cmd := "serve"
-	if len(args) > 0 && (args[0] == "serve" || args[0] == "help" || args[0] == "status" || args[0] == "keys" || args[0] == "leave") {
-		cmd, args = args[0], args[1:]
+	if len(args) > 0 {
+		switch a := args[0]; {
+		case a == "serve" || a == "help" || a == "version" || config.IsCommand(a):
+			cmd, args = a, args[1:]
+		case a == "--version" || a == "-version":
+			cmd, args = "version", args[1:]
+		}
 	}
 	switch cmd {
 	case "help":
-		config.Usage(os.Stdout, "overlayd")
+		if len(args) > 0 && config.IsCommand(args[0]) {
+			config.CommandUsage(stdout, "overlayd", args[0])
+		} else {
+			config.Usage(stdout, "overlayd")
+		}
+		return 0
+	case "version":
+		fmt.Fprintln(stdout, version.Long())
 		return 0
 	case "status":
-		return status(args)
+		return status(args, stdout, stderr)
 	case "keys":
-		return keys(args)
+		return keys(args, stdout, stderr)
 	case "leave":
-		return leave(args)
+		return leave(args, stdout, stderr)
 	}
 	st, err := config.Parse(args, config.Env)
 	if errors.Is(err, flag.ErrHelp) {
-		config.Usage(os.Stdout, "overlayd")
+		config.Usage(stdout, "overlayd")
 		return 0
 	}
 	if err != nil {
-		fmt.Fprintf(os.Stderr, "overlayd: %v\n\n", err)
-		config.Usage(os.Stderr, "overlayd")
-		return 2
+		return fail(stderr, "", err)
 	}
 	// Logs go to stdout: dockerd shows a managed plugin's stderr as errors.
-	log := slog.New(slog.NewTextHandler(os.Stdout, &slog.HandlerOptions{Level: st.LogLevel}))
+	log := slog.New(slog.NewTextHandler(stdout, &slog.HandlerOptions{Level: st.LogLevel}))
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
 	if err := daemon.Run(ctx, st, log); err != nil {
-		log.Error("overlayd failed", "error", err)
-		return 1
+		return fail(stderr, "", err)
 	}
 	return 0
 }
 
-// controlFlags parses the flags of the client commands.
-func controlFlags(name string, args []string, jsonFlag *bool) (*control.Client, error) {
-	fs := flag.NewFlagSet("overlayd "+name, flag.ContinueOnError)
-	sock := fs.String("control-socket", envOr("OVERLAYD_CONTROL_SOCKET", config.DefaultControlSocket), "control socket of the running overlayd")
-	if jsonFlag != nil {
-		fs.BoolVar(jsonFlag, "json", false, "print JSON")
+// fail prints err as one line, "overlayd[ cmd]: err", and returns the exit
+// status: 2 for refused settings or arguments, 1 otherwise.
+func fail(stderr io.Writer, cmd string, err error) int {
+	prog := "overlayd"
+	if cmd != "" {
+		prog += " " + cmd
 	}
-	if err := fs.Parse(args); err != nil {
-		return nil, err
+	fmt.Fprintf(stderr, "%s: %s\n", prog, strings.ReplaceAll(err.Error(), "\n", "; "))
+	if _, ok := errors.AsType[*config.Invalid](err); ok {
+		return 2
+	}
+	return 1
+}
+
+// clientFlags parses the flags of a client command; help is (nil, nil)
+// after the command's usage went to stdout.
+func clientFlags(name string, args []string, jsonFlag *bool, stdout io.Writer) (*control.Client, error) {
+	fs := flag.NewFlagSet("overlayd "+name, flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	sock := fs.String("control-socket", envOr("OVERLAYD_CONTROL_SOCKET", config.DefaultControlSocket), "")
+	if jsonFlag != nil {
+		fs.BoolVar(jsonFlag, "json", false, "")
+	}
+	if err := fs.Parse(args); errors.Is(err, flag.ErrHelp) {
+		config.CommandUsage(stdout, "overlayd", name)
+		return nil, nil
+	} else if err != nil {
+		return nil, &config.Invalid{Err: fmt.Errorf("%v (see overlayd %s --help)", err, name)}
 	}
 	if fs.NArg() > 0 {
-		return nil, fmt.Errorf("unexpected argument %q", fs.Arg(0))
+		return nil, &config.Invalid{Err: fmt.Errorf("unexpected argument %q (see overlayd %s --help)", fs.Arg(0), name)}
 	}
 	return control.NewClient(*sock), nil
 }
@@ -84,74 +124,72 @@ func envOr(k, def string) string {
 }
 
 // status prints the running daemon's status.
-func status(args []string) int {
+func status(args []string, stdout, stderr io.Writer) int {
 	var asJSON bool
-	c, err := controlFlags("status", args, &asJSON)
-	if errors.Is(err, flag.ErrHelp) {
+	c, err := clientFlags("status", args, &asJSON, stdout)
+	if c == nil && err == nil {
 		return 0
 	}
 	if err != nil {
-		fmt.Fprintf(os.Stderr, "overlayd status: %v\n", err)
-		return 2
+		return fail(stderr, "status", err)
 	}
 	body, err := c.Get("/v1/status")
 	if err != nil {
-		fmt.Fprintf(os.Stderr, "overlayd status: %v\n", err)
-		return 1
+		return fail(stderr, "status", err)
 	}
 	if asJSON {
-		os.Stdout.Write(body)
+		stdout.Write(body)
 		return 0
 	}
 	var r daemon.StatusReport
 	if err := json.Unmarshal(body, &r); err != nil {
-		fmt.Fprintf(os.Stderr, "overlayd status: unexpected answer: %v\n", err)
-		return 1
+		return fail(stderr, "status", fmt.Errorf("unexpected answer from the daemon: %w", err))
 	}
-	r.Render(os.Stdout)
+	r.Render(stdout)
 	return 0
 }
 
 // keys handles `overlayd keys rotate`.
-func keys(args []string) int {
-	if len(args) == 0 || args[0] != "rotate" {
-		fmt.Fprintln(os.Stderr, "usage: overlayd keys rotate [--control-socket PATH]")
-		return 2
+func keys(args []string, stdout, stderr io.Writer) int {
+	switch {
+	case len(args) > 0 && (args[0] == "-h" || args[0] == "--help" || args[0] == "-help" || args[0] == "help"):
+		config.CommandUsage(stdout, "overlayd", "keys")
+		return 0
+	case len(args) == 0:
+		return fail(stderr, "keys", &config.Invalid{Err: errors.New("missing subcommand: the only one is rotate (see overlayd keys --help)")})
+	case args[0] != "rotate":
+		return fail(stderr, "keys", &config.Invalid{Err: fmt.Errorf("unknown subcommand %q: the only one is rotate (see overlayd keys --help)", args[0])})
 	}
-	c, err := controlFlags("keys rotate", args[1:], nil)
-	if errors.Is(err, flag.ErrHelp) {
+	c, err := clientFlags("keys", args[1:], nil, stdout)
+	if c == nil && err == nil {
 		return 0
 	}
 	if err != nil {
-		fmt.Fprintf(os.Stderr, "overlayd keys rotate: %v\n", err)
-		return 2
+		return fail(stderr, "keys rotate", err)
 	}
 	body, err := c.Post("/v1/keys/rotate")
 	if err != nil {
-		fmt.Fprintf(os.Stderr, "overlayd keys rotate: %v\n", err)
-		return 1
+		return fail(stderr, "keys rotate", err)
 	}
-	os.Stdout.Write(body)
+	stdout.Write(body)
 	return 0
 }
 
 // leave handles `overlayd leave`: decommission this host. Stopping the
 // daemon never leaves the cluster (the others keep its peers through a
 // restart); this does, and the others remove its records at once.
-func leave(args []string) int {
-	c, err := controlFlags("leave", args, nil)
-	if errors.Is(err, flag.ErrHelp) {
+func leave(args []string, stdout, stderr io.Writer) int {
+	c, err := clientFlags("leave", args, nil, stdout)
+	if c == nil && err == nil {
 		return 0
 	}
 	if err != nil {
-		fmt.Fprintf(os.Stderr, "overlayd leave: %v\n", err)
-		return 2
+		return fail(stderr, "leave", err)
 	}
 	body, err := c.Post("/v1/leave")
 	if err != nil {
-		fmt.Fprintf(os.Stderr, "overlayd leave: %v\n", err)
-		return 1
+		return fail(stderr, "leave", err)
 	}
-	os.Stdout.Write(body)
+	stdout.Write(body)
 	return 0
 }

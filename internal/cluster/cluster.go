@@ -158,7 +158,7 @@ func New(cfg Config) (*Cluster, error) {
 		c.shards = append(c.shards, &shard{dirty: make(map[uint32]map[pkey]struct{}), wake: make(chan struct{}, 1)})
 	}
 	c.joiner = newJoiner(c, cfg.Seeds) // before memberlist: its callbacks use it
-	logw := &mlLogWriter{log: cfg.Logger, rl: c.rl, dropped: c.countDrop, suspected: c.suspected}
+	logw := &mlLogWriter{log: cfg.Logger, rl: c.rl, dropped: c.countDrop, suspected: c.suspected, down: c.memberDown}
 	ml, err := memberlist.Create(cfg.memberlistConfig(&delegate{c}, logw))
 	if err != nil {
 		c.closed.Store(true)
@@ -590,6 +590,15 @@ func (c *Cluster) suspected(name string) {
 	if m := c.replica.members[name]; m != nil && m.state == StateAlive {
 		m.suspectSince = c.now()
 	}
+}
+
+// memberDown reports whether name is not an alive, unsuspected member
+// here (for the log levels of memberlist's lines about it).
+func (c *Cluster) memberDown(name string) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	m := c.replica.members[name]
+	return m == nil || m.state != StateAlive || !m.suspectSince.IsZero()
 }
 
 // destFlagLocked sets a flag on the sender to name and wakes it. Expects

@@ -177,6 +177,16 @@ func (j *joiner) run() {
 			if c.leaving.Load() || c.closed.Load() {
 				return
 			}
+			// An earlier join of this batch may have brought this seed
+			// in already (seeds are often several hosts of one cluster,
+			// or one host under two spellings).
+			if ap, ok := parseSeed(a, c.cfg.BindPort); ok && c.memberAddrs()[ap] {
+				j.mu.Lock()
+				j.seed[a].joined, j.seed[a].backoff = true, seedBackoffMin
+				j.mu.Unlock()
+				continue
+			}
+			wasAlone := c.ml.NumMembers() <= 1
 			n, err := c.ml.Join([]string{a})
 			j.mu.Lock()
 			s := j.seed[a]
@@ -190,7 +200,13 @@ func (j *joiner) run() {
 			j.mu.Unlock()
 			if n > 0 {
 				followUps, nextFollow, confirmUntil = 2, c.now().Add(followInterval), c.now().Add(confirmWindow)
-				c.log.Info("joined the cluster", "seed", a)
+				// Once per joining: a further seed joined while already
+				// in the cluster is no news.
+				if wasAlone {
+					c.log.Info("joined the cluster", "seed", a, "members", c.ml.NumMembers())
+				} else {
+					c.log.Debug("joined a seed while already in the cluster", "seed", a)
+				}
 			} else {
 				c.logLimited(slog.LevelWarn, "join:"+a, "cannot join seed, retrying", "seed", a, "retry_in", retry, "error", err)
 			}

@@ -82,6 +82,10 @@ func LoadOrCreateKey(path string) (key []byte, created bool, err error) {
 	return key, true, nil
 }
 
+// LoadKey reads the cluster key from path, which must exist; format and
+// permissions as for LoadOrCreateKey.
+func LoadKey(path string) ([]byte, error) { return loadKey(path) }
+
 func loadKey(path string) ([]byte, error) {
 	f, err := os.Open(path)
 	if err != nil {
@@ -96,7 +100,9 @@ func loadKey(path string) ([]byte, error) {
 		return nil, fmt.Errorf("cluster key: %s is not a regular file", path)
 	}
 	if perm := fi.Mode().Perm(); perm&0o077 != 0 {
-		return nil, fmt.Errorf("cluster key: %s has mode %04o: the key must not be accessible by group or others (chmod 600 %s)", path, perm, path)
+		return nil, fmt.Errorf("cluster key: %s has mode %04o: the key must not be accessible by group or others; "+
+			"fix it with chmod 600 %s (for the managed plugin, run chmod on the host: paths under /var/lib/overlayd are its 'state' mount, "+
+			"whose host directory is /var/lib/overlayd unless state.source was set; docker plugin inspect shows it)", path, perm, path)
 	}
 	b, err := io.ReadAll(io.LimitReader(f, 4097))
 	switch {

@@ -75,8 +75,8 @@ func TestLoadKeyFormats(t *testing.T) {
 		{"base64 wrong length", []byte(base64.StdEncoding.EncodeToString([]byte("twenty bytes long!!!")) + "\n"), 0o600, nil, "must be 16, 24 or 32"},
 		{"raw wrong length", raw[:20], 0o600, nil, "neither"},
 		{"empty", nil, 0o600, nil, "empty"},
-		{"group readable", []byte(base64.StdEncoding.EncodeToString(testKey)), 0o640, nil, "chmod 600"},
-		{"world readable", []byte(base64.StdEncoding.EncodeToString(testKey)), 0o644, nil, "chmod 600"},
+		{"group readable", []byte(base64.StdEncoding.EncodeToString(testKey)), 0o640, nil, "chmod 600 KEYPATH (for the managed plugin, run chmod on the host: paths under /var/lib/overlayd are its 'state' mount"},
+		{"world readable", []byte(base64.StdEncoding.EncodeToString(testKey)), 0o644, nil, "mode 0644"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			path := filepath.Join(t.TempDir(), "key")
@@ -91,8 +91,9 @@ func TestLoadKeyFormats(t *testing.T) {
 				t.Error("created over an existing file")
 			}
 			if tc.errPart != "" {
-				if err == nil || !strings.Contains(err.Error(), tc.errPart) {
-					t.Fatalf("err %v, want one mentioning %q", err, tc.errPart)
+				want := strings.ReplaceAll(tc.errPart, "KEYPATH", path)
+				if err == nil || !strings.Contains(err.Error(), want) {
+					t.Fatalf("err %v, want one mentioning %q", err, want)
 				}
 				if strings.Contains(err.Error(), string(tc.content)) && len(tc.content) > 8 {
 					t.Errorf("error reveals the key: %v", err)

@@ -53,11 +53,16 @@ func (r *rateLimiter) allow(key string, now time.Time) (bool, int) {
 // mlLogWriter turns memberlist's log lines ("[LEVEL] memberlist: ...")
 // into slog records at the matching level, rate-limited per kind of line,
 // and counts the drops memberlist does itself (authentication, label).
+// Lines about what a restart or a failure normally causes go to DEBUG
+// (see levelFor): overlayd logs the outcome itself, once, at INFO.
 type mlLogWriter struct {
 	log       *slog.Logger
 	rl        *rateLimiter
 	dropped   func(DropReason)
 	suspected func(node string) // this node's probe of node failed
+	// down reports whether node is not known alive and unsuspected here
+	// (failed, left, suspected, or unknown); nil: never.
+	down func(node string) bool
 }
 
 func (w *mlLogWriter) logger() *log.Logger { return log.New(w, "", 0) }
@@ -76,9 +81,7 @@ func (w *mlLogWriter) Write(p []byte) (int, error) {
 		}
 	}
 	line = strings.TrimPrefix(line, "memberlist: ")
-	if routineLine(line) {
-		level = min(level, slog.LevelDebug)
-	}
+	level = w.levelFor(line, level)
 	lower := strings.ToLower(line)
 	switch {
 	case strings.Contains(lower, "decrypt") || strings.Contains(lower, "not encrypted") || strings.Contains(lower, "encryption is not configured"):
@@ -119,12 +122,40 @@ func lineKind(s string) string {
 	return s
 }
 
-// routineLine reports whether a memberlist line describes something
-// expected around restarts, which memberlist logs as a warning or an
-// error: a node refuting a suspicion or death of itself (it restarted or
-// stalled), or an alive message for a member at another address (a
-// restart at a new address, handled by NotifyConflict, which logs its
-// own line).
-func routineLine(line string) bool {
-	return strings.HasPrefix(line, "Refuting a") || strings.HasPrefix(line, "Conflicting address for")
+// levelFor returns the level for a memberlist line logged at level.
+//
+// DEBUG, because they describe what a restart or a failure normally
+// causes and overlayd logs the outcome itself ("member failed", "member
+// joined", "member gone", at INFO, once per event):
+//   - a node refuting a suspicion or death of itself, or an alive message
+//     it does not agree with (it restarted or stalled);
+//   - an alive message for a member at another address (a restart at a
+//     new address, handled by NotifyConflict, which logs its own line);
+//   - a probe that got no ack ("Suspect X has failed"), a member marked
+//     failed, a fallback TCP ping that failed: the steps of failure
+//     detection, which either end in a refutation or in "member failed";
+//   - a push/pull with a member that is down or suspected here.
+//
+// A push/pull failing with a member that is alive and unsuspected here
+// is a WARN at most: memberlist retries it, nothing in this process
+// failed, but state may not converge while it lasts.
+func (w *mlLogWriter) levelFor(line string, level slog.Level) slog.Level {
+	for _, p := range []string{"Refuting a", "Conflicting address for", "Marking ", "Failed fallback TCP ping"} {
+		if strings.HasPrefix(line, p) {
+			return min(level, slog.LevelDebug)
+		}
+	}
+	if strings.HasPrefix(line, "Suspect ") && strings.Contains(line, " has failed") {
+		return min(level, slog.LevelDebug)
+	}
+	// memberlist: "Push/Pull with %s failed: %s"
+	if rest, ok := strings.CutPrefix(line, "Push/Pull with "); ok {
+		if i := strings.Index(rest, " failed"); i > 0 {
+			if w.down != nil && w.down(rest[:i]) {
+				return min(level, slog.LevelDebug)
+			}
+			return min(level, slog.LevelWarn)
+		}
+	}
+	return level
 }

@@ -46,7 +46,7 @@ type MemberStatus struct {
 	State       MemberState `json:"state"`
 	Protocol    uint8       `json:"protocol"` // highest protocol version it speaks
 	Incarnation uint64      `json:"incarnation,omitempty"`
-	Records     int         `json:"records"` // its live records held here
+	Records     int         `json:"records"` // its live records held here (this node: the records it publishes)
 	Since       time.Time   `json:"since"`
 	// InForceUntil: a dead member's records stay in force until then
 	// (FailedGrace), unless it returns or leaves first.
@@ -119,8 +119,10 @@ func (c *Cluster) Status() Status {
 		}
 		return v
 	}
+	ownRecords := 0
 	for vni, n := range local {
 		vs(vni).Local = n
+		ownRecords += n
 	}
 	now := c.now()
 
@@ -159,6 +161,9 @@ func (c *Cluster) Status() Status {
 		}
 		if o := c.replica.origins[name]; o != nil {
 			ms.Records = o.live
+		}
+		if ms.Self { // its own records are not in the replica
+			ms.Records = ownRecords
 		}
 		st.Members = append(st.Members, ms)
 	}

@@ -39,6 +39,29 @@ type Settings struct {
 	// KeyRotationInterval is how often the encryption keys rotate (0: never
 	// by timer; `overlayd keys rotate` still works).
 	KeyRotationInterval time.Duration
+
+	// sources says where each setting's value came from ("--flag" or
+	// "$OVERLAYD_..."), so that a refusal names what the user wrote.
+	sources map[string]string
+}
+
+// Invalid marks an error as a refusal of the settings (the process exits
+// with status 2): a value that is malformed, or that does not fit this
+// host. Its message names the setting as the user gave it (flag or
+// environment variable), the value, what is wrong and what is allowed.
+type Invalid struct{ Err error }
+
+func (e *Invalid) Error() string { return e.Err.Error() }
+func (e *Invalid) Unwrap() error { return e.Err }
+
+// Source returns how setting name (its flag without dashes) was given:
+// "--name" on the command line, "$OVERLAYD_..." from the environment, or
+// "--name" for a default.
+func (s *Settings) Source(name string) string {
+	if src, ok := s.sources[name]; ok {
+		return src
+	}
+	return "--" + name
 }
 
 // Defaults.
@@ -67,31 +90,83 @@ var settings = []setting{
 	{"gossip-addr", "OVERLAYD_GOSSIP_ADDR", "", "address the gossip (memberlist) binds to; default: the advertise address"},
 	{"gossip-port", "OVERLAYD_GOSSIP_PORT", strconv.Itoa(DefaultGossipPort), "gossip port, TCP and UDP (not 7946, which swarm uses)"},
 	{"join", "OVERLAYD_JOIN", "", "comma-separated host[:port] of other overlayd hosts to join (retried in the background)"},
-	{"secret-file", "OVERLAYD_SECRET_FILE", "", "file holding the cluster key; default: <state-dir>/cluster.key, generated on first start"},
+	{"secret-file", "OVERLAYD_SECRET_FILE", "", "file holding the cluster key, mode 0600 or 0400; when given it must exist; default: <state-dir>/cluster.key, generated on first start"},
 	{"control-socket", "OVERLAYD_CONTROL_SOCKET", DefaultControlSocket, "local control socket for `overlayd status` (mode 0600)"},
 	{"node-name", "OVERLAYD_NODE_NAME", "", "this host's name in the cluster; default: the hostname"},
 	{"key-rotation-interval", "OVERLAYD_KEY_ROTATION_INTERVAL", "12h", "how often encrypted networks' keys rotate cluster-wide (0: only by `overlayd keys rotate`)"},
 }
 
-// Usage writes the settings table (flag, environment variable, default).
+// Usage writes the commands and the settings table (flag, environment
+// variable, default).
 func Usage(w io.Writer, prog string) {
 	fmt.Fprintf(w, "Usage: %s [serve] [flags]        serve the plugin API (the default)\n", prog)
 	fmt.Fprintf(w, "       %s status [--json]       show the running daemon's view (via --control-socket)\n", prog)
 	fmt.Fprintf(w, "       %s keys rotate           start a cluster-wide rotation of the encryption keys\n", prog)
 	fmt.Fprintf(w, "       %s leave                 decommission this host: leave the cluster (stopping does not)\n", prog)
-	fmt.Fprintf(w, "       %s help\n\n", prog)
-	fmt.Fprintf(w, "overlayd is a Docker network plugin joining containers on many hosts over VXLAN.\nWith no command it serves the plugin API.\n\nFlags (each also read from its environment variable; the flag wins):\n")
-	for _, s := range settings {
+	fmt.Fprintf(w, "       %s version               print the version (also --version)\n", prog)
+	fmt.Fprintf(w, "       %s help [COMMAND]        this text, or a command's (also COMMAND --help)\n\n", prog)
+	fmt.Fprintf(w, "overlayd is a Docker network plugin joining containers on many hosts over VXLAN.\nWith no command it serves the plugin API.\n\n")
+	writeFlags(w, settings)
+}
+
+// writeFlags writes a flags table: flag, environment variable, usage and
+// default, the same for the daemon and the client commands.
+func writeFlags(w io.Writer, list []setting) {
+	fmt.Fprintf(w, "Flags (each also read from its environment variable; the flag wins):\n")
+	for _, s := range list {
 		def := s.def
 		if def == "" {
 			def = "(none)"
 		}
-		fmt.Fprintf(w, "  --%-16s %-26s %s\n  %-44s default %s\n", s.flag, "$"+s.env, s.usage, "", def)
+		env := "(flag only)"
+		if s.env != "" {
+			env = "$" + s.env
+		}
+		fmt.Fprintf(w, "  --%-16s %-26s %s\n  %-44s default %s\n", s.flag, env, s.usage, "", def)
 	}
 }
 
+// Client commands: they talk to a running daemon through its control
+// socket.
+var (
+	controlSocketFlag = setting{"control-socket", "OVERLAYD_CONTROL_SOCKET", DefaultControlSocket,
+		"control socket of the running overlayd; for the managed plugin: /run/docker/plugins/<plugin id>/control.sock"}
+	commands = map[string]struct {
+		synopsis, about string
+		flags           []setting
+	}{
+		"status": {"status [--json] [--control-socket PATH]",
+			"Shows the running daemon's view: this node, the cluster's members (a failed member's records\n" +
+				"are marked stale while they stay in force for its return), the encryption state, and each\n" +
+				"network by VNI with its local endpoints and remote peers.",
+			[]setting{{"json", "", "false", "print the daemon's JSON answer instead of text"}, controlSocketFlag}},
+		"keys": {"keys rotate [--control-socket PATH]",
+			"Starts a cluster-wide rotation of the encryption keys: every host accepts the new epoch,\n" +
+				"then sends with it, then retires the old one. Exits 1 when the rotation cannot start\n" +
+				"(no control plane yet, this host left the cluster, keys not established yet).",
+			[]setting{controlSocketFlag}},
+		"leave": {"leave [--control-socket PATH]",
+			"Decommissions this host: it leaves the cluster and the other hosts remove its records at\n" +
+				"once. Stopping overlayd does not leave (the others keep its peers through a restart).\n" +
+				"Stop overlayd (or disable the plugin) afterwards.",
+			[]setting{controlSocketFlag}},
+	}
+)
+
+// IsCommand reports whether name is a client command with its own usage.
+func IsCommand(name string) bool { _, ok := commands[name]; return ok }
+
+// CommandUsage writes a client command's usage in the style of Usage.
+func CommandUsage(w io.Writer, prog, name string) {
+	c := commands[name]
+	fmt.Fprintf(w, "Usage: %s %s\n\n%s\n\n", prog, c.synopsis, c.about)
+	writeFlags(w, c.flags)
+}
+
 // Parse reads args (without the program name) and the environment through
-// getenv. It returns flag.ErrHelp for -h/--help.
+// getenv. It returns flag.ErrHelp for -h/--help, and an *Invalid whose
+// message is one line naming every bad setting otherwise. Checks that
+// depend on the host are CheckHost's.
 func Parse(args []string, getenv func(string) string) (*Settings, error) {
 	fs := flag.NewFlagSet("overlayd", flag.ContinueOnError)
 	fs.SetOutput(io.Discard)
@@ -100,30 +175,36 @@ func Parse(args []string, getenv func(string) string) (*Settings, error) {
 		vals[s.flag] = fs.String(s.flag, s.def, s.usage)
 	}
 	if err := fs.Parse(args); err != nil {
-		return nil, err
+		if errors.Is(err, flag.ErrHelp) {
+			return nil, err
+		}
+		return nil, &Invalid{fmt.Errorf("%v (see overlayd --help)", err)}
 	}
 	if fs.NArg() > 0 {
-		return nil, fmt.Errorf("unexpected argument %q", fs.Arg(0))
+		return nil, &Invalid{fmt.Errorf("unexpected argument %q: the commands are status, keys, leave, version and help (see --help)", fs.Arg(0))}
 	}
 	given := map[string]bool{}
 	fs.Visit(func(f *flag.Flag) { given[f.Name] = true })
+	st := &Settings{sources: map[string]string{}}
 	get := func(name string) (val, source string) {
 		for _, s := range settings {
 			if s.flag != name {
 				continue
 			}
-			if given[name] {
-				return *vals[name], "--" + name
+			switch v := getenv(s.env); {
+			case given[name]:
+				val, source = *vals[name], "--"+name
+			case v != "":
+				val, source = v, "$"+s.env
+			default:
+				val, source = s.def, "--"+name
 			}
-			if v := getenv(s.env); v != "" {
-				return v, "$" + s.env
-			}
-			return s.def, "--" + name
+			st.sources[name] = source
+			return val, source
 		}
 		panic("unknown setting " + name)
 	}
 	var errs []error
-	st := &Settings{}
 	var src string
 	st.Socket, src = get("socket")
 	if !filepath.IsAbs(st.Socket) {
@@ -211,10 +292,20 @@ func Parse(args []string, getenv func(string) string) (*Settings, error) {
 		}
 		st.KeyRotationInterval = d
 	}
-	if err := errors.Join(errs...); err != nil {
-		return nil, err
+	if len(errs) > 0 {
+		return nil, &Invalid{oneLine(errs)}
 	}
 	return st, nil
+}
+
+// oneLine joins errors into one line: a managed plugin's output reaches
+// dockerd's log line by line, and one refusal must stay one line there.
+func oneLine(errs []error) error {
+	msgs := make([]string, len(errs))
+	for i, e := range errs {
+		msgs[i] = e.Error()
+	}
+	return errors.New(strings.Join(msgs, "; "))
 }
 
 // checkSeed validates "host[:port]".

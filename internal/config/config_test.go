@@ -124,3 +124,59 @@ func TestKeyRotationInterval(t *testing.T) {
 		}
 	}
 }
+
+// Every refusal of Parse is one *Invalid, one line naming each bad
+// setting as given: a managed plugin's output reaches dockerd's log line
+// by line.
+func TestParseRefusalIsOneLine(t *testing.T) {
+	_, err := Parse([]string{"--scope", "cluster", "--vxlan-port", "0"}, env(map[string]string{"OVERLAYD_LOG_LEVEL": "loud"}))
+	var inv *Invalid
+	if !errors.As(err, &inv) {
+		t.Fatalf("Parse: %v (%T), want *Invalid", err, err)
+	}
+	msg := err.Error()
+	if strings.Contains(msg, "\n") {
+		t.Errorf("refusal spans lines: %q", msg)
+	}
+	for _, want := range []string{`--scope "cluster"`, `--vxlan-port "0"`, `$OVERLAYD_LOG_LEVEL "loud"`} {
+		if !strings.Contains(msg, want) {
+			t.Errorf("refusal %q does not name %s", msg, want)
+		}
+	}
+	if _, err := Parse([]string{"--nope"}, env(nil)); !errors.As(err, &inv) {
+		t.Errorf("unknown flag: %v (%T), want *Invalid", err, err)
+	}
+}
+
+func TestSourceSaysHowASettingWasGiven(t *testing.T) {
+	st, err := Parse([]string{"--gossip-addr", "192.0.2.9"}, env(map[string]string{"OVERLAYD_ADVERTISE_ADDR": "192.0.2.1"}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name, want := range map[string]string{"gossip-addr": "--gossip-addr", "advertise-addr": "$OVERLAYD_ADVERTISE_ADDR", "secret-file": "--secret-file"} {
+		if got := st.Source(name); got != want {
+			t.Errorf("Source(%s) = %q, want %q", name, got, want)
+		}
+	}
+}
+
+// The client commands' usage is in --help's style and names the
+// environment variables.
+func TestCommandUsage(t *testing.T) {
+	for _, name := range []string{"status", "keys", "leave"} {
+		if !IsCommand(name) {
+			t.Fatalf("%s is not a command", name)
+		}
+		var b bytes.Buffer
+		CommandUsage(&b, "overlayd", name)
+		out := b.String()
+		for _, want := range []string{"Usage: overlayd " + name, "--control-socket", "$OVERLAYD_CONTROL_SOCKET", "Flags (each also read from its environment variable"} {
+			if !strings.Contains(out, want) {
+				t.Errorf("%s usage lacks %q:\n%s", name, want, out)
+			}
+		}
+	}
+	if IsCommand("serve") {
+		t.Error("serve is not a client command")
+	}
+}

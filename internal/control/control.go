@@ -11,6 +11,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/url"
 	"os"
 	"path/filepath"
 	"time"
@@ -158,11 +159,17 @@ func (c *Client) do(method, p string) ([]byte, error) {
 	req, _ := http.NewRequest(method, "http://overlayd"+p, nil)
 	resp, err := c.http.Do(req)
 	if err != nil {
+		// The cause only: the URL and "dial unix <path>" would repeat
+		// what the message says.
 		var ne *net.OpError
 		if errors.As(err, &ne) {
-			return nil, fmt.Errorf("cannot reach overlayd's control socket %s (is overlayd running? see --control-socket): %w", c.path, err)
+			return nil, fmt.Errorf("cannot reach overlayd's control socket %s (is overlayd running? see --control-socket): %w", c.path, ne.Err)
 		}
-		return nil, err
+		var ue *url.Error
+		if errors.As(err, &ue) {
+			err = ue.Err
+		}
+		return nil, fmt.Errorf("control socket %s: %s %s: %w", c.path, method, p, err)
 	}
 	defer resp.Body.Close()
 	body, err := io.ReadAll(io.LimitReader(resp.Body, 64<<20))

@@ -69,6 +69,9 @@ type controlPlane struct {
 	started chan struct{}
 	stop    chan struct{}
 	done    sync.WaitGroup
+
+	// startErr is the last start failure logged (guarded by startMu).
+	startErr string
 }
 
 func newControlPlane(st *config.Settings, db *statefile.File, log *slog.Logger, key []byte, enc *encryption.Owner) *controlPlane {
@@ -227,8 +230,19 @@ func (cp *controlPlane) tryStart() {
 		OnMembersChange: cp.enc.Poke,
 	})
 	if err != nil {
-		cp.log.Error("control plane failed to start; retrying every second", "error", err)
+		// Once per distinct error, not every second: the retry goes on
+		// (an address coming back, a port freed), the log stays readable.
+		if msg := err.Error(); msg != cp.startErr {
+			cp.startErr = msg
+			cp.log.Error("control plane failed to start; retrying every second (logged again only if the error changes)", "error", err)
+		} else {
+			cp.log.Debug("control plane still fails to start; retrying", "error", err)
+		}
 		return
+	}
+	if cp.startErr != "" {
+		cp.log.Info("control plane starts after failing", "last_error", cp.startErr)
+		cp.startErr = ""
 	}
 	mark := c.LocalMark()
 	cp.c.Store(c)
@@ -405,10 +419,21 @@ func (cp *controlPlane) close() {
 	}
 }
 
+// loadKey reads the cluster key. Only the default path is generated when
+// missing: an explicitly given file must exist (CheckHost said so first;
+// a file removed since is refused the same way). A key file that cannot
+// be used is a refused setting.
 func loadKey(st *config.Settings, log *slog.Logger) ([]byte, error) {
+	if st.SecretFile != "" {
+		key, err := cluster.LoadKey(st.SecretFile)
+		if err != nil {
+			return nil, &config.Invalid{Err: fmt.Errorf("%s: %w", st.Source("secret-file"), err)}
+		}
+		return key, nil
+	}
 	key, created, err := cluster.LoadOrCreateKey(st.SecretPath())
 	if err != nil {
-		return nil, fmt.Errorf("cluster key: %w", err)
+		return nil, &config.Invalid{Err: err}
 	}
 	if created {
 		log.Info("generated a new cluster key: copy this file to every other host (mode 0600) and point --secret-file at it",

@@ -21,11 +21,22 @@ import (
 	"github.com/overlayd/overlayd/internal/control"
 	"github.com/overlayd/overlayd/internal/netnsutil"
 	"github.com/overlayd/overlayd/internal/statefile"
+	"github.com/overlayd/overlayd/internal/version"
 )
 
 // Run serves until ctx is cancelled, then stops accepting, finishes the calls
 // in flight and returns nil. Kernel state is left in place.
+//
+// Settings that do not fit this host, and an unusable cluster key, are
+// refused first, before anything is created, as a *config.Invalid.
 func Run(ctx context.Context, st *config.Settings, log *slog.Logger) error {
+	if err := st.CheckHost(); err != nil {
+		return err
+	}
+	key, err := loadKey(st, log)
+	if err != nil {
+		return err
+	}
 	if err := os.MkdirAll(st.StateDir, 0o700); err != nil {
 		return fmt.Errorf("failed to create state directory %s: %w", st.StateDir, err)
 	}
@@ -37,10 +48,6 @@ func Run(ctx context.Context, st *config.Settings, log *slog.Logger) error {
 		return err
 	}
 	defer db.Close()
-	key, err := loadKey(st, log)
-	if err != nil {
-		return err
-	}
 	hostNS, err := netns.Get()
 	if err != nil {
 		return fmt.Errorf("failed to open the host network namespace: %w", err)
@@ -106,9 +113,12 @@ func Run(ctx context.Context, st *config.Settings, log *slog.Logger) error {
 			return r
 		},
 		Rotate: func() (any, error) {
+			if err := cp.canRotate(); err != nil {
+				return nil, err
+			}
 			target, err := enc.Rotate()
 			if err != nil {
-				return nil, err
+				return nil, fmt.Errorf("key rotation cannot start: %w", err)
 			}
 			return map[string]any{"target_epoch": target, "note": "every host accepts the new epoch, then sends with it, then retires the old one"}, nil
 		},
@@ -128,15 +138,17 @@ func Run(ctx context.Context, st *config.Settings, log *slog.Logger) error {
 	cp.done.Add(1)
 	go cp.run()
 	cp.tryStart()
-	vtep := d.VTEP()
-	log.Info("overlayd serving", "socket", st.Socket, "scope", st.Scope, "vxlan_port", st.VXLANPort,
-		"netns_dir", st.NetnsDir, "state_dir", st.StateDir, "vtep", vtep, "vtep_source", d.Status().VTEPSource)
-	if !vtep.IsValid() {
-		if st.Scope == "global" {
-			log.Info("the control plane waits for the local address: swarm announces it (DiscoverNew) when the engine is in a swarm; or set --advertise-addr")
-		} else {
-			log.Info("the control plane waits for the local address: no default route has an IPv4 address yet (retried every second); or set --advertise-addr")
-		}
+	// Only what is known: an unknown VTEP is said so (and what will
+	// provide it), and logged when it is settled ("local VTEP settled",
+	// then "control plane started").
+	serving := []any{"version", version.String(), "socket", st.Socket, "scope", st.Scope, "vxlan_port", st.VXLANPort,
+		"netns_dir", st.NetnsDir, "state_dir", st.StateDir}
+	if vtep := d.VTEP(); vtep.IsValid() {
+		log.Info("overlayd serving", append(serving, "vtep", vtep, "vtep_source", d.Status().VTEPSource)...)
+	} else {
+		log.Info("overlayd serving", append(serving, "vtep", "unknown yet")...)
+		log.Info("the control plane waits for this host's address (the VTEP) and starts once it is known",
+			"provided_by", vtepProvider(st.Scope), "or_set", st.Source("advertise-addr"))
 	}
 
 	var runErr error
@@ -154,6 +166,15 @@ func Run(ctx context.Context, st *config.Settings, log *slog.Logger) error {
 	os.Remove(st.Socket)
 	log.Info("overlayd stopped; kernel state left in place and the cluster not left (other hosts keep this host's peers through a restart)")
 	return runErr
+}
+
+// vtepProvider says what will settle an unknown VTEP (driver/vtep.go has
+// the precedence).
+func vtepProvider(scope string) string {
+	if scope == "global" {
+		return "swarm: dockerd's DiscoverNew for this node, sent once the engine is in a swarm and has loaded this driver"
+	}
+	return fmt.Sprintf("the first IPv4 address of the default route's device, re-read every %s (there is no IPv4 default route with an address yet)", reconcileInterval)
 }
 
 // listen creates the plugin socket (mode 0660), replacing a stale socket file

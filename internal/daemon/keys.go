@@ -1,6 +1,7 @@
 package daemon
 
 import (
+	"errors"
 	"net/netip"
 
 	"github.com/overlayd/overlayd/encryption"
@@ -41,4 +42,26 @@ func memberKeys(c *cluster.Cluster) map[string]string {
 		}
 	}
 	return out
+}
+
+// canRotate says why a key rotation cannot run now (nil: it can): it is
+// carried by the cluster's gossip, which must be running (the encryption
+// owner keeps its gossip after `overlayd leave`, so it cannot tell).
+// `overlayd keys rotate` exits non-zero with this reason instead of
+// reporting a rotation started that nothing would carry.
+func (cp *controlPlane) canRotate() error {
+	cp.startMu.Lock()
+	left, closed := cp.left, cp.closed
+	cp.startMu.Unlock()
+	switch {
+	case left:
+		return errors.New("key rotation cannot run: this host left the cluster (overlayd leave); restart overlayd to rejoin")
+	case closed:
+		return errShuttingDown
+	case cp.c.Load() == nil:
+		return errors.New("key rotation cannot run: the control plane has not started (this host's address is not known yet; see the log)")
+	}
+	// A host that cannot encrypt itself may still start one: the epochs
+	// are cluster-wide, and the hosts that encrypt carry it.
+	return nil
 }

@@ -1,8 +1,10 @@
 package daemon
 
 import (
+	"cmp"
 	"fmt"
 	"io"
+	"slices"
 	"sort"
 	"strings"
 	"time"
@@ -19,95 +21,193 @@ type StatusReport struct {
 	Driver  driver.Status     `json:"driver"`
 }
 
-// Render writes r for humans.
+// Render writes r for humans, section by section: this node, the members,
+// key epochs, encryption, then the driver and its networks by VNI. A new
+// part of the status is a new section (a function below, called here), or
+// a block in renderNetwork for something per network.
 func (r *StatusReport) Render(w io.Writer) {
-	if c := r.Cluster; c != nil {
-		n := c.Node
-		fmt.Fprintf(w, "Node %s: gossip %s:%d (advertised %s:%d), VTEP %s, key %s, label %q\n",
-			n.Name, n.BindAddr, n.BindPort, n.AdvertiseAddr, n.AdvertisePort, n.VTEP, n.KeyFingerprint, n.Label)
-		fmt.Fprintf(w, "\nMembers (%d):\n", len(c.Members))
-		for _, m := range c.Members {
-			self := ""
-			if m.Self {
-				self = " (this node)"
-			}
-			fmt.Fprintf(w, "  %-20s %-8s %s:%d  VTEP %-15s records %d%s\n", m.Name, m.State, m.Addr, m.Port, m.VTEP, m.Records, self)
-		}
-		var drops []string
-		for reason, count := range c.Dropped {
-			if count > 0 {
-				drops = append(drops, fmt.Sprintf("%s=%d", reason, count))
-			}
-		}
-		sort.Strings(drops)
-		if len(drops) > 0 {
-			fmt.Fprintf(w, "\nDropped gossip: %s\n", strings.Join(drops, " "))
+	stale := r.staleVTEPs()
+	r.renderNode(w)
+	r.renderMembers(w)
+	r.renderKeys(w)
+	r.renderEncryption(w)
+	r.renderDriver(w, stale)
+}
+
+func (r *StatusReport) renderNode(w io.Writer) {
+	c := r.Cluster
+	if c == nil {
+		fmt.Fprintf(w, "Control plane: not started (this host's address, the VTEP, is not known yet; see the log)\n")
+		return
+	}
+	n := c.Node
+	fmt.Fprintf(w, "Node %s: gossip %s:%d (advertised %s:%d), VTEP %s, key %s, label %q, records published %d\n",
+		n.Name, n.BindAddr, n.BindPort, n.AdvertiseAddr, n.AdvertisePort, n.VTEP, n.KeyFingerprint, n.Label, r.ownRecords())
+}
+
+// ownRecords is the number of records this node publishes.
+func (r *StatusReport) ownRecords() int {
+	for _, m := range r.Cluster.Members {
+		if m.Self {
+			return m.Records
 		}
 	}
-	if len(r.Keys) > 0 {
-		fmt.Fprintf(w, "\nKey epochs advertised:\n")
-		for _, name := range sortedNames(r.Keys) {
-			fmt.Fprintf(w, "  %-20s %s\n", name, r.Keys[name])
+	return 0
+}
+
+func (r *StatusReport) renderMembers(w io.Writer) {
+	c := r.Cluster
+	if c == nil {
+		return
+	}
+	fmt.Fprintf(w, "\nMembers (%d):\n", len(c.Members))
+	for _, m := range c.Members {
+		note := ""
+		switch {
+		case m.Self:
+			note = " (this node)"
+		case isStale(m):
+			note = fmt.Sprintf("  stale: kept in force for its return until %s", m.InForceUntil.UTC().Format(time.TimeOnly+" UTC"))
+		}
+		fmt.Fprintf(w, "  %-20s %-8s %s:%d  VTEP %-15s records %d%s\n", m.Name, m.State, m.Addr, m.Port, m.VTEP, m.Records, note)
+	}
+	var drops []string
+	for reason, count := range c.Dropped {
+		if count > 0 {
+			drops = append(drops, fmt.Sprintf("%s=%d", reason, count))
 		}
 	}
+	sort.Strings(drops)
+	if len(drops) > 0 {
+		fmt.Fprintf(w, "\nDropped gossip: %s\n", strings.Join(drops, " "))
+	}
+}
+
+// isStale reports whether m's records are in force only because of the
+// grace after its failure (FailedGrace): they describe containers that may
+// be gone.
+func isStale(m cluster.MemberStatus) bool {
+	return !m.Self && m.State == cluster.StateDead && !m.InForceUntil.IsZero()
+}
+
+// staleVTEPs returns the VTEPs of the members whose records are stale.
+func (r *StatusReport) staleVTEPs() map[string]bool {
+	out := map[string]bool{}
+	if r.Cluster == nil {
+		return out
+	}
+	for _, m := range r.Cluster.Members {
+		if isStale(m) && m.VTEP.IsValid() {
+			out[m.VTEP.String()] = true
+		}
+	}
+	return out
+}
+
+func (r *StatusReport) renderKeys(w io.Writer) {
+	if len(r.Keys) == 0 {
+		return
+	}
+	fmt.Fprintf(w, "\nKey epochs advertised:\n")
+	for _, name := range sortedNames(r.Keys) {
+		fmt.Fprintf(w, "  %-20s %s\n", name, r.Keys[name])
+	}
+}
+
+func (r *StatusReport) renderEncryption(w io.Writer) {
+	e := r.Driver.Encryption
+	if e == nil {
+		return
+	}
+	fmt.Fprintf(w, "\nEncryption: accept %v, send %d, target %d, generation %016x; encrypted VNIs %v, clear VNIs %v; repairs %d\n",
+		e.Accept, e.Send, e.Target, e.Gen, e.EncryptedVNIs, e.ClearVNIs, e.Repairs)
+	for _, p := range e.Pairs {
+		in := []string{}
+		for _, sa := range p.Inbound {
+			in = append(in, fmt.Sprintf("epoch %d spi %#08x installed=%v packets=%d", sa.Epoch, sa.SPI, sa.Installed, sa.Packets))
+		}
+		fmt.Fprintf(w, "  with %-15s (gen %016x, %d networks) send epoch %d (spi %#08x installed=%v packets=%d) policy=%v; inbound: %s\n",
+			p.Remote, p.RemoteGen, p.Shares, p.SendEpoch, p.SendSA.SPI, p.SendSA.Installed, p.SendSA.Packets, p.PolicyFound, strings.Join(in, "; "))
+	}
+	if e.Error != "" {
+		fmt.Fprintf(w, "  failing: %s\n", e.Error)
+	} else if e.LastError != "" {
+		fmt.Fprintf(w, "  last failure (%s): %s\n", e.LastErrorAt.Format(time.RFC3339), e.LastError)
+	}
+}
+
+func (r *StatusReport) renderDriver(w io.Writer, stale map[string]bool) {
 	d := r.Driver
-	if e := d.Encryption; e != nil {
-		fmt.Fprintf(w, "\nEncryption: accept %v, send %d, target %d, generation %016x; encrypted VNIs %v, clear VNIs %v; repairs %d\n",
-			e.Accept, e.Send, e.Target, e.Gen, e.EncryptedVNIs, e.ClearVNIs, e.Repairs)
-		for _, p := range e.Pairs {
-			in := []string{}
-			for _, sa := range p.Inbound {
-				in = append(in, fmt.Sprintf("epoch %d spi %#08x installed=%v packets=%d", sa.Epoch, sa.SPI, sa.Installed, sa.Packets))
-			}
-			fmt.Fprintf(w, "  with %-15s (gen %016x, %d networks) send epoch %d (spi %#08x installed=%v packets=%d) policy=%v; inbound: %s\n",
-				p.Remote, p.RemoteGen, p.Shares, p.SendEpoch, p.SendSA.SPI, p.SendSA.Installed, p.SendSA.Packets, p.PolicyFound, strings.Join(in, "; "))
-		}
-		if e.Error != "" {
-			fmt.Fprintf(w, "  error: %s\n", e.Error)
-		} else if e.LastError != "" {
-			fmt.Fprintf(w, "  last error (%s): %s\n", e.LastErrorAt.Format(time.RFC3339), e.LastError)
-		}
+	vtep := d.AdvertiseAddr
+	if vtep == "" {
+		vtep = "unknown yet"
 	}
-	fmt.Fprintf(w, "\nDriver: scope %s, VXLAN port %d, VTEP %s (%s)\n", d.Scope, d.VXLANPort, d.AdvertiseAddr, d.VTEPSource)
+	fmt.Fprintf(w, "\nDriver: scope %s, VXLAN port %d, VTEP %s (%s)\n", d.Scope, d.VXLANPort, vtep, d.VTEPSource)
 	if len(d.Networks) == 0 {
 		fmt.Fprintf(w, "  no networks\n")
 	}
-	for _, n := range d.Networks {
-		fmt.Fprintf(w, "\nNetwork %s  VNIs %v  subnets %s  MTU %d", n.ID, n.VNIs, strings.Join(n.Subnets, ","), n.MTU)
-		if n.Internal {
-			fmt.Fprintf(w, "  internal")
+	nets := slices.Clone(d.Networks)
+	slices.SortStableFunc(nets, func(a, b driver.NetworkStatus) int { return cmp.Compare(firstVNI(a), firstVNI(b)) })
+	for _, n := range nets {
+		renderNetwork(w, n, stale)
+	}
+}
+
+func firstVNI(n driver.NetworkStatus) uint32 {
+	if len(n.VNIs) == 0 {
+		return 0
+	}
+	return slices.Min(n.VNIs)
+}
+
+// renderNetwork writes one network, VNI first (the name every host shares;
+// the network ID is each engine's own).
+func renderNetwork(w io.Writer, n driver.NetworkStatus, stale map[string]bool) {
+	vnis := make([]string, len(n.VNIs))
+	for i, v := range n.VNIs {
+		vnis[i] = fmt.Sprint(v)
+	}
+	fmt.Fprintf(w, "\nVNI %s  network %s  subnets %s  MTU %d", strings.Join(vnis, ","), short(n.ID), strings.Join(n.Subnets, ","), n.MTU)
+	if n.Encrypted {
+		fmt.Fprintf(w, "  encrypted")
+	}
+	if n.Internal {
+		fmt.Fprintf(w, "  internal")
+	}
+	fmt.Fprintln(w)
+	for _, ep := range n.Endpoints {
+		state := "created"
+		if ep.Joined {
+			state = "joined"
 		}
-		fmt.Fprintln(w)
-		for _, ep := range n.Endpoints {
-			state := "created"
-			if ep.Joined {
-				state = "joined"
-			}
-			fmt.Fprintf(w, "  local  %-18s %s  %-7s %s\n", ep.Address, ep.MAC, state, short(ep.ID))
+		fmt.Fprintf(w, "  local  %-18s %s  %-7s %s\n", ep.Address, ep.MAC, state, short(ep.ID))
+	}
+	for _, p := range n.RemotePeers {
+		state := "active"
+		if !p.Active {
+			state = "shadowed"
 		}
-		for _, p := range n.RemotePeers {
-			state := "active"
-			if !p.Active {
-				state = "shadowed"
-			}
-			fmt.Fprintf(w, "  remote %-18s %s  via %-15s %-8s %s\n", p.IP, p.MAC, p.VTEP, state, short(p.EndpointID))
+		note := ""
+		if stale[p.VTEP] {
+			note = "  stale: its host failed, kept for its return"
 		}
-		for _, c := range n.Conflicts {
-			fmt.Fprintf(w, "  conflict on %s: %s wins over %s\n", c.IP, short(c.Active), strings.Join(c.Shadowed, ","))
-		}
-		if len(n.Conflicts) > 0 || n.ConflictsSeen > 0 {
-			fmt.Fprintf(w, "  address conflicts: %d now, %d across hosts since the start (see the WARN log lines)\n", len(n.Conflicts), n.ConflictsSeen)
-		}
-		for _, r := range n.Rejected {
-			fmt.Fprintf(w, "  refused record vni %d from %s endpoint %s: %s\n", r.VNI, r.Origin, short(r.EndpointID), r.Reason)
-		}
-		for _, c := range n.DefinitionConflicts {
-			fmt.Fprintf(w, "  definition contradicted: vni %d on host %s (VTEP %s): %s; its %d record(s) refused\n",
-				c.VNI, c.Host, c.VTEP, strings.Join(c.Differences, "; "), c.RefusedRecords)
-		}
-		if n.Error != "" {
-			fmt.Fprintf(w, "  error: %s\n", n.Error)
-		}
+		fmt.Fprintf(w, "  remote %-18s %s  via %-15s %-8s %s%s\n", p.IP, p.MAC, p.VTEP, state, short(p.EndpointID), note)
+	}
+	for _, c := range n.Conflicts {
+		fmt.Fprintf(w, "  conflict on %s: %s wins over %s\n", c.IP, short(c.Active), strings.Join(c.Shadowed, ","))
+	}
+	if len(n.Conflicts) > 0 || n.ConflictsSeen > 0 {
+		fmt.Fprintf(w, "  address conflicts: %d now, %d across hosts since the start (see the WARN log lines)\n", len(n.Conflicts), n.ConflictsSeen)
+	}
+	for _, r := range n.Rejected {
+		fmt.Fprintf(w, "  refused record vni %d from %s endpoint %s: %s\n", r.VNI, r.Origin, short(r.EndpointID), r.Reason)
+	}
+	for _, c := range n.DefinitionConflicts {
+		fmt.Fprintf(w, "  definition contradicted: vni %d on host %s (VTEP %s): %s; its %d record(s) refused\n",
+			c.VNI, c.Host, c.VTEP, strings.Join(c.Differences, "; "), c.RefusedRecords)
+	}
+	if n.Error != "" {
+		fmt.Fprintf(w, "  failing: %s\n", n.Error)
 	}
 }
 

@@ -154,12 +154,7 @@ func TestPluginConfig(t *testing.T) {
 func TestManagedPlugin(t *testing.T) {
 	l := newLab(t)
 	e := l.addEngine("h1", 1)
-	dir := filepath.Join(l.dir, "plugin")
-	buildPluginDir(t, dir)
-	state := filepath.Join(l.dir, "plugin-state")
-	if err := os.MkdirAll(state, 0o700); err != nil {
-		t.Fatal(err)
-	}
+	dir, state := l.pluginFiles(t)
 
 	start := time.Now()
 	e.must("plugin", "create", pluginRef, dir)
@@ -284,6 +279,19 @@ func TestManagedPlugin(t *testing.T) {
 			t.Errorf("plugin process left: %d %s", p.pid, p.cmdline)
 		}
 	}
+}
+
+// pluginFiles assembles the managed plugin's directory in the lab and
+// makes a state directory for its 'state' mount.
+func (l *lab) pluginFiles(t *testing.T) (dir, state string) {
+	t.Helper()
+	dir = filepath.Join(l.dir, "plugin")
+	buildPluginDir(t, dir)
+	state = filepath.Join(l.dir, "plugin-state")
+	if err := os.MkdirAll(state, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	return dir, state
 }
 
 // mountsUnder lists the mounts under dir in the engine's mount namespace

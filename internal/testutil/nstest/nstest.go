@@ -353,3 +353,38 @@ func (p *PingLoop) Stop() (sent, lost int64) {
 	<-p.done
 	return p.sent.Load(), p.lost.Load()
 }
+
+// Underlay gives the namespace behind nl an underlay: a veth "under0" (its
+// peer "under1" stays in the namespace) with addr, up, and if route an
+// IPv4 default route through the .254 of addr's subnet. That is what a
+// host's own address looks like to overlayd (an address to advertise, a
+// default route to learn the VTEP from).
+func Underlay(t testing.TB, nl *netlink.Handle, addr netip.Prefix, route bool) {
+	t.Helper()
+	if err := nl.LinkAdd(&netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "under0", TxQLen: -1}, PeerName: "under1"}); err != nil {
+		t.Fatalf("underlay veth: %v", err)
+	}
+	for _, name := range []string{"lo", "under0", "under1"} {
+		l, err := nl.LinkByName(name)
+		if err == nil {
+			err = nl.LinkSetUp(l)
+		}
+		if err != nil {
+			t.Fatalf("underlay: %s up: %v", name, err)
+		}
+	}
+	l, err := nl.LinkByName("under0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := nl.AddrAdd(l, &netlink.Addr{IPNet: ipNet(addr), Flags: unix.IFA_F_NODAD}); err != nil {
+		t.Fatalf("underlay address %s: %v", addr, err)
+	}
+	if route {
+		gw := addr.Masked().Addr().As4()
+		gw[3] = 254
+		if err := nl.RouteAdd(&netlink.Route{LinkIndex: l.Attrs().Index, Gw: net.IP(gw[:])}); err != nil {
+			t.Fatalf("underlay default route: %v", err)
+		}
+	}
+}
