@@ -44,7 +44,7 @@ type engineKind struct {
 
 var engineKinds = []engineKind{
 	{name: "20.10", about: "Debian 12's docker.io, installed system-wide"},
-	{name: "26.1", about: "Debian 13's docker.io, containerd and docker-cli, unpacked into " + defaultEngineCache + " (or $" + engineCacheEnv + "), with the system runc",
+	{name: "26.1", about: "Debian 13's docker.io, containerd and docker-cli, unpacked into a cache directory, with the system runc",
 		suite: "trixie", packages: []string{"docker.io", "containerd", "docker-cli"}},
 }
 
