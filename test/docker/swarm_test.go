@@ -160,6 +160,22 @@ func (e *engine) netOptions(n string) map[string]string {
 	return opts
 }
 
+// allocatedOptions waits up to 10 s for swarm network n to show the driver
+// options AllocateNetwork gave it, and returns them. The swarm allocator
+// runs after `docker network create` has returned: Docker 26.1 has been
+// seen to show the network with no options yet.
+func (e *engine) allocatedOptions(n string) map[string]string {
+	e.t.Helper()
+	var opts map[string]string
+	eventually(e.t, 10*time.Second, fmt.Sprintf("engine %s: network %s allocated (a vni option)", e.name, n), func() string {
+		if opts = e.netOptions(n); opts["vni"] == "" {
+			return fmt.Sprintf("options %v", opts)
+		}
+		return ""
+	})
+	return opts
+}
+
 // waitPing waits until one echo from c to dst is answered, then measures
 // the RTT with three more (none may be lost).
 func (e *engine) waitPing(c, dst string) time.Duration {
@@ -396,7 +412,7 @@ func TestSwarm(t *testing.T) {
 		}
 		return ""
 	})
-	opts := h1.netOptions(swarmNet)
+	opts := h1.allocatedOptions(swarmNet)
 	t.Logf("network %s options on the manager: %v", swarmNet, opts)
 	vni := opts["vni"]
 	if opts["foo"] != "bar" {
@@ -536,7 +552,7 @@ func TestSwarm(t *testing.T) {
 	h2.waitPing("att", ips["h1"])
 	// The allocation survived: a new network does not get swnet's VNI.
 	h1.createNetwork(pluginRef, swarmNet2, "--scope", "swarm", "--subnet", swarmSubnet2)
-	o2 := h1.netOptions(swarmNet2)
+	o2 := h1.allocatedOptions(swarmNet2)
 	t.Logf("network %s options: %v", swarmNet2, o2)
 	if o2["vni"] == "" || o2["vni"] == vni {
 		t.Errorf("network %s got VNI %q; want a VNI other than %s (which %s holds)", swarmNet2, o2["vni"], vni, swarmNet)
