@@ -214,6 +214,20 @@ type swarmLab struct {
 	done  bool // the test removed everything itself
 }
 
+// installPlugins builds the managed plugin and installs it on every host of
+// the swarm lab with one new cluster key.
+func (s *swarmLab) installPlugins(l *lab) {
+	s.t.Helper()
+	dir := filepath.Join(l.dir, "plugin")
+	buildPluginDir(s.t, dir)
+	raw := make([]byte, 32)
+	rand.Read(raw)
+	key := []byte(base64.StdEncoding.EncodeToString(raw) + "\n")
+	for _, h := range s.hosts {
+		h.installPlugin(dir, key)
+	}
+}
+
 // installPlugin creates and enables the managed plugin on h: scope global,
 // the shared cluster key, its own state directory.
 func (h *swarmHost) installPlugin(dir string, key []byte) {
@@ -325,14 +339,7 @@ func TestSwarm(t *testing.T) {
 
 	// The managed plugin on each engine, enabled before the swarm exists,
 	// so that swarm's DiscoverNew tells every plugin of the other nodes.
-	dir := filepath.Join(l.dir, "plugin")
-	buildPluginDir(t, dir)
-	raw := make([]byte, 32)
-	rand.Read(raw)
-	key := []byte(base64.StdEncoding.EncodeToString(raw) + "\n")
-	for _, h := range sw.hosts {
-		h.installPlugin(dir, key)
-	}
+	sw.installPlugins(l)
 	// No swarm yet: a swarm-scoped plugin without an advertise address
 	// waits for swarm to announce this node's address (DiscoverNew Self)
 	// rather than start its control plane on the default route's address
