@@ -135,7 +135,12 @@ func fetchEngine(k engineKind) (string, error) {
 	dir := filepath.Join(cache, "docker-"+k.name)
 	root := filepath.Join(dir, "root")
 	stamp := filepath.Join(dir, "packages") // written last: the unpacked tree is complete
-	if _, err := os.Stat(stamp); err == nil {
+	fetched := func() bool {
+		_, err1 := os.Stat(stamp)
+		_, err2 := os.Stat(filepath.Join(root, "usr/sbin/dockerd"))
+		return err1 == nil && err2 == nil
+	}
+	if fetched() {
 		return root, nil
 	}
 	lf, err := os.OpenFile(installLock, os.O_CREATE|os.O_RDWR, 0o600)
@@ -147,14 +152,14 @@ func fetchEngine(k engineKind) (string, error) {
 		return "", fmt.Errorf("install lock %s: %w", installLock, err)
 	}
 	defer unix.Flock(int(lf.Fd()), unix.LOCK_UN)
-	if _, err := os.Stat(stamp); err == nil {
+	if fetched() {
 		return root, nil
 	}
 	start := time.Now()
 	// Whatever an interrupted fetch left goes; the work directory goes
 	// when done (only the unpacked tree and the stamp stay).
 	work := filepath.Join(dir, "fetch")
-	for _, d := range []string{root, work} {
+	for _, d := range []string{stamp, root, work} {
 		if err := os.RemoveAll(d); err != nil {
 			return "", err
 		}
