@@ -18,7 +18,13 @@ FUZZ_ADVERT ?= 50000x
 TAGS      := lockcheck testhooks
 PKGS      := ./...
 
-.PHONY: all build test unit fuzz lint bench run clean plugin
+# The real-engine suite (test/docker) runs once per engine: Docker 20.10
+# (Debian 12's docker.io) with every other package in `unit`, then Docker
+# 26.1 (Debian 13's docker.io, containerd and docker-cli, which the suite
+# fetches with apt-get and unpacks into a cache directory) in `engine-26.1`.
+# OVERLAYD_TEST_ENGINE picks the engine; test/docker/engines_test.go.
+
+.PHONY: all build test unit engine-26.1 fuzz lint bench run clean plugin
 
 all: build
 
@@ -26,12 +32,19 @@ build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN) ./cmd/overlayd
 
 # The whole suite, as CI runs it: lint, every package under the race
-# detector, then the fuzz targets for a bounded time.
-test: lint unit fuzz
+# detector, the real-engine suite on the second engine, then the fuzz
+# targets for a bounded time.
+test: lint unit engine-26.1 fuzz
 
 unit:
-	$(GO) test -race -count=1 -tags '$(TAGS)' $(PKGS)
+	OVERLAYD_TEST_ENGINE=20.10 $(GO) test -race -count=1 -tags '$(TAGS)' $(PKGS)
 	$(GO) test -race -count=1 -tags '$(TAGS) faultinject' -run '^TestFaultsAreCaught$$' ./test/stress
+
+# Run in the package's directory (go test's local-directory mode), so that
+# the engine and version it drives and the suite's duration are printed
+# even when it passes.
+engine-26.1:
+	cd test/docker && OVERLAYD_TEST_ENGINE=26.1 $(GO) test -race -count=1 -tags '$(TAGS)'
 
 fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzDB$$' -fuzztime $(FUZZ_DB) -fuzzminimizetime 1s ./peerdb

@@ -2,7 +2,10 @@
 // docker.io and busybox-static when missing, starts its own dockerd engines
 // (each in a private network and mount namespace, never touching a system
 // daemon) and drives overlayd through the docker CLI, as a legacy plugin and
-// as a managed plugin. The tests need root; without it they skip.
+// as a managed plugin. OVERLAYD_TEST_ENGINE picks the engine: 20.10 (Debian
+// 12's docker.io, the default) or 26.1 (Debian 13's packages, fetched into a
+// cache directory; see engines_test.go). The tests need root; without it
+// they skip.
 //
 // Only tests live here; this file makes the directory a package.
 package docker

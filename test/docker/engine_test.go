@@ -314,6 +314,10 @@ func (e *engine) startDockerd() error {
 		"unshare", "--mount", "--uts", "--propagation", "slave", "--",
 		"/bin/sh", "-c", engineScript, "sh", e.name, e.dir}, e.dockerdArgs()...)
 	cmd := exec.Command("nsenter", args...)
+	if enginePATH != "" {
+		// dockerd starts containerd, and containerd the shims, from PATH.
+		cmd.Env = append(os.Environ(), "PATH="+enginePATH)
+	}
 	cmd.Stdout, cmd.Stderr = lf, lf
 	cmd.ExtraFiles = []*os.File{e.ns.file}
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}

@@ -53,7 +53,8 @@ var (
 	installTook time.Duration
 )
 
-// ensureInstalled installs docker.io and busybox-static once per test binary.
+// ensureInstalled installs the selected engine's system packages and
+// busybox-static once per test binary.
 // Test binaries of several packages may run at once: a file lock serialises
 // them, and each re-checks after taking it.
 func ensureInstalled() error {
@@ -65,9 +66,19 @@ func ensureInstalled() error {
 	return installErr
 }
 
+// missingPackages lists the Debian packages to install: the engine's (a
+// fetched engine needs only the system's runc, and iptables for dockerd's
+// firewall) and busybox-static.
 func missingPackages() []string {
 	var need []string
-	if !findEngine() {
+	if selected.suite != "" {
+		if _, err := exec.LookPath("runc"); err != nil {
+			need = append(need, "runc")
+		}
+		if _, err := exec.LookPath("iptables"); err != nil {
+			need = append(need, "iptables")
+		}
+	} else if !findEngine() {
 		need = append(need, "docker.io")
 	}
 	if !isStaticELF(busyboxBinary) {

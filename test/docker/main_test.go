@@ -49,7 +49,11 @@ func TestMain(m *testing.M) {
 		defer removeRunRoot()
 		return m.Run()
 	}()
-	fmt.Printf("suite duration: %v\n", time.Since(suiteFrom).Round(10*time.Millisecond))
+	engine := ""
+	if selected.name != "" {
+		engine = " (engine " + selected.name + ")"
+	}
+	fmt.Printf("suite duration: %v%s\n", time.Since(suiteFrom).Round(10*time.Millisecond), engine)
 	os.Exit(code)
 }
 
@@ -100,8 +104,9 @@ func requireRoot(t testing.TB) {
 var (
 	prepOnce sync.Once
 	prepErr  error
-	overlayd string // path of the overlayd binary built for this run
-	imageTar string // path of the busybox image tarball (rootfs)
+	selected engineKind // the engine OVERLAYD_TEST_ENGINE picks
+	overlayd string     // path of the overlayd binary built for this run
+	imageTar string     // path of the busybox image tarball (rootfs)
 )
 
 // prepare installs what the suite needs and builds overlayd and the image
@@ -110,12 +115,23 @@ func prepare(t testing.TB) {
 	t.Helper()
 	requireRoot(t)
 	prepOnce.Do(func() {
+		if selected, prepErr = selectedEngine(); prepErr != nil {
+			return
+		}
 		if prepErr = ensureInstalled(); prepErr != nil {
 			return
 		}
 		if installTook > time.Second {
-			fmt.Printf("installed docker.io/busybox-static in %v\n", installTook.Round(100*time.Millisecond))
+			fmt.Printf("installed packages in %v\n", installTook.Round(100*time.Millisecond))
 		}
+		v, err := useEngine(selected)
+		if prepErr = err; err != nil {
+			return
+		}
+		// Which engine runs, in the output of every run (go test shows a
+		// passing package's output in local-directory mode and with -v).
+		fmt.Printf("real-engine suite: engine %s (%s): dockerd %s: %q; CLI %s: %q; containerd %q\n",
+			selected.name, selected.about, dockerd, v.dockerd, dockerCLI, v.cli, v.containerd)
 		start := time.Now()
 		overlayd = filepath.Join(runRoot, "overlayd")
 		if prepErr = buildOverlayd(overlayd); prepErr != nil {

@@ -1,9 +1,6 @@
 package docker
 
 import (
-	"crypto/rand"
-	"encoding/base64"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -23,11 +20,7 @@ func TestSwarmOptionTypo(t *testing.T) {
 	t.Cleanup(sw.cleanup)
 	h := &swarmHost{engine: l.addEngines(1)[0]}
 	sw.hosts = append(sw.hosts, h)
-	dir := filepath.Join(l.dir, "plugin")
-	buildPluginDir(t, dir)
-	raw := make([]byte, 32)
-	rand.Read(raw)
-	h.installPlugin(dir, []byte(base64.StdEncoding.EncodeToString(raw)+"\n"))
+	sw.installPlugins(l)
 	h.must("swarm", "init", "--advertise-addr", h.addr.String(),
 		"--default-addr-pool", "192.0.2.0/25", "--default-addr-pool-mask-length", "26")
 

@@ -160,6 +160,22 @@ func (e *engine) netOptions(n string) map[string]string {
 	return opts
 }
 
+// allocatedOptions waits up to 10 s for swarm network n to show the driver
+// options AllocateNetwork gave it, and returns them. The swarm allocator
+// runs after `docker network create` has returned: Docker 26.1 has been
+// seen to show the network with no options yet.
+func (e *engine) allocatedOptions(n string) map[string]string {
+	e.t.Helper()
+	var opts map[string]string
+	eventually(e.t, 10*time.Second, fmt.Sprintf("engine %s: network %s allocated (a vni option)", e.name, n), func() string {
+		if opts = e.netOptions(n); opts["vni"] == "" {
+			return fmt.Sprintf("options %v", opts)
+		}
+		return ""
+	})
+	return opts
+}
+
 // waitPing waits until one echo from c to dst is answered, then measures
 // the RTT with three more (none may be lost).
 func (e *engine) waitPing(c, dst string) time.Duration {
@@ -274,6 +290,18 @@ type swarmLab struct {
 	done  bool // the test removed everything itself
 }
 
+// installPlugins builds the managed plugin and installs it on every host of
+// the swarm lab with one new cluster key.
+func (s *swarmLab) installPlugins(l *lab) {
+	s.t.Helper()
+	dir := filepath.Join(l.dir, "plugin")
+	buildPluginDir(s.t, dir)
+	key := clusterKey()
+	for _, h := range s.hosts {
+		h.installPlugin(dir, key)
+	}
+}
+
 // installPlugin creates and enables the managed plugin on h: scope global,
 // the shared cluster key, its own state directory.
 func (h *swarmHost) installPlugin(dir string, key []byte) {
@@ -385,12 +413,7 @@ func TestSwarm(t *testing.T) {
 
 	// The managed plugin on each engine, enabled before the swarm exists,
 	// so that swarm's DiscoverNew tells every plugin of the other nodes.
-	dir := filepath.Join(l.dir, "plugin")
-	buildPluginDir(t, dir)
-	key := clusterKey()
-	for _, h := range sw.hosts {
-		h.installPlugin(dir, key)
-	}
+	sw.installPlugins(l)
 	// No swarm yet: a swarm-scoped plugin without an advertise address
 	// waits for swarm to announce this node's address (DiscoverNew Self)
 	// rather than start its control plane on the default route's address
@@ -439,7 +462,7 @@ func TestSwarm(t *testing.T) {
 		}
 		return ""
 	})
-	opts := h1.netOptions(swarmNet)
+	opts := h1.allocatedOptions(swarmNet)
 	t.Logf("network %s options on the manager: %v", swarmNet, opts)
 	vni := opts["vni"]
 	if opts["encrypted"] != "false" {
@@ -555,7 +578,7 @@ func TestSwarm(t *testing.T) {
 	h2.waitPing("att", ips["h1"])
 	// The allocation survived: a new network does not get swnet's VNI.
 	h1.createNetwork(pluginRef, swarmNet2, "--scope", "swarm", "--subnet", swarmSubnet2)
-	o2 := h1.netOptions(swarmNet2)
+	o2 := h1.allocatedOptions(swarmNet2)
 	t.Logf("network %s options: %v", swarmNet2, o2)
 	if o2["vni"] == "" || o2["vni"] == vni {
 		t.Errorf("network %s got VNI %q; want a VNI other than %s (which %s holds)", swarmNet2, o2["vni"], vni, swarmNet)
