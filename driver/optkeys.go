@@ -3,6 +3,8 @@ package driver
 import (
 	"fmt"
 	"strings"
+
+	"github.com/overlayd/overlayd/internal/suggest"
 )
 
 // option is one -o key overlayd reads. knownOptions is the one list of
@@ -93,47 +95,15 @@ func userOptionNames() string {
 }
 
 // suggestOption returns the user option closest to key when it is close
-// enough to be a typo of it: an edit distance of at most 2 (3 for names of
-// 9 characters or more), case ignored; "" if none is.
+// enough to be a typo of it (see suggest.Closest); "" if none is.
 func suggestOption(key string) string {
-	key = strings.ToLower(key)
-	best, bestDist := "", 0
+	var names []string
 	for _, o := range knownOptions {
-		if o.internal {
-			continue
-		}
-		limit := 2
-		if len(o.name) >= 9 {
-			limit = 3
-		}
-		d := editDistance(key, o.name)
-		if d <= limit && (best == "" || d < bestDist) {
-			best, bestDist = o.name, d
+		if !o.internal {
+			names = append(names, o.name)
 		}
 	}
-	return best
-}
-
-// editDistance is the Levenshtein distance between a and b (bytes: option
-// names are ASCII).
-func editDistance(a, b string) int {
-	prev := make([]int, len(b)+1)
-	cur := make([]int, len(b)+1)
-	for j := range prev {
-		prev[j] = j
-	}
-	for i := 1; i <= len(a); i++ {
-		cur[0] = i
-		for j := 1; j <= len(b); j++ {
-			cost := 1
-			if a[i-1] == b[j-1] {
-				cost = 0
-			}
-			cur[j] = min(prev[j]+1, cur[j-1]+1, prev[j-1]+cost)
-		}
-		prev, cur = cur, prev
-	}
-	return prev[len(b)]
+	return suggest.Closest(key, names)
 }
 
 // optionsMarkdown renders knownOptions as the README's table.

@@ -73,6 +73,9 @@ func run(args []string, stdout, stderr io.Writer) int {
 	}
 	// Logs go to stdout: dockerd shows a managed plugin's stderr as errors.
 	log := slog.New(slog.NewTextHandler(stdout, &slog.HandlerOptions{Level: st.LogLevel}))
+	for _, w := range config.UnknownEnv(os.Environ()) {
+		log.Warn(w)
+	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
 	if err := daemon.Run(ctx, st, log); err != nil {

@@ -13,11 +13,13 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
 
 	"github.com/overlayd/overlayd/internal/sandbox"
+	"github.com/overlayd/overlayd/internal/suggest"
 )
 
 // Settings are the daemon's settings after parsing and validation.
@@ -336,3 +338,32 @@ func (s *Settings) SecretPath() string {
 
 // Env returns the process environment lookup (for Parse).
 func Env(k string) string { return os.Getenv(k) }
+
+// EnvPrefix begins the name of every environment variable overlayd reads.
+const EnvPrefix = "OVERLAYD_"
+
+// UnknownEnv returns a warning for each variable of environ (as os.Environ
+// gives it) that begins with EnvPrefix but is no setting of overlayd, with
+// the setting it was probably meant to be. A misspelt variable would
+// otherwise be ignored without a word, and the setting silently take its
+// default. These are warnings, not refusals: the variables of overlayd's
+// own test suites, inherited by the daemons they start, share the prefix.
+func UnknownEnv(environ []string) []string {
+	known := make([]string, len(settings))
+	for i, s := range settings {
+		known[i] = s.env
+	}
+	var out []string
+	for _, kv := range environ {
+		name, _, _ := strings.Cut(kv, "=")
+		if !strings.HasPrefix(name, EnvPrefix) || slices.Contains(known, name) {
+			continue
+		}
+		msg := fmt.Sprintf("environment variable %s is not a setting of overlayd and is ignored", name)
+		if s := suggest.Closest(name, known); s != "" {
+			msg += fmt.Sprintf(" (did you mean %s?)", s)
+		}
+		out = append(out, msg+"; overlayd --help lists the settings")
+	}
+	return out
+}

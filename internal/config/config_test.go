@@ -180,3 +180,25 @@ func TestCommandUsage(t *testing.T) {
 		t.Error("serve is not a client command")
 	}
 }
+
+// TestUnknownEnvWarnsWithSuggestion: a misspelt OVERLAYD_ variable is
+// named with the setting it was meant to be; settings and other variables
+// pass without a word.
+func TestUnknownEnvWarnsWithSuggestion(t *testing.T) {
+	got := UnknownEnv([]string{
+		"OVERLAYD_JION=192.0.2.1",
+		"OVERLAYD_JOIN=192.0.2.2",
+		"OVERLAYD_SECRETFILE=/etc/overlayd/key",
+		"OVERLAYD_SOMETHING_ELSE=1",
+		"PATH=/bin",
+		"XOVERLAYD_JION=1",
+	})
+	want := []string{
+		"environment variable OVERLAYD_JION is not a setting of overlayd and is ignored (did you mean OVERLAYD_JOIN?); overlayd --help lists the settings",
+		"environment variable OVERLAYD_SECRETFILE is not a setting of overlayd and is ignored (did you mean OVERLAYD_SECRET_FILE?); overlayd --help lists the settings",
+		"environment variable OVERLAYD_SOMETHING_ELSE is not a setting of overlayd and is ignored; overlayd --help lists the settings",
+	}
+	if strings.Join(got, "\n") != strings.Join(want, "\n") {
+		t.Errorf("UnknownEnv:\n%s\nwant:\n%s", strings.Join(got, "\n"), strings.Join(want, "\n"))
+	}
+}
