@@ -331,6 +331,14 @@ func logLines(t *testing.T, buf *bytes.Buffer, level, prefix string) []map[strin
 // no longer derived from the address) is reachable again at once from a
 // container that had the old MAC cached: the sandbox announces the new one.
 func TestMovedAddressIsAnnounced(t *testing.T) {
+	// The move reaches host0 as one change (the record replaced in place),
+	// or as a deletion and a later addition (the old host's record went
+	// first): both are announced.
+	t.Run("in-one-change", func(t *testing.T) { testMovedAddressIsAnnounced(t, false) })
+	t.Run("deleted-then-added", func(t *testing.T) { testMovedAddressIsAnnounced(t, true) })
+}
+
+func testMovedAddressIsAnnounced(t *testing.T, twoChanges bool) {
 	s := setupTwoHosts(t)
 	for i, d := range s.d {
 		if err := applyPeerEvent(d, PeerEvent{VNI: 77, Next: &s.peers[1-i]}); err != nil {
@@ -353,7 +361,14 @@ func TestMovedAddressIsAnnounced(t *testing.T) {
 	resp := mustJoin(t, s.d[1], "net1", "ep-host1-new")
 	nstest.Container(t, "c1-new", s.hosts[1], resp.InterfaceName.SrcName, addr, nil)
 	moved := peerdb.Peer{EndpointID: "ep-host1-new", IP: addr.Addr(), MAC: mac, VTEP: s.vteps[1]}
-	if err := applyPeerEvents(s.d[0], PeerEvent{VNI: 77, Prev: &s.peers[1]}, PeerEvent{VNI: 77, Next: &moved}); err != nil {
+	if twoChanges {
+		if err := applyPeerEvent(s.d[0], PeerEvent{VNI: 77, Prev: &s.peers[1]}); err != nil {
+			t.Fatal(err)
+		}
+		if err := applyPeerEvent(s.d[0], PeerEvent{VNI: 77, Next: &moved}); err != nil {
+			t.Fatal(err)
+		}
+	} else if err := applyPeerEvents(s.d[0], PeerEvent{VNI: 77, Prev: &s.peers[1]}, PeerEvent{VNI: 77, Next: &moved}); err != nil {
 		t.Fatal(err)
 	}
 	if err := applyPeerEvent(s.d[1], PeerEvent{VNI: 77, Next: &s.peers[0]}); err != nil {

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"net/netip"
 	"reflect"
+	"slices"
 	"strings"
 	"testing"
 )
@@ -66,7 +67,8 @@ func normDelta(d Delta) Delta {
 		}
 		return s
 	}
-	return Delta{n(d.NeighSet), n(d.NeighDel), f(d.FDBSet), f(d.FDBDel)}
+	// NeighMoved is left out: TestDeltaNeighMoved checks it.
+	return Delta{NeighSet: n(d.NeighSet), NeighDel: n(d.NeighDel), FDBSet: f(d.FDBSet), FDBDel: f(d.FDBDel)}
 }
 
 func wantState(t *testing.T, db *DB, neigh map[NeighKey]MAC, fdb map[FDBKey]netip.Addr) {
@@ -556,5 +558,29 @@ func TestSubnets(t *testing.T) {
 		if i != tc.idx || ok != tc.ok {
 			t.Errorf("SubnetOf(%s) = %d %v", tc.ip, i, ok)
 		}
+	}
+}
+
+// TestDeltaNeighMoved: an address set to another MAC than it had is listed
+// as moved (the sandbox announces those); a new address, a deleted one and
+// an unchanged one are not.
+func TestDeltaNeighMoved(t *testing.T) {
+	db := newDB()
+	old := pp("ep1", ipA, mac1, vtep1)
+	if d := mustApply(t, db, create(old)); len(d.NeighMoved) != 0 {
+		t.Fatalf("a new address is listed as moved: %+v", d.NeighMoved)
+	}
+	next := pp("ep2", ipA, mac2, vtep2)
+	d := mustApply(t, db, update(old, next))
+	if want := []Neigh{nset(0, ipA, mac2)}; !slices.Equal(d.NeighMoved, want) {
+		t.Fatalf("moved in place: NeighMoved %+v, want %+v", d.NeighMoved, want)
+	}
+	// The same endpoint on another host keeps its MAC: not moved.
+	d = mustApply(t, db, update(next, pp("ep2", ipA, mac2, vtep1)))
+	if len(d.NeighMoved) != 0 {
+		t.Fatalf("a VTEP change is listed as moved: %+v", d.NeighMoved)
+	}
+	if d := mustApply(t, db, del(pp("ep2", ipA, mac2, vtep1))); len(d.NeighMoved) != 0 || len(d.NeighDel) != 1 {
+		t.Fatalf("delete: NeighMoved %+v NeighDel %+v", d.NeighMoved, d.NeighDel)
 	}
 }

@@ -98,6 +98,7 @@ func (db *DB) finish() Delta {
 	keep := db.nRemote != 0 || len(db.local) != 0
 
 	var nSet, nDel int
+	var moved []Neigh
 	out := t.neigh[:0]
 	for _, n := range t.neigh {
 		c := &db.claims[n.idx]
@@ -106,6 +107,9 @@ func (db *DB) finish() Delta {
 		case k.ok && (!n.ok || n.mac != k.mac):
 			if !n.ok {
 				db.nNeigh++
+			}
+			if n.ok { // valid with another MAC before: Delta.NeighMoved
+				moved = append(moved, Neigh{Subnet: int(n.key >> 32), IP: addr4(uint32(n.key)), MAC: k.mac})
 			}
 			n.mac, n.set = k.mac, true
 			out = append(out, n)
@@ -148,7 +152,7 @@ func (db *DB) finish() Delta {
 	}
 	t.fdb = fout
 
-	var d Delta
+	d := Delta{NeighMoved: moved}
 	if nSet+nDel > 0 {
 		sortNotes(t.neigh)
 		if nSet > 0 {

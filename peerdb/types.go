@@ -124,6 +124,10 @@ type Delta struct {
 	NeighDel []Neigh
 	FDBSet   []FDB
 	FDBDel   []FDB
+	// NeighMoved lists the entries of NeighSet whose IP was desired with
+	// another MAC before this change: containers may have the old MAC
+	// cached, so the sandbox announces these. It adds nothing to write.
+	NeighMoved []Neigh
 }
 
 // Empty reports whether d changes nothing.

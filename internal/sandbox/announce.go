@@ -4,12 +4,63 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"time"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/overlayd/overlayd/internal/netnsutil"
 	"github.com/overlayd/overlayd/peerdb"
 )
+
+// goneMemory is how long a deleted neighbour's MAC is remembered: longer
+// than a container keeps an unconfirmed neighbour entry in use
+// (base_reachable_time 30 s, then probes), so that a move is announced
+// while a stale MAC can still be cached.
+const goneMemory = 60 * time.Second
+
+type goneNeigh struct {
+	mac peerdb.MAC
+	at  time.Time
+}
+
+// movedNeighs returns the neighbours of d set to a MAC other than the one
+// their address had just before: those peerdb reports as moved in place
+// (d.NeighMoved) and those deleted by an earlier change within goneMemory
+// with another MAC. It records d's deletions for later changes. Called
+// with the network's lock held, as every Sandbox method.
+func (sb *Sandbox) movedNeighs(d peerdb.Delta, now time.Time) []peerdb.Neigh {
+	if sb.fresh {
+		return nil // no container has anything cached
+	}
+	moved := d.NeighMoved
+	if len(sb.gone) > 0 {
+		for _, n := range d.NeighSet {
+			k := peerdb.NeighKey{Subnet: n.Subnet, IP: n.IP}
+			if g, ok := sb.gone[k]; ok {
+				delete(sb.gone, k)
+				if g.mac != n.MAC && now.Sub(g.at) < goneMemory {
+					moved = append(moved, n)
+				}
+			}
+		}
+		if now.After(sb.pruneAt) {
+			for k, g := range sb.gone {
+				if now.Sub(g.at) >= goneMemory {
+					delete(sb.gone, k)
+				}
+			}
+			sb.pruneAt = now.Add(goneMemory / 2)
+		}
+	}
+	if len(d.NeighDel) > 0 && sb.gone == nil {
+		sb.gone = make(map[peerdb.NeighKey]goneNeigh, len(d.NeighDel))
+		sb.pruneAt = now.Add(goneMemory)
+	}
+	for _, n := range d.NeighDel {
+		sb.gone[peerdb.NeighKey{Subnet: n.Subnet, IP: n.IP}] = goneNeigh{mac: n.MAC, at: now}
+	}
+	return moved
+}
 
 // announce tells the local endpoints of each neighbour's new MAC with a
 // gratuitous ARP reply, broadcast on its subnet's bridge as if from the

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/netip"
 	"sort"
+	"time"
 
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
@@ -52,9 +53,10 @@ func (sb *Sandbox) ApplyDelta(d peerdb.Delta) error {
 	if err := sb.batch.Apply(ops); err != nil {
 		bad = append(bad, fmt.Errorf("sandbox %s: %w", sb.path, err))
 	}
-	// A neighbour set may be an address that moved to another MAC: tell
-	// the containers, which may have the old one cached.
-	if err := sb.announce(d.NeighSet); err != nil {
+	// An address that moved to another MAC: tell the containers, which
+	// may have the old one cached. Only those: announcing every new
+	// neighbour would cost a broadcast per peer on every bulk change.
+	if err := sb.announce(sb.movedNeighs(d, time.Now())); err != nil {
 		bad = append(bad, err)
 	}
 	return errors.Join(bad...)
@@ -133,6 +135,7 @@ func Diff(want peerdb.State, have Kernel) (peerdb.Delta, []string) {
 		} else if got != mac {
 			problems = append(problems, fmt.Sprintf("neighbour %s (subnet %d): lladdr %s, want %s", k.IP, k.Subnet, got, mac))
 			d.NeighSet = append(d.NeighSet, peerdb.Neigh{Subnet: k.Subnet, IP: k.IP, MAC: mac})
+			d.NeighMoved = append(d.NeighMoved, peerdb.Neigh{Subnet: k.Subnet, IP: k.IP, MAC: mac})
 		}
 	}
 	for k, mac := range have.Neigh {

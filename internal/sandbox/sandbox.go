@@ -21,8 +21,10 @@
 // restores it.
 //
 // Endpoint MACs are not derived from their address, so an address that
-// moves to another endpoint changes MAC: every neighbour ApplyDelta sets is
-// announced to the local containers with a gratuitous ARP (see announce).
+// moves to another endpoint changes MAC: each neighbour ApplyDelta sets to
+// another MAC than its address had (in place, or after a deletion within a
+// minute) is announced to the local containers with a gratuitous ARP (see
+// movedNeighs and announce).
 //
 // A Sandbox is not safe for concurrent use: its owner (the driver's network,
 // under network.mu) serialises calls.
@@ -35,6 +37,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"time"
 
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netlink/nl"
@@ -43,6 +46,7 @@ import (
 
 	"github.com/overlayd/overlayd/internal/netnsutil"
 	"github.com/overlayd/overlayd/internal/nlbatch"
+	"github.com/overlayd/overlayd/peerdb"
 )
 
 // Host is the host side the sandboxes of one driver share: the namespace
@@ -104,6 +108,13 @@ type Sandbox struct {
 	// fresh: created by Create and no endpoint added yet, so no container
 	// has anything cached to correct (announce sends nothing).
 	fresh bool
+	// gone remembers the MAC of each neighbour deleted in the last
+	// goneMemory, so that an address deleted in one change and set with
+	// another MAC in a later one (a container moved between hosts) is
+	// announced like one moved in place (see movedNeighs). Pruned by age
+	// from pruneAt on.
+	gone    map[peerdb.NeighKey]goneNeigh
+	pruneAt time.Time
 }
 
 // Path returns where the sandbox namespace of network id is mounted.
