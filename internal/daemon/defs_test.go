@@ -217,7 +217,7 @@ func TestContradictionFoundLaterIsReportedAndNothingGoesInClear(t *testing.T) {
 		h, other *defHost
 		diff     string
 	}{{a, b, "encrypted: yes here, no there"}, {b, a, "encrypted: no here, yes there"}} {
-		if n := tc.h.logs.Count("level=WARN", "defines this network's VNI differently", "vni=5200", "host="+tc.other.name, tc.diff); n != 1 {
+		if n := tc.h.logs.Count("level=WARN", "event=conflict_found", "kind=definition", "vni=5200", "member="+tc.other.name, tc.diff); n != 1 {
 			t.Errorf("%s logged the contradiction %d times, want once:\n%s", tc.h.name, n, tc.h.logs.String())
 		}
 		ns := networkStatus(t, tc.h, "net")
