@@ -7,6 +7,7 @@ import (
 
 	"github.com/hashicorp/memberlist"
 	"github.com/overlayd/overlayd/internal/lockorder"
+	"github.com/overlayd/overlayd/internal/logkeys"
 )
 
 // dest is the sender to one alive member: a goroutine with a queue, so a
@@ -290,7 +291,7 @@ func (c *Cluster) periodicLoop() {
 			c.mu.Unlock()
 			for _, name := range expired {
 				c.log.Info("failed member did not return within the grace; its records are no longer in force",
-					"node", name, "grace", c.cfg.FailedGrace)
+					logkeys.Event, logkeys.MemberExpired, logkeys.Member, name, logkeys.Grace, c.cfg.FailedGrace)
 			}
 		}
 	}
