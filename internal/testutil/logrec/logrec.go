@@ -8,6 +8,8 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"maps"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -26,8 +28,8 @@ type Record struct {
 func (r Record) String() string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "%s %q", r.Level, r.Msg)
-	for k, v := range r.Attrs {
-		fmt.Fprintf(&b, " %s=%s", k, v)
+	for _, k := range slices.Sorted(maps.Keys(r.Attrs)) {
+		fmt.Fprintf(&b, " %s=%s", k, r.Attrs[k])
 	}
 	return b.String()
 }
