@@ -50,7 +50,7 @@ func (d *Driver) noteConflicts(n *network) {
 			hosts[i], eps[i] = d.hostOf(vni, p), p.EndpointID
 		}
 		d.log.Warn(ConflictWarning, logkeys.Event, logkeys.ConflictFound, logkeys.Kind, logkeys.KindAddress,
-			logkeys.Network, n.id, logkeys.VNI, vni, "address", c.IP,
+			logkeys.Network, n.id, logkeys.VNI, vni, logkeys.Address, c.IP,
 			"winner_host", hosts[0], "winner_endpoint", eps[0],
 			"other_hosts", strings.Join(hosts[1:], ", "), "other_endpoints", strings.Join(eps[1:], ", "),
 			"effect", "each host keeps its own endpoint with this address; the others cannot reach it",
@@ -60,7 +60,7 @@ func (d *Driver) noteConflicts(n *network) {
 		if _, still := current[ip]; !still {
 			d.log.Info("address conflict resolved: only one host has an endpoint with this address now",
 				logkeys.Event, logkeys.ConflictResolved, logkeys.Kind, logkeys.KindAddress,
-				logkeys.Network, n.id, logkeys.VNI, n.vniOf(ip), "address", ip)
+				logkeys.Network, n.id, logkeys.VNI, n.vniOf(ip), logkeys.Address, ip)
 		}
 	}
 	n.conflicts.logged = current

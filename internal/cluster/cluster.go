@@ -689,6 +689,6 @@ func (d *delegate) NotifyConflict(existing, other *memberlist.Node) {
 	addr := net.JoinHostPort(net.IP(other.Addr).String(), strconv.Itoa(int(other.Port)))
 	if c.joiner.claim(existing.Name, addr, c.now()) {
 		c.logLimited(slog.LevelInfo, "claim:"+existing.Name, "member announced itself at another address; accepted there once its old address is declared dead",
-			"node", existing.Name, "old", net.JoinHostPort(net.IP(existing.Addr).String(), strconv.Itoa(int(existing.Port))), "new", addr)
+			logkeys.Member, existing.Name, "old", net.JoinHostPort(net.IP(existing.Addr).String(), strconv.Itoa(int(existing.Port))), "new", addr)
 	}
 }

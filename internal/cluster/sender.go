@@ -170,7 +170,7 @@ func (c *Cluster) send(n *memberlist.Node, b []byte) error {
 	}
 	if err != nil {
 		c.sendErrors.Add(1)
-		c.logLimited(slog.LevelWarn, "send:"+n.Name, "sending to a member failed", "node", n.Name, "bytes", len(b), "error", err)
+		c.logLimited(slog.LevelWarn, "send:"+n.Name, "sending to a member failed", logkeys.Member, n.Name, "bytes", len(b), "error", err)
 		return err
 	}
 	c.msgsSent.Add(1)
