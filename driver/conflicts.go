@@ -6,6 +6,7 @@ import (
 	"slices"
 	"strings"
 
+	"github.com/overlayd/overlayd/internal/logkeys"
 	"github.com/overlayd/overlayd/peerdb"
 )
 
@@ -48,8 +49,8 @@ func (d *Driver) noteConflicts(n *network) {
 		for i, p := range claimants {
 			hosts[i], eps[i] = d.hostOf(vni, p), p.EndpointID
 		}
-		d.log.Warn(ConflictWarning,
-			"network", n.id, "vni", vni, "address", c.IP,
+		d.log.Warn(ConflictWarning, logkeys.Event, logkeys.ConflictFound, logkeys.Kind, logkeys.KindAddress,
+			logkeys.Network, n.id, logkeys.VNI, vni, logkeys.Address, c.IP,
 			"winner_host", hosts[0], "winner_endpoint", eps[0],
 			"other_hosts", strings.Join(hosts[1:], ", "), "other_endpoints", strings.Join(eps[1:], ", "),
 			"effect", "each host keeps its own endpoint with this address; the others cannot reach it",
@@ -58,7 +59,8 @@ func (d *Driver) noteConflicts(n *network) {
 	for ip := range n.conflicts.logged {
 		if _, still := current[ip]; !still {
 			d.log.Info("address conflict resolved: only one host has an endpoint with this address now",
-				"network", n.id, "vni", n.vniOf(ip), "address", ip)
+				logkeys.Event, logkeys.ConflictResolved, logkeys.Kind, logkeys.KindAddress,
+				logkeys.Network, n.id, logkeys.VNI, n.vniOf(ip), logkeys.Address, ip)
 		}
 	}
 	n.conflicts.logged = current

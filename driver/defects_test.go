@@ -2,6 +2,7 @@ package driver
 
 import (
 	"errors"
+	"log/slog"
 	"net/netip"
 	"os"
 	"runtime"
@@ -13,6 +14,8 @@ import (
 	api "github.com/docker/go-plugins-helpers/network"
 	"golang.org/x/sys/unix"
 
+	"github.com/overlayd/overlayd/internal/logkeys"
+	"github.com/overlayd/overlayd/internal/testutil/logrec"
 	"github.com/overlayd/overlayd/internal/testutil/nstest"
 	"github.com/overlayd/overlayd/peerdb"
 )
@@ -100,7 +103,8 @@ func TestCreateDeleteRace(t *testing.T) {
 // (Before, Leave dropped the reference and the namespace leaked for good.)
 func TestLeaveKeepsSandboxWhenDestroyFails(t *testing.T) {
 	hosts, vteps := nstest.Hosts(t, 1, false)
-	d := newTestDriver(t, hosts[0], vteps[0])
+	rec := &logrec.Recorder{}
+	d := newTestDriverLogging(t, hosts[0], vteps[0], rec.Logger())
 	mustCreate(t, d, createReq("n", "42", "198.51.100.0/24"))
 	mustEndpoint(t, d, "n", "e", "198.51.100.5/24")
 	mustJoin(t, d, "n", "e")
@@ -131,6 +135,7 @@ func TestLeaveKeepsSandboxWhenDestroyFails(t *testing.T) {
 	if len(fixed) != 1 || !strings.Contains(fixed[0], "removed the sandbox") {
 		t.Fatalf("reconcile fixed %v", fixed)
 	}
+	rec.One(t, slog.LevelInfo, logkeys.ReconcileRepair, []string{logkeys.Kind, logkeys.KindSandbox, logkeys.Network, "n", logkeys.Count, "1"}, logkeys.First)
 	mustAudit(t, d)
 	if st := d.Status(); st.Networks[0].Error != "" || st.Networks[0].Sandbox != "" {
 		t.Fatalf("status after the removal: %+v", st.Networks[0])

@@ -6,6 +6,7 @@ import (
 	"slices"
 	"strings"
 
+	"github.com/overlayd/overlayd/internal/logkeys"
 	"github.com/overlayd/overlayd/internal/netdef"
 	"github.com/overlayd/overlayd/peerdb"
 )
@@ -110,12 +111,14 @@ func (d *Driver) checkRemoteDefinitions(n *network, vni uint32) map[string]bool 
 			continue
 		}
 		d.log.Warn("another host defines this network's VNI differently; its peers of the VNI are refused until the definitions agree",
-			"network", n.id, "vni", vni, "host", host, "vtep", c.other.VTEP, "differences", strings.Join(c.diffs, "; "))
+			logkeys.Event, logkeys.ConflictFound, logkeys.Kind, logkeys.KindDefinition,
+			logkeys.Network, n.id, logkeys.VNI, vni, logkeys.Member, host, logkeys.VTEP, c.other.VTEP, "differences", strings.Join(c.diffs, "; "))
 	}
 	for host := range old {
 		if _, ok := cs[host]; !ok {
 			d.log.Info("another host's definition of this network's VNI no longer contradicts it (agrees, or is gone)",
-				"network", n.id, "vni", vni, "host", host)
+				logkeys.Event, logkeys.ConflictResolved, logkeys.Kind, logkeys.KindDefinition,
+				logkeys.Network, n.id, logkeys.VNI, vni, logkeys.Member, host)
 		}
 	}
 	if len(cs) == 0 {

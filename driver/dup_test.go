@@ -280,7 +280,7 @@ func TestAddressConflictLoggedOnceOnBothHosts(t *testing.T) {
 			t.Fatalf("host%d logged the conflict %d times at WARN, want once:\n%s", i, len(warns), logs[i])
 		}
 		w := warns[0]
-		want := map[string]any{"network": "net1", "vni": float64(77), "address": "198.51.100.10",
+		want := map[string]any{"event": "conflict_found", "kind": "address", "network": "net1", "vni": float64(77), "address": "198.51.100.10",
 			"winner_host": fmt.Sprintf("this host (%s)", vteps[i]), "winner_endpoint": recs[i].EndpointID,
 			"other_hosts": fmt.Sprintf("host-%s (%s)", vteps[1-i], vteps[1-i]), "other_endpoints": recs[1-i].EndpointID}
 		for k, v := range want {
@@ -302,7 +302,8 @@ func TestAddressConflictLoggedOnceOnBothHosts(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if infos := logLines(t, logs[0], "INFO", "address conflict resolved"); len(infos) != 1 || infos[0]["address"] != "198.51.100.10" {
+	if infos := logLines(t, logs[0], "INFO", "address conflict resolved"); len(infos) != 1 || infos[0]["address"] != "198.51.100.10" ||
+		infos[0]["event"] != "conflict_resolved" || infos[0]["kind"] != "address" || infos[0]["network"] != "net1" || infos[0]["vni"] != float64(77) {
 		t.Fatalf("host0 logged the resolution %d times, want once:\n%s", len(infos), logs[0])
 	}
 	if ns := d[0].Status().Networks[0]; len(ns.Conflicts) != 0 || ns.ConflictsSeen != 1 {

@@ -9,6 +9,7 @@ import (
 
 	"github.com/overlayd/overlayd/encryption"
 	"github.com/overlayd/overlayd/internal/lockorder"
+	"github.com/overlayd/overlayd/internal/logkeys"
 	"github.com/overlayd/overlayd/internal/netdef"
 	"github.com/overlayd/overlayd/internal/sandbox"
 	"github.com/overlayd/overlayd/peerdb"
@@ -190,7 +191,8 @@ func (d *Driver) createNetwork(spec *netSpec, u underlayLink) error {
 		d.log.Warn("pulling the remote peers of a new network", "network", n.id, "error", err)
 	}
 	d.publishDefinition(n, false)
-	d.log.Info("network created", "network", n.id, "vnis", formatVNIs(n.vnis()), "mtu", n.mtu, "internal", n.internal, "encrypted", n.encrypted)
+	d.log.Info("network created", logkeys.Event, logkeys.NetworkCreated, logkeys.Network, n.id, logkeys.VNIs, formatVNIs(n.vnis()),
+		"mtu", n.mtu, "internal", n.internal, "encrypted", n.encrypted)
 	return nil
 }
 
@@ -324,7 +326,7 @@ func (d *Driver) DeleteNetwork(req *api.DeleteNetworkRequest) error {
 	}
 	d.publishDefinition(n, true)
 	d.unregister(n)
-	d.log.Info("network deleted", "network", n.id)
+	d.log.Info("network deleted", logkeys.Event, logkeys.NetworkDeleted, logkeys.Network, n.id, logkeys.VNIs, formatVNIs(n.vnis()))
 	return nil
 }
 

@@ -10,6 +10,7 @@ import (
 
 	"github.com/overlayd/overlayd/encryption"
 	"github.com/overlayd/overlayd/internal/lockorder"
+	"github.com/overlayd/overlayd/internal/logkeys"
 	"github.com/overlayd/overlayd/internal/sandbox"
 	"github.com/overlayd/overlayd/internal/statefile"
 	"github.com/overlayd/overlayd/peerdb"
@@ -295,6 +296,7 @@ func (d *Driver) Reconcile() ([]string, error) {
 				errs = append(errs, fmt.Errorf("network %q: removing the sandbox of the last Leave: %w", n.id, err))
 			} else {
 				fixed = append(fixed, fmt.Sprintf("network %s: removed the sandbox a failed Leave left", n.id))
+				d.logRepair(n, logkeys.KindSandbox, []string{"removed the sandbox a failed Leave left"})
 			}
 		}
 		if n.sb == nil || n.teardown {
@@ -303,6 +305,9 @@ func (d *Driver) Reconcile() ([]string, error) {
 		ports, err := n.sb.RepairPorts(n.joinedEndpoints())
 		for _, s := range ports {
 			fixed = append(fixed, fmt.Sprintf("network %s: %s", n.id, s))
+		}
+		if len(ports) > 0 {
+			d.logRepair(n, logkeys.KindPorts, ports)
 		}
 		if err != nil {
 			errs = append(errs, fmt.Errorf("network %q: %w", n.id, err))
@@ -325,9 +330,20 @@ func (d *Driver) Reconcile() ([]string, error) {
 		}
 		if err := d.program(n, delta); err != nil {
 			errs = append(errs, err)
+		} else {
+			d.logRepair(n, logkeys.KindPeers, problems)
 		}
 	})
 	return fixed, errors.Join(errs...)
+}
+
+// logRepair logs one repair of Reconcile: the kernel held something else
+// than n's state for kind, and what[0] is the first of the differences it
+// put right. One line per network, kind and reconcile, however many
+// entries: a flushed table is one event to an operator, not hundreds.
+func (d *Driver) logRepair(n *network, kind string, what []string) {
+	d.log.Info("reconcile repaired kernel state", logkeys.Event, logkeys.ReconcileRepair, logkeys.Kind, kind,
+		logkeys.Network, n.id, logkeys.Count, len(what), logkeys.First, what[0])
 }
 
 // Settle ends the adoption of an earlier run's kernel state: from now on

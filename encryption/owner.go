@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"net/netip"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -17,6 +18,7 @@ import (
 
 	"github.com/overlayd/overlayd/countmap"
 	"github.com/overlayd/overlayd/internal/lockorder"
+	"github.com/overlayd/overlayd/internal/logkeys"
 )
 
 // DefaultTick is the default period of the Owner's unconditional reconcile.
@@ -780,7 +782,11 @@ func (o *Owner) applyLocked(why string, fromUpdate bool) error {
 	}
 	if res.unsupported && o.noESP == nil {
 		o.noESP, o.noESPAt = err, now
-		o.log.Error("this kernel cannot install ESP states: encrypted networks' traffic is dropped both ways", "error", err)
+		// WARN, not ERROR: a property of the host, the same on every
+		// reconcile, that overlayd cannot fix; the traffic fails closed
+		// (dropped, never sent in clear), and the daemon said at start
+		// that encrypted networks are unavailable here.
+		o.log.Warn(ESPUnsupportedWarning, logkeys.Event, logkeys.EncryptionUnsupported, logkeys.Error, err)
 		// Program the fail-closed state without SAs at once.
 		d.NoSAs = true
 		d.KeepOutbound = nil
@@ -799,7 +805,9 @@ func (o *Owner) applyLocked(why string, fromUpdate bool) error {
 			o.repairs++
 			o.lastRepair = now
 			o.lastRepairWhat = fmt.Sprintf("%s: %v", why, o.prog.Stats().Sub(statsBefore))
-			o.log.Warn("repaired encryption state that changed behind overlayd's back", "trigger", why, "kernel", o.prog.Stats().Sub(statsBefore).String())
+			o.log.Info("repaired encryption state that changed behind overlayd's back", logkeys.Event, logkeys.ReconcileRepair,
+				logkeys.Kind, logkeys.KindEncryption, logkeys.Trigger, why, logkeys.Count, changes,
+				"kernel", o.prog.Stats().Sub(statsBefore).String())
 		}
 		o.applied = fp
 	}
@@ -1006,9 +1014,7 @@ func (o *Owner) stepLocked(adverts map[netip.Addr]Advert, why string) {
 				err = fmt.Errorf("encryption: cannot switch to send epoch %d, still sending with %d (%v): %w", next.Send, prev.Send, part, err)
 				o.applyErr = err
 				o.noteErrLocked(err)
-				if !prev.Equal(part) {
-					o.log.Info("key epochs", "accept", part.Accept, "send", part.Send, "target", part.Target)
-				}
+				o.logStep(prev, part)
 				return
 			}
 		}
@@ -1025,7 +1031,35 @@ func (o *Owner) stepLocked(adverts map[netip.Addr]Advert, why string) {
 	if rotating && next.Target > prev.Target {
 		o.rotate = false
 	}
-	if !prev.Equal(next) {
-		o.log.Info("key epochs", "accept", next.Accept, "send", next.Send, "target", next.Target)
+	o.logStep(prev, next)
+}
+
+// logStep logs the change of this host's key epochs from prev to next, if
+// any, as one rotation step naming what changed (see logkeys).
+func (o *Owner) logStep(prev, next NodeKeys) {
+	if prev.Equal(next) {
+		return
 	}
+	o.log.Info("key epochs", logkeys.Event, logkeys.RotationStep, logkeys.Step, rotationStep(prev, next),
+		"accept", next.Accept, "send", next.Send, "target", next.Target)
+}
+
+// rotationStep names what changed from prev to next: "target" (a newer
+// epoch was asked for), "accept" (an epoch is accepted that was not),
+// "send", "retire" (an epoch is no longer accepted), joined by "+".
+func rotationStep(prev, next NodeKeys) string {
+	var steps []string
+	if next.Target != prev.Target {
+		steps = append(steps, logkeys.StepTarget)
+	}
+	if slices.ContainsFunc(next.Accept, func(e uint32) bool { return !prev.Accepts(e) }) {
+		steps = append(steps, logkeys.StepAccept)
+	}
+	if next.Send != prev.Send {
+		steps = append(steps, logkeys.StepSend)
+	}
+	if slices.ContainsFunc(prev.Accept, func(e uint32) bool { return !next.Accepts(e) }) {
+		steps = append(steps, logkeys.StepRetire)
+	}
+	return strings.Join(steps, "+")
 }

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -17,6 +18,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/overlayd/overlayd/internal/lockorder"
+	"github.com/overlayd/overlayd/internal/logkeys"
+	"github.com/overlayd/overlayd/internal/testutil/logrec"
 	"github.com/overlayd/overlayd/internal/testutil/memmeta"
 	"github.com/overlayd/overlayd/internal/testutil/nstest"
 )
@@ -25,12 +28,13 @@ type ownerOpts struct {
 	tick     time.Duration
 	noNotify bool
 	store    MetaStore
+	log      *slog.Logger
 }
 
 // newOwner makes an Owner for ns, closed when the test ends.
 func newOwner(t *testing.T, ns *nstest.NS, o ownerOpts) *Owner {
 	t.Helper()
-	ow, err := NewOwner(OwnerConfig{NS: ns.Handle, Port: 4799, Secret: testSecret, Tick: o.tick, Store: o.store})
+	ow, err := NewOwner(OwnerConfig{NS: ns.Handle, Port: 4799, Secret: testSecret, Tick: o.tick, Store: o.store, Logger: o.log})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -214,8 +218,9 @@ func disruptions() []disruption {
 }
 
 // runDisruptions applies each disruption and checks the Owner restores
-// everything within 1 s, counting it as a repair.
-func runDisruptions(t *testing.T, ns *nstest.NS, o *Owner) {
+// everything within 1 s, counting it as a repair and logging each repair
+// as one INFO reconcile_repair line (o logs to rec).
+func runDisruptions(t *testing.T, ns *nstest.NS, o *Owner, rec *logrec.Recorder) {
 	for _, d := range disruptions() {
 		before := o.Status().Repairs
 		d.do(t, ns)
@@ -230,6 +235,16 @@ func runDisruptions(t *testing.T, ns *nstest.NS, o *Owner) {
 		t.Fatalf("status does not show the repairs: %+v", st)
 	}
 	t.Logf("status: %d repairs, last %q", st.Repairs, st.LastRepairWas)
+	lines := rec.Events(logkeys.ReconcileRepair)
+	if len(lines) != st.Repairs {
+		t.Errorf("%d repairs, %d reconcile_repair lines: %v", st.Repairs, len(lines), lines)
+	}
+	for _, l := range lines {
+		if l.Level != slog.LevelInfo || l.Attrs[logkeys.Kind] != logkeys.KindEncryption || l.Attrs[logkeys.Trigger] == "" ||
+			l.Attrs[logkeys.Count] == "" || l.Attrs[logkeys.Count] == "0" || l.Attrs["kernel"] == "" {
+			t.Errorf("repair line is not at INFO with kind=encryption, a trigger, a count and the kernel changes: %v", l)
+		}
+	}
 }
 
 // TestOwnerRepairsOnNotification: with a tick of an hour only kernel
@@ -237,11 +252,12 @@ func runDisruptions(t *testing.T, ns *nstest.NS, o *Owner) {
 func TestOwnerRepairsOnNotification(t *testing.T) {
 	nstest.RequireRoot(t)
 	ns := nstest.NewNS(t, "host")
-	o := newOwner(t, ns, ownerOpts{tick: time.Hour})
+	rec := &logrec.Recorder{}
+	o := newOwner(t, ns, ownerOpts{tick: time.Hour, log: rec.Logger()})
 	o.Start()
 	setupShares(t, ns, o)
 	quiet(t, o, 300*time.Millisecond, 0)
-	runDisruptions(t, ns, o)
+	runDisruptions(t, ns, o, rec)
 	quiet(t, o, 300*time.Millisecond, 0)
 	if a := o.Audit(); len(a) != 0 {
 		t.Fatalf("audit: %v", a)
@@ -252,10 +268,11 @@ func TestOwnerRepairsOnNotification(t *testing.T) {
 func TestOwnerRepairsOnTick(t *testing.T) {
 	nstest.RequireRoot(t)
 	ns := nstest.NewNS(t, "host")
-	o := newOwner(t, ns, ownerOpts{tick: 100 * time.Millisecond, noNotify: true})
+	rec := &logrec.Recorder{}
+	o := newOwner(t, ns, ownerOpts{tick: 100 * time.Millisecond, noNotify: true, log: rec.Logger()})
 	o.Start()
 	setupShares(t, ns, o)
-	runDisruptions(t, ns, o)
+	runDisruptions(t, ns, o, rec)
 	if a := o.Audit(); len(a) != 0 {
 		t.Fatalf("audit: %v", a)
 	}
@@ -557,14 +574,16 @@ func (g *memGossip) advert(a netip.Addr) (Advert, bool) {
 
 // TestOwnerRotation: two Owners wired through an in-memory KeyGossip
 // bootstrap epoch 1, learn each other's generation, and carry a rotation
-// asked on one of them through accept, send and retire.
+// asked on one of them through accept, send and retire, each host logging
+// each step once at INFO and nothing at ERROR.
 func TestOwnerRotation(t *testing.T) {
 	nstest.RequireRoot(t)
 	hosts, addrs := nstest.Hosts(t, 2, false)
 	g := newMemGossip()
 	var owners [2]*Owner
+	var recs [2]logrec.Recorder
 	for i := range owners {
-		o := newOwner(t, hosts[i], ownerOpts{tick: time.Hour})
+		o := newOwner(t, hosts[i], ownerOpts{tick: time.Hour, log: recs[i].Logger()})
 		if err := o.SetLocal(addrs[i]); err != nil {
 			t.Fatal(err)
 		}
@@ -609,6 +628,10 @@ func TestOwnerRotation(t *testing.T) {
 		}
 	}
 	waitKeys("bootstrap", NodeKeys{Accept: []uint32{1}, Send: 1, Target: 1})
+	var booted [2]int
+	for i := range recs {
+		booted[i] = len(recs[i].Events(logkeys.RotationStep))
+	}
 	target, err := owners[0].Rotate()
 	if err != nil || target != 2 {
 		t.Fatalf("Rotate: %d, %v", target, err)
@@ -619,10 +642,59 @@ func TestOwnerRotation(t *testing.T) {
 			t.Fatalf("host %d after the rotation: %+v", i, st)
 		}
 	}
+	for i := range recs {
+		checkRotationLog(t, fmt.Sprintf("host %d", i), &recs[i], booted[i], owners[i].Status().ESPUnsupported)
+	}
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	if g.calls == 0 {
 		t.Fatal("the gossip was never read")
+	}
+}
+
+// checkRotationLog checks the log of a host that bootstrapped (the first
+// booted rotation_step lines) then went through one rotation to epoch 2:
+// every change of its key epochs is one INFO line (never the same twice in
+// a row), the rotation's lines name the target, accept, send and retire
+// steps, and the last one is the keys it ended with. A kernel that cannot
+// install ESP is said once at WARN; nothing is at ERROR.
+func checkRotationLog(t *testing.T, host string, rec *logrec.Recorder, booted int, noESP bool) {
+	t.Helper()
+	steps := rec.Events(logkeys.RotationStep)
+	if booted == 0 || len(steps) <= booted {
+		t.Fatalf("%s: %d rotation_step lines at the bootstrap, %d in all: %v", host, booted, len(steps), steps)
+	}
+	seen := map[string]bool{}
+	prev := ""
+	for i, s := range steps {
+		state := fmt.Sprint(s.Attrs["accept"], s.Attrs["send"], s.Attrs["target"])
+		if s.Level != slog.LevelInfo || s.Attrs[logkeys.Step] == "" || state == prev {
+			t.Errorf("%s: rotation_step line %d is at %s, without a step or repeats the one before: %v", host, i, s.Level, s)
+		}
+		prev = state
+		if i >= booted {
+			for _, p := range strings.Split(s.Attrs[logkeys.Step], "+") {
+				seen[p] = true
+			}
+		}
+	}
+	for _, want := range []string{logkeys.StepTarget, logkeys.StepAccept, logkeys.StepSend, logkeys.StepRetire} {
+		if !seen[want] {
+			t.Errorf("%s: no %q step logged during the rotation: %v", host, want, steps[booted:])
+		}
+	}
+	if last := steps[len(steps)-1].Attrs; last["accept"] != "[2]" || last["send"] != "2" || last["target"] != "2" {
+		t.Errorf("%s: last rotation_step line %v, want accept [2], send 2, target 2", host, last)
+	}
+	if noESP {
+		rec.One(t, slog.LevelWarn, logkeys.EncryptionUnsupported, nil, logkeys.Error)
+	} else if got := rec.Events(logkeys.EncryptionUnsupported); len(got) != 0 {
+		t.Errorf("%s: a kernel that installs ESP logged %v", host, got)
+	}
+	for _, r := range rec.All() {
+		if r.Level >= slog.LevelError {
+			t.Errorf("%s: routine rotation logged at ERROR: %v", host, r)
+		}
 	}
 }
 

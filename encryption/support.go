@@ -28,6 +28,11 @@ func CheckKernelSupportIPv6() error {
 	return checkKernelSupport(netip.MustParseAddr("2001:db8::1"), netip.MustParseAddr("2001:db8::2"))
 }
 
+// ESPUnsupportedWarning is the message of the WARN line the Owner logs
+// when it finds that this kernel cannot install ESP states (once, and again
+// after each retry a minute later).
+const ESPUnsupportedWarning = "this kernel cannot install ESP states: encrypted networks' traffic is dropped both ways"
+
 const supportHint = " — encrypted networks need the esp4 (esp6 for an IPv6 underlay) and AEAD GCM modules " +
 	"(xfrm_user, esp4, gcm, ghash, ctr, aes, seqiv) and a working kernel crypto RNG (drbg, jitterentropy_rng); " +
 	"load them (modprobe) or use a kernel that has them"

@@ -16,6 +16,7 @@ import (
 	sockaddr "github.com/hashicorp/go-sockaddr"
 	"github.com/hashicorp/memberlist"
 	"github.com/overlayd/overlayd/internal/lockorder"
+	"github.com/overlayd/overlayd/internal/logkeys"
 	"github.com/overlayd/overlayd/peerdb"
 )
 
@@ -384,10 +385,16 @@ func (c *Cluster) handleMessage(b []byte) {
 		return
 	}
 	c.mu.Lock()
+	// A leave of a member memberlist already declared dead: the only way
+	// it becomes "left" (memberGone logs the other).
+	mem := c.replica.members[m.Origin]
+	leftDead := m.Type == msgLeave && mem != nil && mem.state == StateDead
 	reason, detail := c.replica.apply(m, c.now())
 	c.mu.Unlock()
 	if reason != "" {
 		c.drop(reason, detail)
+	} else if leftDead {
+		c.log.Info("member left; its records are withdrawn", logkeys.Event, logkeys.MemberLeft, logkeys.Member, m.Origin)
 	}
 }
 
@@ -560,11 +567,16 @@ func (c *Cluster) memberGone(n *memberlist.Node) {
 	}
 	c.mu.Unlock()
 	if n.Name != c.cfg.NodeName {
-		if until.IsZero() {
-			c.log.Info("member gone", "node", n.Name, "state", state)
-		} else {
+		switch {
+		case state == StateLeft:
+			c.log.Info("member left; its records are withdrawn", logkeys.Event, logkeys.MemberLeft, logkeys.Member, n.Name)
+		case until.IsZero():
+			// No grace (FailedGrace 0, or it had no records in force).
+			c.log.Info("member failed; its records are no longer in force",
+				logkeys.Event, logkeys.MemberFailed, logkeys.Member, n.Name, logkeys.Grace, time.Duration(0))
+		default:
 			c.log.Info("member failed; its records stay in force until its return or the grace's end",
-				"node", n.Name, "state", state, "grace", c.cfg.FailedGrace)
+				logkeys.Event, logkeys.MemberFailed, logkeys.Member, n.Name, logkeys.Grace, c.cfg.FailedGrace)
 		}
 		c.joiner.wakeUp() // it may have announced itself at another address
 	}
@@ -636,7 +648,8 @@ func (d *delegate) MergeRemoteState(b []byte, join bool) { d.c.handleMessage(b) 
 
 func (d *delegate) NotifyJoin(n *memberlist.Node) {
 	if n.Name != d.c.cfg.NodeName {
-		d.c.log.Info("member joined", "node", n.Name, "addr", net.JoinHostPort(n.Addr.String(), fmt.Sprint(n.Port)))
+		d.c.log.Info("member joined", logkeys.Event, logkeys.MemberJoined, logkeys.Member, n.Name,
+			logkeys.Addr, net.JoinHostPort(n.Addr.String(), fmt.Sprint(n.Port)))
 	}
 	d.c.memberAlive(n)
 }
@@ -676,6 +689,6 @@ func (d *delegate) NotifyConflict(existing, other *memberlist.Node) {
 	addr := net.JoinHostPort(net.IP(other.Addr).String(), strconv.Itoa(int(other.Port)))
 	if c.joiner.claim(existing.Name, addr, c.now()) {
 		c.logLimited(slog.LevelInfo, "claim:"+existing.Name, "member announced itself at another address; accepted there once its old address is declared dead",
-			"node", existing.Name, "old", net.JoinHostPort(net.IP(existing.Addr).String(), strconv.Itoa(int(existing.Port))), "new", addr)
+			logkeys.Member, existing.Name, "old", net.JoinHostPort(net.IP(existing.Addr).String(), strconv.Itoa(int(existing.Port))), "new", addr)
 	}
 }

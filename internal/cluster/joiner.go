@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/overlayd/overlayd/internal/lockorder"
+	"github.com/overlayd/overlayd/internal/logkeys"
 )
 
 // joiner joins seeds and re-joins failed members in the background.
@@ -221,7 +222,7 @@ func (j *joiner) run() {
 				}
 				n, err := c.ml.Join([]string{jn.addr})
 				c.logLimited(slog.LevelInfo, "claimjoin:"+jn.name, "joined a member at the address it announced",
-					"node", jn.name, "addr", jn.addr, "ok", n > 0, "error", err)
+					logkeys.Member, jn.name, logkeys.Addr, jn.addr, "ok", n > 0, "error", err)
 			}
 			continue
 		} else if claimWait > 0 {

@@ -7,6 +7,7 @@ import (
 
 	"github.com/hashicorp/memberlist"
 	"github.com/overlayd/overlayd/internal/lockorder"
+	"github.com/overlayd/overlayd/internal/logkeys"
 )
 
 // dest is the sender to one alive member: a goroutine with a queue, so a
@@ -169,7 +170,7 @@ func (c *Cluster) send(n *memberlist.Node, b []byte) error {
 	}
 	if err != nil {
 		c.sendErrors.Add(1)
-		c.logLimited(slog.LevelWarn, "send:"+n.Name, "sending to a member failed", "node", n.Name, "bytes", len(b), "error", err)
+		c.logLimited(slog.LevelWarn, "send:"+n.Name, "sending to a member failed", logkeys.Member, n.Name, "bytes", len(b), "error", err)
 		return err
 	}
 	c.msgsSent.Add(1)
@@ -290,7 +291,7 @@ func (c *Cluster) periodicLoop() {
 			c.mu.Unlock()
 			for _, name := range expired {
 				c.log.Info("failed member did not return within the grace; its records are no longer in force",
-					"node", name, "grace", c.cfg.FailedGrace)
+					logkeys.Event, logkeys.MemberExpired, logkeys.Member, name, logkeys.Grace, c.cfg.FailedGrace)
 			}
 		}
 	}

@@ -300,12 +300,10 @@ func (cp *controlPlane) run() {
 // published local records exactly the joined endpoints ("nothing changed
 // on our side" is no reason to skip).
 func (cp *controlPlane) reconcile() {
-	fixed, err := cp.d.Reconcile()
+	// The driver logs each repair itself, by network and kind.
+	_, err := cp.d.Reconcile()
 	if err != nil {
 		cp.log.Warn("reconcile failed; retrying on the next tick", "error", err)
-	}
-	if len(fixed) > 0 {
-		cp.log.Info("reconciled kernel peer state", "corrected", len(fixed), "first", fixed[0])
 	}
 	if c := cp.c.Load(); c != nil {
 		mark := c.LocalMark()

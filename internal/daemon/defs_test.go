@@ -189,7 +189,8 @@ func TestCreateNetworkRefusedWhenAnotherHostDefinesTheVNIDifferently(t *testing.
 // difference, shows it in status, and refuses the other's records of the
 // VNI, so no packet of the VNI crosses the underlay in clear. Before, each
 // programmed the other's peers: the clear host sent the VNI's traffic in
-// clear to the host that encrypts it.
+// clear to the host that encrypts it. When one deletes its network, the
+// other logs the end of the contradiction once.
 func TestContradictionFoundLaterIsReportedAndNothingGoesInClear(t *testing.T) {
 	nstest.RequireRoot(t)
 	hosts, vteps := nstest.Hosts(t, 2, false)
@@ -217,7 +218,7 @@ func TestContradictionFoundLaterIsReportedAndNothingGoesInClear(t *testing.T) {
 		h, other *defHost
 		diff     string
 	}{{a, b, "encrypted: yes here, no there"}, {b, a, "encrypted: no here, yes there"}} {
-		if n := tc.h.logs.Count("level=WARN", "defines this network's VNI differently", "vni=5200", "host="+tc.other.name, tc.diff); n != 1 {
+		if n := tc.h.logs.Count("level=WARN", "event=conflict_found", "kind=definition", "vni=5200", "member="+tc.other.name, tc.diff); n != 1 {
 			t.Errorf("%s logged the contradiction %d times, want once:\n%s", tc.h.name, n, tc.h.logs.String())
 		}
 		ns := networkStatus(t, tc.h, "net")
@@ -245,6 +246,33 @@ func TestContradictionFoundLaterIsReportedAndNothingGoesInClear(t *testing.T) {
 	}
 	if n := capture.ClearOf(vni); n != 0 {
 		t.Errorf("%d clear VXLAN packets of the encrypted VNI %d on the underlay", n, vni)
+	}
+	// The clear host deletes its network: the other logs the end of the
+	// contradiction once at INFO.
+	for _, err := range []error{
+		b.d.Leave(&api.LeaveRequest{NetworkID: "net", EndpointID: "eb"}),
+		b.d.DeleteEndpoint(&api.DeleteEndpointRequest{NetworkID: "net", EndpointID: "eb"}),
+		b.d.DeleteNetwork(&api.DeleteNetworkRequest{NetworkID: "net"}),
+	} {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	resolved := func() int {
+		return a.logs.Count("level=INFO", "event=conflict_resolved", "kind=definition", "vni=5200", "member="+b.name)
+	}
+	if err := nstest.Eventually(15*time.Second, 100*time.Millisecond, func() error {
+		a.cp.reconcile()
+		if resolved() == 0 {
+			return fmt.Errorf("%s has not logged the end of the contradiction", a.name)
+		}
+		return nil
+	}); err != nil {
+		t.Error(err)
+	}
+	a.cp.reconcile()
+	if n := resolved(); n != 1 {
+		t.Errorf("%s logged the end of the contradiction %d times, want once", a.name, n)
 	}
 	if t.Failed() {
 		t.Logf("logs of %s:\n%s\nlogs of %s:\n%s", a.name, a.logs.String(), b.name, b.logs.String())

@@ -1,0 +1,105 @@
+// Package logkeys is the vocabulary of overlayd's log lines that operators
+// may rely on: the value of the "event" key of each state change, and the
+// keys that come with it. Every package logs these through these constants
+// so that one key means one thing everywhere (a VNI is always "vni",
+// another host of the cluster always "member", this one "node") and a grep
+// or a log pipeline keyed on event= keeps working when a message's wording
+// changes.
+//
+// Each state change an operator cares about is exactly one line, at INFO,
+// with Event and the keys listed with the event below. Two are WARN
+// because they need the operator to act (ConflictFound,
+// EncryptionUnsupported); none is ERROR, which is kept for what overlayd
+// failed to do or undo (a rollback that left something behind), never for
+// a condition of the host or the cluster it reports and works around.
+//
+//	event                   level  keys
+//	member_joined           INFO   member, addr
+//	member_failed           INFO   member, grace          (records kept until grace ends)
+//	member_left             INFO   member                 (records withdrawn at once)
+//	member_expired          INFO   member, grace          (failed member's records dropped)
+//	network_created         INFO   network, vnis, mtu, internal, encrypted
+//	network_deleted         INFO   network, vnis
+//	conflict_found          WARN   kind, network, vni; address, winner_host, winner_endpoint, other_hosts,
+//	                               other_endpoints (kind address) or member, vtep, differences (kind definition)
+//	conflict_resolved       INFO   kind, network, vni; address (kind address) or member (kind definition)
+//	rotation_step           INFO   step, accept, send, target
+//	reconcile_repair        INFO   kind, count; network, first (kinds sandbox, ports, peers) or trigger, kernel (kind encryption)
+//	encryption_unsupported  WARN   error
+package logkeys
+
+// Event is the key whose value names the state change a line reports.
+const Event = "event"
+
+// Keys that come with events. The same key has the same meaning (and
+// type) in every package.
+const (
+	Node    = "node"    // this host's node name in the cluster
+	Member  = "member"  // node name of another cluster member
+	Addr    = "addr"    // gossip address of a member, ip:port
+	Network = "network" // Docker network ID
+	VNI     = "vni"     // VXLAN network identifier (number)
+	VNIs    = "vnis"    // a network's VNIs, one per subnet: "4097,4098"
+	VTEP    = "vtep"    // underlay address of a host's VXLAN endpoint
+	Address = "address" // a container's (endpoint's) IP address
+	Kind    = "kind"    // sub-kind of an event (see the kinds below)
+	Count   = "count"   // how many items the event covers (number)
+	First   = "first"   // description of the first of those items
+	Grace   = "grace"   // the failed-member grace period (duration)
+	Step    = "step"    // the rotation step (see the steps below)
+	Trigger = "trigger" // what started an encryption reconcile
+	Error   = "error"   // the error, as text
+)
+
+// Member events.
+const (
+	MemberJoined  = "member_joined"
+	MemberFailed  = "member_failed"
+	MemberLeft    = "member_left"
+	MemberExpired = "member_expired"
+)
+
+// Network events.
+const (
+	NetworkCreated = "network_created"
+	NetworkDeleted = "network_deleted"
+)
+
+// Conflict events and their kinds: two hosts with an endpoint of the same
+// address on a network, or two hosts defining a VNI differently.
+const (
+	ConflictFound    = "conflict_found"
+	ConflictResolved = "conflict_resolved"
+	KindAddress      = "address"
+	KindDefinition   = "definition"
+)
+
+// Rotation events and their steps: a host learns of a newer epoch asked
+// for (target: it asked itself, or a peer did), accepts a new epoch
+// inbound (accept), sends with a new epoch (send), stops accepting an old
+// one (retire). One line per host and change of its key epochs; a change
+// that does several at once names them joined by "+", e.g. "target+accept";
+// the first keys of a host are "target+accept+send".
+const (
+	RotationStep = "rotation_step"
+	StepTarget   = "target"
+	StepAccept   = "accept"
+	StepSend     = "send"
+	StepRetire   = "retire"
+)
+
+// Reconcile repair events and their kinds: the periodic reconcile found
+// the kernel different from what overlayd holds and put it back. One line
+// per network, kind and reconcile of the driver, however many entries it
+// put back; one per repairing reconcile of the encryption owner.
+const (
+	ReconcileRepair = "reconcile_repair"
+	KindSandbox     = "sandbox"    // a sandbox a failed Leave left, removed
+	KindPorts       = "ports"      // bridge port flags and static entries of local endpoints
+	KindPeers       = "peers"      // neighbour and FDB entries of remote peers
+	KindEncryption  = "encryption" // xfrm states/policies or nftables rules
+)
+
+// EncryptionUnsupported: the kernel cannot install ESP states, so the
+// traffic of encrypted networks is dropped (never sent in clear).
+const EncryptionUnsupported = "encryption_unsupported"
