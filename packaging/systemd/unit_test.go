@@ -42,7 +42,9 @@ func TestInstalledUnitVerifies(t *testing.T) {
 	if err != nil {
 		t.Fatalf("make install did not write the unit under DESTDIR: %v", err)
 	}
-	for _, want := range []string{"ExecStart=" + bin + "\n", "EnvironmentFile=-" + defaults + "\n"} {
+	// Type=notify: overlayd says READY=1 once it serves, so the ordering
+	// before docker.service means "serving", not just "forked".
+	for _, want := range []string{"ExecStart=" + bin + "\n", "EnvironmentFile=-" + defaults + "\n", "Type=notify\n", "Before=docker.service\n"} {
 		if !bytes.Contains(b, []byte(want)) {
 			t.Errorf("installed unit lacks %q:\n%s", strings.TrimSpace(want), b)
 		}
