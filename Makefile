@@ -24,7 +24,16 @@ PKGS      := ./...
 # fetches with apt-get and unpacks into a cache directory) in `engine-26.1`.
 # OVERLAYD_TEST_ENGINE picks the engine; test/docker/engines_test.go.
 
-.PHONY: all build test unit engine-26.1 fuzz lint bench run clean plugin
+.PHONY: all build test unit engine-26.1 fuzz lint bench run clean plugin install
+
+# `make install`: the binary, the systemd unit and (if absent) its settings
+# file. DESTDIR stages the files under another root (packaging, tests): then
+# nothing is reloaded or enabled. UNITDIR defaults to systemd's directory for
+# locally installed units of the PREFIX.
+PREFIX    ?= /usr/local
+BINDIR    ?= $(PREFIX)/bin
+UNITDIR   ?= $(PREFIX)/lib/systemd/system
+DEFAULTS  ?= /etc/default/overlayd
 
 all: build
 
@@ -72,6 +81,16 @@ run: build
 # Install it with `docker plugin create overlayd:latest plugin/build`.
 plugin: build
 	sh plugin/mkplugin.sh plugin/build $(BIN)
+
+install: build
+	install -D -m 0755 $(BIN) $(DESTDIR)$(BINDIR)/overlayd
+	install -d $(DESTDIR)$(UNITDIR)
+	sed -e 's|@BINDIR@|$(BINDIR)|g' -e 's|@DEFAULTS@|$(DEFAULTS)|g' packaging/systemd/overlayd.service.in > $(DESTDIR)$(UNITDIR)/overlayd.service
+	chmod 0644 $(DESTDIR)$(UNITDIR)/overlayd.service
+	@# The settings file is the operator's: never overwritten.
+	if [ ! -e $(DESTDIR)$(DEFAULTS) ]; then install -D -m 0644 packaging/systemd/overlayd.default $(DESTDIR)$(DEFAULTS); fi
+	@# Only a live system (no DESTDIR) running systemd learns of the unit.
+	if [ -z '$(DESTDIR)' ] && [ -d /run/systemd/system ]; then systemctl daemon-reload; fi
 
 clean:
 	rm -rf bin

@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 	"time"
 
+	sdnotify "github.com/coreos/go-systemd/daemon"
 	"github.com/docker/go-plugins-helpers/network"
 	"github.com/vishvananda/netns"
 
@@ -149,6 +150,14 @@ func Run(ctx context.Context, st *config.Settings, log *slog.Logger) error {
 		log.Info("overlayd serving", append(serving, "vtep", "unknown yet")...)
 		log.Info("the control plane waits for this host's address (the VTEP) and starts once it is known",
 			"provided_by", vtepProvider(st.Scope), "or_set", st.Source("advertise-addr"))
+	}
+	// Under systemd (Type=notify, packaging/systemd), units ordered after
+	// overlayd's (docker.service) start only now that the socket answers.
+	// NOTIFY_SOCKET is unset so that nothing started later sends as us.
+	if sent, err := sdnotify.SdNotify(true, sdnotify.SdNotifyReady); err != nil {
+		log.Warn("could not tell systemd that overlayd is serving", "notify_socket_error", err)
+	} else if sent {
+		log.Debug("told systemd that overlayd is serving")
 	}
 
 	var runErr error

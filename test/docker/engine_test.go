@@ -53,6 +53,10 @@ type lab struct {
 	dir     string
 	sw      *netNS
 	engines []*engine
+	// registry, if set before addEngine, is a plain-HTTP registry
+	// (host:port) the engines may pull from and push to (dockerd trusts
+	// only 127.0.0.0/8 without being told).
+	registry string
 }
 
 var labSeq atomic.Int32
@@ -290,7 +294,7 @@ exec "$@"
 `
 
 func (e *engine) dockerdArgs() []string {
-	return []string{dockerd,
+	args := []string{dockerd,
 		"--data-root", filepath.Join(e.dir, "data"),
 		"--exec-root", filepath.Join(e.dir, "exec"),
 		"-H", "unix://" + e.sock,
@@ -302,6 +306,10 @@ func (e *engine) dockerdArgs() []string {
 		"--userland-proxy=false",
 		"--log-level", "debug",
 	}
+	if e.lab.registry != "" {
+		args = append(args, "--insecure-registry", e.lab.registry)
+	}
+	return args
 }
 
 func (e *engine) startDockerd() error {

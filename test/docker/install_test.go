@@ -103,8 +103,12 @@ func isStaticELF(path string) bool {
 	return true
 }
 
-func installPackages() error {
-	if len(missingPackages()) == 0 {
+func installPackages() error { return aptInstall(missingPackages) }
+
+// aptInstall installs the Debian packages missing() lists, under the
+// suite's install lock, without letting them start services.
+func aptInstall(missing func() []string) error {
+	if len(missing()) == 0 {
 		return nil
 	}
 	lf, err := os.OpenFile(installLock, os.O_CREATE|os.O_RDWR, 0o600)
@@ -116,7 +120,7 @@ func installPackages() error {
 		return fmt.Errorf("install lock %s: %w", installLock, err)
 	}
 	defer unix.Flock(int(lf.Fd()), unix.LOCK_UN)
-	need := missingPackages() // another binary may have installed them meanwhile
+	need := missing() // another binary may have installed them meanwhile
 	if len(need) == 0 {
 		return nil
 	}
@@ -152,7 +156,7 @@ func installPackages() error {
 	if err := run(args...); err != nil {
 		return err
 	}
-	if left := missingPackages(); len(left) > 0 {
+	if left := missing(); len(left) > 0 {
 		return fmt.Errorf("still missing after apt-get install: %v", left)
 	}
 	return nil

@@ -134,7 +134,7 @@ func prepare(t testing.TB) {
 			selected.name, selected.about, dockerd, v.dockerd, dockerCLI, v.cli, v.containerd)
 		start := time.Now()
 		overlayd = filepath.Join(runRoot, "overlayd")
-		if prepErr = buildOverlayd(overlayd); prepErr != nil {
+		if prepErr = buildOverlayd(overlayd, ""); prepErr != nil {
 			return
 		}
 		fmt.Printf("built overlayd in %v\n", time.Since(start).Round(10*time.Millisecond))
@@ -152,9 +152,14 @@ func moduleRoot() string {
 	return filepath.Dir(filepath.Dir(wd))
 }
 
-// buildOverlayd builds a static overlayd as `make build` does.
-func buildOverlayd(out string) error {
-	cmd := exec.Command("go", "build", "-trimpath", "-o", out, "./cmd/overlayd")
+// buildOverlayd builds a static overlayd as `make build` does; a stamp
+// other than "" is the version it reports (as make's VERSION).
+func buildOverlayd(out, stamp string) error {
+	args := []string{"build", "-trimpath", "-o", out}
+	if stamp != "" {
+		args = append(args, "-ldflags", "-X github.com/overlayd/overlayd/internal/version.stamp="+stamp)
+	}
+	cmd := exec.Command("go", append(args, "./cmd/overlayd")...)
 	cmd.Dir = moduleRoot()
 	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
 	if b, err := cmd.CombinedOutput(); err != nil {
