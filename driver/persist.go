@@ -279,6 +279,7 @@ func endpointFromRecord(n *network, r statefile.Endpoint) (*endpoint, error) {
 // the control plane has not re-delivered the cluster's records yet. It
 // returns the differences it corrected, each naming its network.
 func (d *Driver) Reconcile() ([]string, error) {
+	defer d.counts.reconciles.Add(1)
 	d.RefreshVTEP()
 	d.mu.Lock()
 	adopting := d.adopting
@@ -295,6 +296,7 @@ func (d *Driver) Reconcile() ([]string, error) {
 				errs = append(errs, fmt.Errorf("network %q: removing the sandbox of the last Leave: %w", n.id, err))
 			} else {
 				fixed = append(fixed, fmt.Sprintf("network %s: removed the sandbox a failed Leave left", n.id))
+				d.counts.repaired(RepairSandbox, 1)
 			}
 		}
 		if n.sb == nil || n.teardown {
@@ -304,6 +306,7 @@ func (d *Driver) Reconcile() ([]string, error) {
 		for _, s := range ports {
 			fixed = append(fixed, fmt.Sprintf("network %s: %s", n.id, s))
 		}
+		d.counts.repaired(RepairBridgePort, len(ports))
 		if err != nil {
 			errs = append(errs, fmt.Errorf("network %q: %w", n.id, err))
 		}
@@ -323,6 +326,7 @@ func (d *Driver) Reconcile() ([]string, error) {
 		for _, s := range problems {
 			fixed = append(fixed, fmt.Sprintf("network %s: %s", n.id, s))
 		}
+		d.counts.repaired(RepairPeerEntry, len(problems))
 		if err := d.program(n, delta); err != nil {
 			errs = append(errs, err)
 		}

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"net/http"
 	"os"
 	"path/filepath"
 	"time"
@@ -19,7 +20,9 @@ import (
 	"github.com/overlayd/overlayd/encryption"
 	"github.com/overlayd/overlayd/internal/config"
 	"github.com/overlayd/overlayd/internal/control"
+	"github.com/overlayd/overlayd/internal/metrics"
 	"github.com/overlayd/overlayd/internal/netnsutil"
+	"github.com/overlayd/overlayd/internal/nlbatch"
 	"github.com/overlayd/overlayd/internal/statefile"
 	"github.com/overlayd/overlayd/internal/version"
 )
@@ -32,6 +35,18 @@ import (
 func Run(ctx context.Context, st *config.Settings, log *slog.Logger) error {
 	if err := st.CheckHost(); err != nil {
 		return err
+	}
+	// The metrics listener first, so that an address that cannot be
+	// bound is refused before anything is created.
+	var ml net.Listener
+	if st.MetricsAddr != "" {
+		l, err := net.Listen("tcp", st.MetricsAddr)
+		if err != nil {
+			return &config.Invalid{Err: fmt.Errorf("%s %q: cannot listen there: %v; give an IP:port of this host that is free, or leave it unset to serve no metrics",
+				st.Source("metrics-addr"), st.MetricsAddr, err)}
+		}
+		ml = l
+		defer ml.Close()
 	}
 	key, err := loadKey(st, log)
 	if err != nil {
@@ -106,7 +121,7 @@ func Run(ctx context.Context, st *config.Settings, log *slog.Logger) error {
 	}
 	ctl, err := control.Serve(st.ControlSocket, control.Handlers{
 		Status: func() any {
-			r := &StatusReport{Cluster: cp.status(), Driver: d.Status()}
+			r := &StatusReport{Cluster: cp.status(), Driver: d.Status(), Ready: readiness(cp.ready())}
 			if c := cp.c.Load(); c != nil {
 				r.Keys = memberKeys(c)
 			}
@@ -130,6 +145,30 @@ func Run(ctx context.Context, st *config.Settings, log *slog.Logger) error {
 	}
 	defer ctl.Close()
 	g := &gate{d: d, log: log}
+	var msrv *http.Server
+	if ml != nil {
+		m := metrics.New(metrics.Sources{
+			Driver:         d.Status,
+			DriverCounters: d.Counters,
+			Cluster:        cp.status,
+			Rotations:      enc.RotationDurations,
+			StateWrites:    db.WriteLatency,
+			Netlink: func() (uint64, uint64, uint64) {
+				c := nlbatch.Sent()
+				return c.Messages, c.Datagrams, c.SendFailures
+			},
+			Ready:   cp.ready,
+			Version: version.String(),
+		})
+		g.observe = m.ObserveCall
+		msrv = &http.Server{Handler: m.Handler(), ReadHeaderTimeout: 10 * time.Second}
+		go func() {
+			if err := msrv.Serve(ml); err != nil && !errors.Is(err, http.ErrServerClosed) {
+				log.Error("metrics server stopped", "addr", st.MetricsAddr, "error", err)
+			}
+		}()
+		log.Info("serving metrics", "addr", ml.Addr().String(), "paths", "/metrics /healthz /readyz")
+	}
 	h := network.NewHandler(g)
 	served := make(chan error, 1)
 	go func() { served <- h.Serve(l) }()
@@ -160,6 +199,9 @@ func Run(ctx context.Context, st *config.Settings, log *slog.Logger) error {
 		runErr = fmt.Errorf("control socket server stopped: %w", err)
 	}
 	log.Info("shutting down: no new calls, waiting for calls in flight")
+	if msrv != nil {
+		msrv.Close()
+	}
 	l.Close()
 	g.close()
 	cp.close()
