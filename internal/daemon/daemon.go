@@ -150,6 +150,7 @@ func Run(ctx context.Context, st *config.Settings, log *slog.Logger) error {
 		m := metrics.New(metrics.Sources{
 			Driver:         d.Status,
 			DriverCounters: d.Counters,
+			Audit:          d.Audit,
 			Cluster:        cp.status,
 			Rotations:      enc.RotationDurations,
 			StateWrites:    db.WriteLatency,

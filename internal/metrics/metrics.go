@@ -51,6 +51,10 @@ type Sources struct {
 	StateWrites func() latency.Snapshot
 	// Netlink is the kernel messages sent to program peers.
 	Netlink func() (messages, datagrams, failures uint64)
+	// Audit compares the kernel with the driver's state (driver.Audit):
+	// each difference it returns is one that the reconcile has not
+	// repaired (yet), or cannot.
+	Audit func() ([]string, error)
 	// Ready says whether the daemon is ready (nil) or why not: the
 	// overlayd_ready gauge, and /readyz.
 	Ready func() error
@@ -156,6 +160,7 @@ var (
 	dNlFailures   = desc("overlayd_netlink_send_failures_total", "Netlink datagrams the kernel refused as a whole.")
 	dReconciles   = desc("overlayd_reconcile_runs_total", "Runs of the periodic level-triggered reconcile.")
 	dRepairs      = desc("overlayd_reconcile_repairs_total", "Differences between the kernel and the desired state the reconcile repaired, by kind (sandbox, bridge_port, peer_entry).", "kind")
+	dAudit        = desc("overlayd_audit_differences", "Differences between the kernel and the driver's state found by an audit at this scrape (links, MTUs, bridge ports, neighbours, FDB entries, stray sandboxes, encryption); 0 when they agree.")
 	dUp           = desc("overlayd_gossip_up", "1 when the control plane (gossip) runs, else 0 (no VTEP known yet, or left).")
 	dMembers      = desc("overlayd_gossip_members", "Cluster members as this host sees them, itself included, by state.", "state")
 	dMsgsSent     = desc("overlayd_gossip_messages_sent_total", "Control-plane messages sent.")
@@ -208,6 +213,13 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 		counter(dReconciles, dc.Reconciles)
 		for _, k := range driver.RepairKinds {
 			counter(dRepairs, dc.Repaired[k], k)
+		}
+	}
+	if s.Audit != nil {
+		if diffs, err := s.Audit(); err != nil {
+			ch <- prometheus.NewInvalidMetric(dAudit, fmt.Errorf("audit: %w", err))
+		} else {
+			gauge(dAudit, float64(len(diffs)))
 		}
 	}
 	if s.Netlink != nil {

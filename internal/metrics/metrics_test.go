@@ -117,3 +117,12 @@ func scrapeText(t *testing.T, m *Metrics) string {
 	}
 	return body
 }
+
+// BenchmarkObserveCall is what the metrics add to each plugin call (a Join
+// takes about a millisecond: BenchmarkJoinLater in package driver).
+func BenchmarkObserveCall(b *testing.B) {
+	m := New(Sources{})
+	for b.Loop() {
+		m.ObserveCall("Join", nil, time.Millisecond)
+	}
+}

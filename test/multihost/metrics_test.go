@@ -239,6 +239,9 @@ func TestMetricsTwoHosts(t *testing.T) {
 		if got := s.sc.must(t, "overlayd_gossip_members", "state", "dead"); got != 0 {
 			t.Errorf("%s: overlayd_gossip_members{state=dead} = %v, want 0", s.name, got)
 		}
+		if got := s.sc.must(t, "overlayd_audit_differences"); got != 0 {
+			t.Errorf("%s: overlayd_audit_differences = %v, want 0 (the kernel holds what the driver says)", s.name, got)
+		}
 		if got := s.sc.must(t, "overlayd_ready"); got != 1 {
 			t.Errorf("%s: overlayd_ready = %v, want 1", s.name, got)
 		}
