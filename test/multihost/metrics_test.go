@@ -11,6 +11,7 @@ import (
 	"net/netip"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -322,4 +323,41 @@ func requirePromtool(t *testing.T) string {
 		t.Fatalf("promtool missing after installing the prometheus package: %v", err)
 	}
 	return p
+}
+
+// A host told to join a cluster is not ready while nobody answers: /readyz
+// says 503 with the reason, and overlayd status says the same, although the
+// host serves (/healthz 200).
+func TestReadyzWaitsForTheJoin(t *testing.T) {
+	nstest.RequireRoot(t)
+	nsHosts, vteps := nstest.Hosts(t, 1, false)
+	keyFile := filepath.Join(t.TempDir(), "cluster.key")
+	if err := os.WriteFile(keyFile, bytes.Repeat([]byte{7}, 32), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	h := &host{name: "lonely", ns: nsHosts[0], vtep: vteps[0], dir: t.TempDir(), netnsDir: nstest.NetnsDir(t), metricsAddr: metricsAddr}
+	startHost(t, h, keyFile, []string{"192.0.2.99"}) // on the underlay, but nobody there
+	const why = "not ready: the control plane has not joined the cluster yet"
+	if err := nstest.Eventually(15*time.Second, 100*time.Millisecond, func() error {
+		code, body, err := h.get("/readyz")
+		if err != nil {
+			return err
+		}
+		if code != 503 || !strings.HasPrefix(body, why) {
+			return fmt.Errorf("/readyz: %d %q, want 503 %q", code, body, why)
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if code, _, err := h.get("/healthz"); err != nil || code != 200 {
+		t.Errorf("/healthz: %d %v, want 200 while serving", code, err)
+	}
+	out, err := exec.Command(binary(t), "status", "--control-socket", h.control()).CombinedOutput()
+	if err != nil || !strings.Contains(string(out), "Readiness: "+why) {
+		t.Errorf("overlayd status lacks %q: %v\n%s", why, err, out)
+	}
+	if v := h.scrape(t).must(t, "overlayd_ready"); v != 0 {
+		t.Errorf("overlayd_ready = %v, want 0", v)
+	}
 }
