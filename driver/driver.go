@@ -162,6 +162,9 @@ type Driver struct {
 	// adopting: the kernel state of an earlier run is being adopted (see
 	// Reconcile and Settle); guarded by mu.
 	adopting bool
+	// counts are event counters (atomic: taken under any lock, read by
+	// the metrics at scrape time without one).
+	counts counters
 }
 
 var _ api.Driver = (*Driver)(nil)

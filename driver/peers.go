@@ -124,7 +124,9 @@ func (d *Driver) program(n *network, delta peerdb.Delta) error {
 			errs = append(errs, err)
 		}
 	}
-	if err := n.sb.ApplyDelta(delta); err != nil {
+	if err := n.sb.ApplyDelta(delta); err == nil {
+		d.counts.peerChanges.Add(uint64(len(delta.NeighSet) + len(delta.NeighDel) + len(delta.FDBSet) + len(delta.FDBDel)))
+	} else {
 		// The peer table is the truth: fall back to the level-triggered path.
 		d.log.Warn("peer programming failed, reconciling the network", "network", n.id, "error", err)
 		if _, rerr := n.sb.Reconcile(n.peers.Desired()); rerr != nil {

@@ -280,6 +280,7 @@ func endpointFromRecord(n *network, r statefile.Endpoint) (*endpoint, error) {
 // the control plane has not re-delivered the cluster's records yet. It
 // returns the differences it corrected, each naming its network.
 func (d *Driver) Reconcile() ([]string, error) {
+	defer d.counts.reconciles.Add(1)
 	d.RefreshVTEP()
 	d.mu.Lock()
 	adopting := d.adopting
@@ -297,6 +298,7 @@ func (d *Driver) Reconcile() ([]string, error) {
 			} else {
 				fixed = append(fixed, fmt.Sprintf("network %s: removed the sandbox a failed Leave left", n.id))
 				d.logRepair(n, logkeys.KindSandbox, []string{"removed the sandbox a failed Leave left"})
+				d.counts.repaired(RepairSandbox, 1)
 			}
 		}
 		if n.sb == nil || n.teardown {
@@ -309,6 +311,7 @@ func (d *Driver) Reconcile() ([]string, error) {
 		if len(ports) > 0 {
 			d.logRepair(n, logkeys.KindPorts, ports)
 		}
+		d.counts.repaired(RepairBridgePort, len(ports))
 		if err != nil {
 			errs = append(errs, fmt.Errorf("network %q: %w", n.id, err))
 		}
@@ -328,6 +331,7 @@ func (d *Driver) Reconcile() ([]string, error) {
 		for _, s := range problems {
 			fixed = append(fixed, fmt.Sprintf("network %s: %s", n.id, s))
 		}
+		d.counts.repaired(RepairPeerEntry, len(problems))
 		if err := d.program(n, delta); err != nil {
 			errs = append(errs, err)
 		} else {

@@ -61,6 +61,7 @@ type RejectedStatus struct {
 // EndpointStatus describes a local endpoint.
 type EndpointStatus struct {
 	ID      string `json:"id"`
+	VNI     uint32 `json:"vni"` // of its subnet
 	Address string `json:"address"`
 	MAC     string `json:"mac"`
 	Joined  bool   `json:"joined"`
@@ -71,6 +72,7 @@ type EndpointStatus struct {
 // claimant of its IP.
 type PeerStatus struct {
 	EndpointID string `json:"endpoint_id"`
+	VNI        uint32 `json:"vni"` // of the subnet holding its IP
 	IP         string `json:"ip"`
 	MAC        string `json:"mac"`
 	VTEP       string `json:"vtep"`
@@ -80,6 +82,7 @@ type PeerStatus struct {
 // ConflictStatus lists an IP claimed by several records.
 type ConflictStatus struct {
 	IP       string   `json:"ip"`
+	VNI      uint32   `json:"vni"`
 	Active   string   `json:"active"` // endpoint id of the winner
 	Local    bool     `json:"active_is_local"`
 	Shadowed []string `json:"shadowed"` // endpoint ids of the losers
@@ -120,11 +123,11 @@ func (n *network) status() NetworkStatus {
 	sort.Strings(epIDs)
 	for _, id := range epIDs {
 		ep := n.endpoints[id]
-		ns.Endpoints = append(ns.Endpoints, EndpointStatus{ID: ep.id, Address: ep.addr.String(), MAC: ep.mac.String(), Joined: ep.joined, Veth: ep.hostName})
+		ns.Endpoints = append(ns.Endpoints, EndpointStatus{ID: ep.id, VNI: n.subnets[ep.subnet].vni, Address: ep.addr.String(), MAC: ep.mac.String(), Joined: ep.joined, Veth: ep.hostName})
 	}
 	for _, p := range n.peers.Remote() {
 		act, local, ok := n.peers.Active(p.IP)
-		ns.RemotePeers = append(ns.RemotePeers, PeerStatus{EndpointID: p.EndpointID, IP: p.IP.String(), MAC: p.MAC.String(),
+		ns.RemotePeers = append(ns.RemotePeers, PeerStatus{EndpointID: p.EndpointID, VNI: n.vniOf(p.IP), IP: p.IP.String(), MAC: p.MAC.String(),
 			VTEP: p.VTEP.String(), Active: ok && !local && act == p})
 	}
 	for _, r := range n.peers.Rejected() {
@@ -137,7 +140,7 @@ func (n *network) status() NetworkStatus {
 		ns.Error = n.lastErr.Error()
 	}
 	for _, c := range n.peers.Conflicts() {
-		cs := ConflictStatus{IP: c.IP.String(), Active: c.Active.EndpointID, Local: c.ActiveLocal}
+		cs := ConflictStatus{IP: c.IP.String(), VNI: n.vniOf(c.IP), Active: c.Active.EndpointID, Local: c.ActiveLocal}
 		for _, s := range c.Shadowed {
 			cs.Shadowed = append(cs.Shadowed, s.EndpointID)
 		}

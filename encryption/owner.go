@@ -17,6 +17,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/overlayd/overlayd/countmap"
+	"github.com/overlayd/overlayd/internal/latency"
 	"github.com/overlayd/overlayd/internal/lockorder"
 	"github.com/overlayd/overlayd/internal/logkeys"
 )
@@ -85,10 +86,16 @@ type share struct {
 // LevelEncryption); the Owner never calls out of the package with its lock
 // held (KeyGossip is called without it).
 type Owner struct {
-	cfg    OwnerConfig
-	log    *slog.Logger
-	ns     netns.NsHandle // our own duplicate of cfg.NS, for the watchers
-	notify bool           // kernel notifications on (a test hook turns them off before Start)
+	cfg OwnerConfig
+	log *slog.Logger
+	// rotations times each rotation this host took part in, from the
+	// step that raised the target to the one that retired the old epoch
+	// (atomic: read by the metrics without the lock); rotStart is when
+	// the one in progress began (zero: none), guarded by mu.
+	rotations latency.Recorder
+	rotStart  time.Time
+	ns        netns.NsHandle // our own duplicate of cfg.NS, for the watchers
+	notify    bool           // kernel notifications on (a test hook turns them off before Start)
 
 	wake    chan struct{} // Poke
 	kev     chan struct{} // kernel notifications
@@ -1031,6 +1038,7 @@ func (o *Owner) stepLocked(adverts map[netip.Addr]Advert, why string) {
 	if rotating && next.Target > prev.Target {
 		o.rotate = false
 	}
+	o.timeRotationLocked(prev, next)
 	o.logStep(prev, next)
 }
 
@@ -1063,3 +1071,20 @@ func rotationStep(prev, next NodeKeys) string {
 	}
 	return strings.Join(steps, "+")
 }
+
+// timeRotationLocked follows a rotation's steps: it starts when the target
+// rises above an established one (here or on another host) and is over
+// when this host accepts and sends only the target epoch.
+func (o *Owner) timeRotationLocked(prev, next NodeKeys) {
+	if o.rotStart.IsZero() && prev.Target != 0 && next.Target > prev.Target {
+		o.rotStart = time.Now()
+	}
+	if !o.rotStart.IsZero() && next.Send == next.Target && len(next.Accept) == 1 && next.Accept[0] == next.Target {
+		o.rotations.Observe(time.Since(o.rotStart))
+		o.rotStart = time.Time{}
+	}
+}
+
+// RotationDurations returns how long the completed key rotations took;
+// its count is the number of rotations. It takes no lock.
+func (o *Owner) RotationDurations() latency.Snapshot { return o.rotations.Snapshot() }

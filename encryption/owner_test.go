@@ -632,6 +632,11 @@ func TestOwnerRotation(t *testing.T) {
 	for i := range recs {
 		booted[i] = len(recs[i].Events(logkeys.RotationStep))
 	}
+	for i, o := range owners {
+		if n := o.RotationDurations().Count; n != 0 {
+			t.Fatalf("host %d: bootstrapping epoch 1 counted as %d rotations", i, n)
+		}
+	}
 	target, err := owners[0].Rotate()
 	if err != nil || target != 2 {
 		t.Fatalf("Rotate: %d, %v", target, err)
@@ -640,6 +645,11 @@ func TestOwnerRotation(t *testing.T) {
 	for i, o := range owners {
 		if st := o.Status(); st.Rotating || st.Error != "" && !strings.Contains(st.Error, "ESP") {
 			t.Fatalf("host %d after the rotation: %+v", i, st)
+		}
+		// Both took part (one asked, the other followed): one rotation
+		// each, timed (the metrics' rotations and their duration).
+		if r := o.RotationDurations(); r.Count != 1 || r.SumSeconds <= 0 {
+			t.Errorf("host %d: rotations %d taking %vs, want 1 taking some time", i, r.Count, r.SumSeconds)
 		}
 	}
 	for i := range recs {

@@ -105,6 +105,11 @@ func TestBadSettingIsOneLineAndExit2(t *testing.T) {
 		t.Errorf("$OVERLAYD_LOG_LEVEL=loud: %v, want exit 2", err)
 	}
 	oneLine(t, "$OVERLAYD_LOG_LEVEL=loud", eb.String(), `$OVERLAYD_LOG_LEVEL "loud"`)
+	code, stdout, stderr = runBin(t, bin, "--metrics-addr", "localhost:9447")
+	if code != 2 || stdout != "" {
+		t.Errorf("--metrics-addr localhost:9447: exit %d, stdout %q; want 2 and nothing", code, stdout)
+	}
+	oneLine(t, "--metrics-addr localhost:9447", stderr, `overlayd: --metrics-addr "localhost:9447": "localhost" is not an IP address: must be IP:port`)
 
 	if os.Geteuid() != 0 {
 		return
@@ -122,6 +127,9 @@ func TestBadSettingIsOneLineAndExit2(t *testing.T) {
 		{[]string{"--advertise-addr", "203.0.113.9"}, []string{"overlayd: --advertise-addr 203.0.113.9: not an address of this host (assigned here: 192.0.2.1)"}},
 		{[]string{"--secret-file", filepath.Join(keyDir, "typo.key")}, []string{"--secret-file", "no such file"}},
 		{[]string{"--secret-file", readable}, []string{"mode 0644", "chmod 600 " + readable, "'state' mount"}},
+		// Well-formed but not bindable here: refused before anything is
+		// created, not a daemon serving without its metrics.
+		{[]string{"--metrics-addr", "203.0.113.9:9447"}, []string{`overlayd: --metrics-addr "203.0.113.9:9447": cannot listen there`, "leave it unset"}},
 	} {
 		dir := t.TempDir()
 		code, stdout, stderr := runBin(t, "nsenter", append([]string{"--net=" + ns, bin}, append(daemonArgs(t, dir), c.args...)...)...)

@@ -41,6 +41,9 @@ type Settings struct {
 	// KeyRotationInterval is how often the encryption keys rotate (0: never
 	// by timer; `overlayd keys rotate` still works).
 	KeyRotationInterval time.Duration
+	// MetricsAddr is where /metrics, /healthz and /readyz are served
+	// ("host:port"); "" serves none (the default: opt-in).
+	MetricsAddr string
 
 	// sources says where each setting's value came from ("--flag" or
 	// "$OVERLAYD_..."), so that a refusal names what the user wrote.
@@ -96,6 +99,7 @@ var settings = []setting{
 	{"control-socket", "OVERLAYD_CONTROL_SOCKET", DefaultControlSocket, "local control socket for `overlayd status` (mode 0600)"},
 	{"node-name", "OVERLAYD_NODE_NAME", "", "this host's name in the cluster; default: the hostname"},
 	{"key-rotation-interval", "OVERLAYD_KEY_ROTATION_INTERVAL", "12h", "how often encrypted networks' keys rotate cluster-wide (0: only by `overlayd keys rotate`)"},
+	{"metrics-addr", "OVERLAYD_METRICS_ADDR", "", "IP:port serving Prometheus /metrics, /healthz and /readyz over HTTP (like 127.0.0.1:9447); default: not served"},
 }
 
 // Usage writes the commands and the settings table (flag, environment
@@ -294,10 +298,36 @@ func Parse(args []string, getenv func(string) string) (*Settings, error) {
 		}
 		st.KeyRotationInterval = d
 	}
+	if v, src := get("metrics-addr"); v != "" {
+		if err := checkListenAddr(v); err != nil {
+			errs = append(errs, fmt.Errorf("%s %q: %v", src, v, err))
+		}
+		st.MetricsAddr = v
+	}
 	if len(errs) > 0 {
 		return nil, &Invalid{oneLine(errs)}
 	}
 	return st, nil
+}
+
+// checkListenAddr validates "IP:port" for a TCP listener: the IP literal
+// (no host name: what it resolves to could change under a running daemon;
+// empty or 0.0.0.0 means every address) and a port in 1..65535 (0 would
+// pick one nobody can scrape).
+func checkListenAddr(v string) error {
+	host, port, err := net.SplitHostPort(v)
+	if err != nil {
+		return errors.New("must be IP:port, like 127.0.0.1:9447 or [::1]:9447")
+	}
+	if host != "" {
+		if _, err := netip.ParseAddr(host); err != nil {
+			return fmt.Errorf("%q is not an IP address: must be IP:port, like 127.0.0.1:9447", host)
+		}
+	}
+	if p, err := strconv.Atoi(port); err != nil || p < 1 || p > 65535 {
+		return fmt.Errorf("port %q is not in 1..65535", port)
+	}
+	return nil
 }
 
 // oneLine joins errors into one line: a managed plugin's output reaches

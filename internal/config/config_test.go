@@ -125,6 +125,28 @@ func TestKeyRotationInterval(t *testing.T) {
 	}
 }
 
+func TestMetricsAddr(t *testing.T) {
+	st, err := Parse(nil, env(nil))
+	if err != nil || st.MetricsAddr != "" {
+		t.Fatalf("metrics are opt-in: %q %v", st.MetricsAddr, err)
+	}
+	st, err = Parse(nil, env(map[string]string{"OVERLAYD_METRICS_ADDR": "127.0.0.1:9447"}))
+	if err != nil || st.MetricsAddr != "127.0.0.1:9447" {
+		t.Fatalf("from the environment: %q %v", st.MetricsAddr, err)
+	}
+	for _, good := range []string{":9447", "[::1]:9447", "0.0.0.0:1"} {
+		if _, err := Parse([]string{"--metrics-addr", good}, env(nil)); err != nil {
+			t.Errorf("--metrics-addr %s: %v", good, err)
+		}
+	}
+	for _, bad := range []string{"9447", "localhost:9447", "127.0.0.1:0", "127.0.0.1:70000", "127.0.0.1:http"} {
+		_, err := Parse([]string{"--metrics-addr", bad}, env(nil))
+		if _, ok := errors.AsType[*Invalid](err); !ok || !strings.Contains(err.Error(), "--metrics-addr") || !strings.Contains(err.Error(), "IP:port") && !strings.Contains(err.Error(), "1..65535") {
+			t.Errorf("--metrics-addr %s: %v, want an *Invalid naming the flag and what is allowed", bad, err)
+		}
+	}
+}
+
 // Every refusal of Parse is one *Invalid, one line naming each bad
 // setting as given: a managed plugin's output reaches dockerd's log line
 // by line.

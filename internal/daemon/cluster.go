@@ -72,6 +72,14 @@ type controlPlane struct {
 
 	// startErr is the last start failure logged (guarded by startMu).
 	startErr string
+
+	// For readiness (atomic: read by /readyz and the status without a
+	// lock): hadSeeds, the cluster started with somewhere to join (else a
+	// host alone is joined); reconciled, a reconcile has run since the
+	// cluster started.
+	hadSeeds   atomic.Bool
+	reconciled atomic.Bool
+	hasLeft    atomic.Bool // left, readable without startMu
 }
 
 func newControlPlane(st *config.Settings, db *statefile.File, log *slog.Logger, key []byte, enc *encryption.Owner) *controlPlane {
@@ -255,6 +263,7 @@ func (cp *controlPlane) tryStart() {
 	cp.seedMu.Unlock()
 	c.AddSeeds(late...)
 	cp.enc.AttachGossip(keyGossip{c})
+	cp.hadSeeds.Store(len(all)+len(late) > 0)
 	cp.log.Info("control plane started", "node", cp.st.NodeName, "gossip", net.JoinHostPort(bind.String(), strconv.Itoa(cp.st.GossipPort)),
 		"vtep", vtep, "seeds", len(all)+len(late), "key_fingerprint", cluster.Fingerprint(cp.key))
 	close(cp.started)
@@ -300,6 +309,7 @@ func (cp *controlPlane) run() {
 // published local records exactly the joined endpoints ("nothing changed
 // on our side" is no reason to skip).
 func (cp *controlPlane) reconcile() {
+	started := cp.c.Load() != nil
 	// The driver logs each repair itself, by network and kind.
 	_, err := cp.d.Reconcile()
 	if err != nil {
@@ -310,6 +320,29 @@ func (cp *controlPlane) reconcile() {
 		c.SyncLocal(mark, localRecords(cp.d))
 		c.SyncDefinitions(mark, cp.d.LocalDefinitions())
 	}
+	if started && err == nil {
+		cp.reconciled.Store(true)
+	}
+}
+
+// ready returns nil when this host is ready to serve containers across
+// hosts, else why not: the control plane runs, has joined the cluster
+// (another member is alive, unless it had nobody to join: the first
+// host), and a reconcile has run since it started (the kernel holds what
+// the cluster said). It takes no lock the gossip or a network holds long.
+func (cp *controlPlane) ready() error {
+	c := cp.c.Load()
+	switch {
+	case c == nil && cp.hasLeft.Load():
+		return errors.New("this host left the cluster (overlayd leave)")
+	case c == nil:
+		return errors.New("the control plane has not started (this host's address, the VTEP, is not known yet)")
+	case cp.hadSeeds.Load() && len(c.SeedAddrs()) < 2:
+		return errors.New("the control plane has not joined the cluster yet (no other member is alive)")
+	case !cp.reconciled.Load():
+		return errors.New("no reconcile has completed since the control plane started")
+	}
+	return nil
 }
 
 // localRecords lists the driver's joined endpoints for the cluster.
@@ -394,6 +427,7 @@ func (cp *controlPlane) leave() (any, error) {
 	c.Shutdown()
 	cp.c.Store(nil)
 	cp.left = true
+	cp.hasLeft.Store(true)
 	if err != nil {
 		return nil, fmt.Errorf("leaving the cluster: %w (the control plane is stopped; the others detect the failure)", err)
 	}

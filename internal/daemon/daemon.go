@@ -1,5 +1,7 @@
 // Package daemon runs overlayd's plugin server: it opens the driver, serves
 // the remote driver API on the plugin socket and shuts down gracefully.
+// With --metrics-addr it also serves Prometheus metrics and the health
+// endpoints (internal/metrics), reading every owner at scrape time.
 package daemon
 
 import (
@@ -8,6 +10,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"net/http"
 	"os"
 	"path/filepath"
 	"time"
@@ -20,7 +23,9 @@ import (
 	"github.com/overlayd/overlayd/encryption"
 	"github.com/overlayd/overlayd/internal/config"
 	"github.com/overlayd/overlayd/internal/control"
+	"github.com/overlayd/overlayd/internal/metrics"
 	"github.com/overlayd/overlayd/internal/netnsutil"
+	"github.com/overlayd/overlayd/internal/nlbatch"
 	"github.com/overlayd/overlayd/internal/statefile"
 	"github.com/overlayd/overlayd/internal/version"
 )
@@ -33,6 +38,18 @@ import (
 func Run(ctx context.Context, st *config.Settings, log *slog.Logger) error {
 	if err := st.CheckHost(); err != nil {
 		return err
+	}
+	// The metrics listener first, so that an address that cannot be
+	// bound is refused before anything is created.
+	var ml net.Listener
+	if st.MetricsAddr != "" {
+		l, err := net.Listen("tcp", st.MetricsAddr)
+		if err != nil {
+			return &config.Invalid{Err: fmt.Errorf("%s %q: cannot listen there: %v; give an IP:port of this host that is free, or leave it unset to serve no metrics",
+				st.Source("metrics-addr"), st.MetricsAddr, err)}
+		}
+		ml = l
+		defer ml.Close()
 	}
 	key, err := loadKey(st, log)
 	if err != nil {
@@ -107,7 +124,7 @@ func Run(ctx context.Context, st *config.Settings, log *slog.Logger) error {
 	}
 	ctl, err := control.Serve(st.ControlSocket, control.Handlers{
 		Status: func() any {
-			r := &StatusReport{Cluster: cp.status(), Driver: d.Status()}
+			r := &StatusReport{Cluster: cp.status(), Driver: d.Status(), Ready: readiness(cp.ready())}
 			if c := cp.c.Load(); c != nil {
 				r.Keys = memberKeys(c)
 			}
@@ -131,6 +148,31 @@ func Run(ctx context.Context, st *config.Settings, log *slog.Logger) error {
 	}
 	defer ctl.Close()
 	g := &gate{d: d, log: log}
+	var msrv *http.Server
+	if ml != nil {
+		m := metrics.New(metrics.Sources{
+			Driver:         d.Status,
+			DriverCounters: d.Counters,
+			Audit:          d.Audit,
+			Cluster:        cp.status,
+			Rotations:      enc.RotationDurations,
+			StateWrites:    db.WriteLatency,
+			Netlink: func() (uint64, uint64, uint64) {
+				c := nlbatch.Sent()
+				return c.Messages, c.Datagrams, c.SendFailures
+			},
+			Ready:   cp.ready,
+			Version: version.String(),
+		})
+		g.observe = m.ObserveCall
+		msrv = &http.Server{Handler: m.Handler(), ReadHeaderTimeout: 10 * time.Second}
+		go func() {
+			if err := msrv.Serve(ml); err != nil && !errors.Is(err, http.ErrServerClosed) {
+				log.Error("metrics server stopped", "addr", st.MetricsAddr, "error", err)
+			}
+		}()
+		log.Info("serving metrics", "addr", ml.Addr().String(), "paths", "/metrics /healthz /readyz")
+	}
 	h := network.NewHandler(g)
 	served := make(chan error, 1)
 	go func() { served <- h.Serve(l) }()
@@ -169,6 +211,9 @@ func Run(ctx context.Context, st *config.Settings, log *slog.Logger) error {
 		runErr = fmt.Errorf("control socket server stopped: %w", err)
 	}
 	log.Info("shutting down: no new calls, waiting for calls in flight")
+	if msrv != nil {
+		msrv.Close()
+	}
 	l.Close()
 	g.close()
 	cp.close()

@@ -15,11 +15,14 @@ var errShuttingDown = errors.New("overlayd is shutting down")
 // for the calls in flight (dockerd keeps its connections open, so closing the
 // listener alone does not stop requests).
 type gate struct {
-	d      network.Driver
-	log    *slog.Logger
-	mu     sync.Mutex
-	closed bool           // guarded by mu
-	wg     sync.WaitGroup // calls in flight
+	d   network.Driver
+	log *slog.Logger
+	// observe, if set, is told of every call as it ends (the metrics);
+	// it must not block.
+	observe func(method string, err error, took time.Duration)
+	mu      sync.Mutex
+	closed  bool           // guarded by mu
+	wg      sync.WaitGroup // calls in flight
 }
 
 func (g *gate) enter() error {
@@ -48,6 +51,9 @@ func call[Req, Resp any](g *gate, name string, fn func(Req) (Resp, error), req R
 	defer g.wg.Done()
 	start := time.Now()
 	resp, err := fn(req)
+	if g.observe != nil {
+		g.observe(name, err, time.Since(start))
+	}
 	if err != nil {
 		g.log.Warn("plugin call failed", "method", name, "error", err, "duration", time.Since(start))
 	} else {
@@ -62,11 +68,7 @@ func call0[Req any](g *gate, name string, fn func(Req) error, req Req) error {
 }
 
 func (g *gate) GetCapabilities() (*network.CapabilitiesResponse, error) {
-	if err := g.enter(); err != nil {
-		return nil, err
-	}
-	defer g.wg.Done()
-	return g.d.GetCapabilities()
+	return call(g, "GetCapabilities", func(struct{}) (*network.CapabilitiesResponse, error) { return g.d.GetCapabilities() }, struct{}{})
 }
 func (g *gate) CreateNetwork(r *network.CreateNetworkRequest) error {
 	return call0(g, "CreateNetwork", g.d.CreateNetwork, r)

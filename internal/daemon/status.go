@@ -16,6 +16,8 @@ import (
 // StatusReport is what `overlayd status` shows: the control plane's view
 // (this node, members) and the driver's (networks, endpoints, peers).
 type StatusReport struct {
+	// Ready is what /readyz answers: "ready", or "not ready: " and why.
+	Ready   string            `json:"ready"`
 	Cluster *cluster.Status   `json:"cluster,omitempty"`
 	Keys    map[string]string `json:"member_keys,omitempty"` // key epochs each member advertises
 	Driver  driver.Status     `json:"driver"`
@@ -27,6 +29,9 @@ type StatusReport struct {
 // a block in renderNetwork for something per network.
 func (r *StatusReport) Render(w io.Writer) {
 	stale := r.staleVTEPs()
+	if r.Ready != "" {
+		fmt.Fprintf(w, "Readiness: %s\n", r.Ready)
+	}
 	r.renderNode(w)
 	r.renderMembers(w)
 	r.renderKeys(w)
@@ -43,6 +48,14 @@ func (r *StatusReport) renderNode(w io.Writer) {
 	n := c.Node
 	fmt.Fprintf(w, "Node %s: gossip %s:%d (advertised %s:%d), VTEP %s, key %s, label %q, records published %d\n",
 		n.Name, n.BindAddr, n.BindPort, n.AdvertiseAddr, n.AdvertisePort, n.VTEP, n.KeyFingerprint, n.Label, r.ownRecords())
+}
+
+// readiness renders the control plane's readiness as /readyz does.
+func readiness(err error) string {
+	if err != nil {
+		return "not ready: " + err.Error()
+	}
+	return "ready"
 }
 
 // ownRecords is the number of records this node publishes.

@@ -2,6 +2,7 @@ package daemon
 
 import (
 	"bytes"
+	"errors"
 	"net/netip"
 	"strings"
 	"testing"
@@ -82,4 +83,22 @@ func line(out, s string) string {
 		}
 	}
 	return ""
+}
+
+// Readiness is the first line of the status, as /readyz says it, and a
+// control plane that has not started (or has left) is not ready, with why.
+func TestReadiness(t *testing.T) {
+	var b bytes.Buffer
+	(&StatusReport{Ready: readiness(errors.New("no reconcile has completed since the control plane started"))}).Render(&b)
+	if first, _, _ := strings.Cut(b.String(), "\n"); first != "Readiness: not ready: no reconcile has completed since the control plane started" {
+		t.Errorf("first line %q", first)
+	}
+	cp := &controlPlane{}
+	if err := cp.ready(); err == nil || !strings.Contains(err.Error(), "has not started") {
+		t.Errorf("not started: %v", err)
+	}
+	cp.hasLeft.Store(true)
+	if err := cp.ready(); err == nil || !strings.Contains(err.Error(), "left the cluster") {
+		t.Errorf("left: %v", err)
+	}
 }

@@ -22,6 +22,7 @@ import (
 	"fmt"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/overlayd/overlayd/internal/netnsutil"
@@ -280,6 +281,23 @@ func (c *Conn) result(failed []OpError, total int) error {
 	return &Error{Failed: failed, Total: total}
 }
 
+// Process-wide counts of what every Conn sent: the kernel work peer
+// programming costs, read by the metrics at scrape time. Package-level
+// because Conns come and go with sandboxes while the totals must not.
+var sentMessages, sentDatagrams, sendFailures atomic.Uint64
+
+// Counts are the totals of every Conn since the process started.
+type Counts struct {
+	Messages     uint64 // requests the kernel accepted in a datagram
+	Datagrams    uint64 // datagrams sent (a batch each)
+	SendFailures uint64 // datagrams the kernel refused as a whole
+}
+
+// Sent returns what every Conn has sent so far.
+func Sent() Counts {
+	return Counts{Messages: sentMessages.Load(), Datagrams: sentDatagrams.Load(), SendFailures: sendFailures.Load()}
+}
+
 func (c *Conn) nextSeq() uint32 {
 	c.seq++
 	return c.seq
@@ -306,12 +324,15 @@ func (c *Conn) flush(lastMsg int, fail func(int, error)) {
 	clear(c.seen)
 
 	if err := c.send(c.sbuf); err != nil {
+		sendFailures.Add(1)
 		// The kernel refused the datagram as a whole: nothing was applied.
 		for _, i := range c.idx {
 			fail(i, err)
 		}
 		return
 	}
+	sentMessages.Add(uint64(n))
+	sentDatagrams.Add(1)
 	lost := c.collect(first, n)
 	for p, i := range c.idx {
 		switch {

@@ -18,6 +18,8 @@ import (
 	"time"
 
 	bolt "go.etcd.io/bbolt"
+
+	"github.com/overlayd/overlayd/internal/latency"
 )
 
 // SchemaVersion is the version of the file's layout.
@@ -68,7 +70,13 @@ type State struct {
 type File struct {
 	db   *bolt.DB
 	path string
+	// writes times every write transaction (bbolt fsyncs each one): the
+	// figure that tells a slow disk from a slow plugin call.
+	writes latency.Recorder
 }
+
+// WriteLatency returns how long the write transactions took so far.
+func (s *File) WriteLatency() latency.Snapshot { return s.writes.Snapshot() }
 
 // CorruptError says the state file cannot be read. The daemon refuses to
 // start rather than dropping networks silently.
@@ -301,7 +309,10 @@ func (s *File) update(what string, fn func(*bolt.Tx) error) (err error) {
 			err = &CorruptError{Path: s.path, Err: fmt.Errorf("%v", r)}
 		}
 	}()
-	if err := s.db.Update(fn); err != nil {
+	start := time.Now()
+	err = s.db.Update(fn)
+	s.writes.Observe(time.Since(start))
+	if err != nil {
 		return fmt.Errorf("failed to save %s to %s: %w", what, s.path, err)
 	}
 	return nil

@@ -80,6 +80,9 @@ type host struct {
 	swarm  bool
 	logs   *logbuf.Buffer
 	plugin *http.Client
+	// metricsAddr, if set, is given as --metrics-addr (an address in the
+	// host's namespace: loopback).
+	metricsAddr string
 }
 
 func (h *host) socket() string  { return filepath.Join(h.dir, "overlayd.sock") }
@@ -99,6 +102,9 @@ func startHost(t *testing.T, h *host, keyFile string, join []string) {
 	}
 	if len(join) > 0 {
 		args = append(args, "--join", strings.Join(join, ","))
+	}
+	if h.metricsAddr != "" {
+		args = append(args, "--metrics-addr", h.metricsAddr)
 	}
 	h.logs = &logbuf.Buffer{}
 	h.cmd = exec.Command("nsenter", args...)
@@ -219,6 +225,13 @@ func (h *host) neighbours(t *testing.T) (map[string]string, map[string]string) {
 // first, and creates the test network on every one.
 func startCluster(t *testing.T, n int) []*host {
 	t.Helper()
+	return startClusterWith(t, n, nil)
+}
+
+// startClusterWith is startCluster with prep called on each host before
+// it starts.
+func startClusterWith(t *testing.T, n int, prep func(*host)) []*host {
+	t.Helper()
 	nsHosts, vteps := nstest.Hosts(t, n, false)
 	keyFile := filepath.Join(t.TempDir(), "cluster.key")
 	key := make([]byte, 32)
@@ -231,6 +244,9 @@ func startCluster(t *testing.T, n int) []*host {
 	var hosts []*host
 	for i := range nsHosts {
 		h := &host{name: fmt.Sprintf("host%d", i), ns: nsHosts[i], vtep: vteps[i], dir: t.TempDir(), netnsDir: nstest.NetnsDir(t)}
+		if prep != nil {
+			prep(h)
+		}
 		var join []string
 		if i > 0 {
 			join = []string{vteps[0].String()}

@@ -1,0 +1,128 @@
+package metrics
+
+import (
+	"errors"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/overlayd/overlayd/driver"
+	"github.com/overlayd/overlayd/internal/cluster"
+)
+
+func get(t *testing.T, h http.Handler, path string) (int, string) {
+	t.Helper()
+	rec := httptest.NewRecorder()
+	h.ServeHTTP(rec, httptest.NewRequest(http.MethodGet, path, nil))
+	body, _ := io.ReadAll(rec.Result().Body)
+	return rec.Code, string(body)
+}
+
+// /readyz answers what Sources.Ready says, with the reason when not
+// ready; /healthz is 200 regardless; overlayd_ready agrees.
+func TestHealthEndpoints(t *testing.T) {
+	var notReady error = errors.New("the control plane has not joined the cluster yet")
+	m := New(Sources{Ready: func() error { return notReady }})
+	h := m.Handler()
+	if code, body := get(t, h, "/healthz"); code != 200 || body != "ok\n" {
+		t.Errorf("/healthz: %d %q", code, body)
+	}
+	if code, body := get(t, h, "/readyz"); code != 503 || !strings.Contains(body, "has not joined") {
+		t.Errorf("/readyz when not ready: %d %q, want 503 with the reason", code, body)
+	}
+	if text := scrapeText(t, m); !strings.Contains(text, "\noverlayd_ready 0\n") {
+		t.Errorf("overlayd_ready is not 0 when not ready:\n%s", text)
+	}
+	notReady = nil
+	if code, body := get(t, h, "/readyz"); code != 200 || body != "ready\n" {
+		t.Errorf("/readyz when ready: %d %q", code, body)
+	}
+	if text := scrapeText(t, m); !strings.Contains(text, "\noverlayd_ready 1\n") {
+		t.Errorf("overlayd_ready is not 1 when ready")
+	}
+}
+
+// Each Metrics has its own registry: two in one process do not collide,
+// and a call counted in one is not in the other.
+func TestRegistriesArePrivate(t *testing.T) {
+	a, b := New(Sources{}), New(Sources{})
+	a.ObserveCall("Join", nil, time.Millisecond)
+	a.ObserveCall("Join", errors.New("no such endpoint"), time.Millisecond)
+	ta, tb := scrapeText(t, a), scrapeText(t, b)
+	for _, want := range []string{
+		`overlayd_plugin_calls_total{method="Join",outcome="ok"} 1`,
+		`overlayd_plugin_calls_total{method="Join",outcome="error"} 1`,
+		`overlayd_plugin_call_duration_seconds_count{method="Join"} 2`,
+	} {
+		if !strings.Contains(ta, want+"\n") {
+			t.Errorf("a lacks %s", want)
+		}
+	}
+	if !strings.Contains(tb, `overlayd_plugin_calls_total{method="Join",outcome="ok"} 0`+"\n") {
+		t.Errorf("b counted a's call")
+	}
+}
+
+// The collector reads the owners at scrape time: per-VNI series exist from
+// zero for every VNI of every network, peers split by state, members by
+// state, and a control plane not started reads as overlayd_gossip_up 0.
+func TestCollectorReadsOwners(t *testing.T) {
+	st := driver.Status{Networks: []driver.NetworkStatus{{
+		ID: "n1", VNIs: []uint32{300, 301},
+		Endpoints:   []driver.EndpointStatus{{ID: "e1", VNI: 300, Joined: true}, {ID: "e2", VNI: 300}},
+		RemotePeers: []driver.PeerStatus{{VNI: 300, Active: true}, {VNI: 300, Active: true}, {VNI: 300}},
+		Conflicts:   []driver.ConflictStatus{{VNI: 300}},
+	}}}
+	var cs *cluster.Status
+	m := New(Sources{Driver: func() driver.Status { return st }, Cluster: func() *cluster.Status { return cs }})
+	text := scrapeText(t, m)
+	for _, want := range []string{
+		`overlayd_networks 1`,
+		`overlayd_endpoints{state="joined",vni="300"} 1`,
+		`overlayd_endpoints{state="created",vni="300"} 1`,
+		`overlayd_endpoints{state="joined",vni="301"} 0`,
+		`overlayd_remote_peers{state="active",vni="300"} 2`,
+		`overlayd_remote_peers{state="shadowed",vni="300"} 1`,
+		`overlayd_address_conflicts{vni="300"} 1`,
+		`overlayd_gossip_up 0`,
+	} {
+		if !strings.Contains(text, want+"\n") {
+			t.Errorf("scrape lacks %s", want)
+		}
+	}
+	cs = &cluster.Status{Members: []cluster.MemberStatus{{State: cluster.StateAlive}, {State: cluster.StateAlive}, {State: cluster.StateDead}},
+		Dropped: map[cluster.DropReason]uint64{cluster.DropGossipAuth: 4}}
+	text = scrapeText(t, m)
+	for _, want := range []string{
+		`overlayd_gossip_up 1`,
+		`overlayd_gossip_members{state="alive"} 2`,
+		`overlayd_gossip_members{state="dead"} 1`,
+		`overlayd_gossip_members{state="suspect"} 0`,
+		`overlayd_gossip_dropped_total{reason="gossip_auth_failed"} 4`,
+	} {
+		if !strings.Contains(text, want+"\n") {
+			t.Errorf("scrape lacks %s", want)
+		}
+	}
+}
+
+func scrapeText(t *testing.T, m *Metrics) string {
+	t.Helper()
+	code, body := get(t, m.Handler(), "/metrics")
+	if code != 200 {
+		t.Fatalf("/metrics: %d %s", code, body)
+	}
+	return body
+}
+
+// BenchmarkObserveCall is what the metrics add to each plugin call (a Join
+// takes about a millisecond: BenchmarkJoinLater in package driver).
+func BenchmarkObserveCall(b *testing.B) {
+	m := New(Sources{})
+	for b.Loop() {
+		m.ObserveCall("Join", nil, time.Millisecond)
+	}
+}
