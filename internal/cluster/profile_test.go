@@ -77,11 +77,11 @@ func failures(nodes []*node) (total uint64, detail string) {
 // without leaving, its relay gone: nothing answers) is declared dead by
 // every other host within 15 s, and it is the only death.
 //
-// The impaired phase lasts 60 s; OVERLAYD_IMPAIR_DURATION (a duration,
+// The impaired phase lasts 90 s; OVERLAYD_IMPAIR_DURATION (a duration,
 // like 10m) lengthens it for the measurement the issue asks for. The lan
-// profile fails this test (false deaths within a minute).
+// profile fails this test (it measured 1 false death in 58 s).
 func TestWANProfileHoldsOnImpairedUnderlay(t *testing.T) {
-	dur := 60 * time.Second
+	dur := 90 * time.Second
 	if v := os.Getenv("OVERLAYD_IMPAIR_DURATION"); v != "" {
 		d, err := time.ParseDuration(v)
 		if err != nil {

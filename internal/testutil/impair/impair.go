@@ -9,10 +9,16 @@
 // memberlist sends real datagrams and streams through the kernel; the
 // node advertises the relay's address, so every packet and stream towards
 // it crosses its relay once, and a round trip crosses two relays (one
-// each way). Loss applies to UDP only (probes, acks, gossip): on TCP
-// (push/pull, fallback probes, our large messages) a loss is a
-// retransmission, i.e. more delay, which the fixed delay already covers
-// in kind.
+// each way).
+//
+// A stream (push/pull, memberlist's fallback TCP probe, large messages)
+// crosses one relay, which plays both directions of the link: the
+// handshake costs a round trip before the first byte goes on (a lost SYN
+// or SYN-ACK one more second, Linux's initial retransmission timeout),
+// every chunk is delayed by the one-way delay, and a lost chunk by a
+// retransmission timeout more (200 ms plus a round trip), as TCP makes a
+// lost segment late, never missing. Without this a fallback TCP probe
+// would answer in one round trip and hide what the UDP loss does.
 package impair
 
 import (
@@ -95,7 +101,7 @@ func (r *Relay) udpLoop() {
 			return // closed
 		}
 		to := r.target.Load()
-		if to == nil || rand.Float64() < r.loss {
+		if to == nil || r.lost() {
 			r.Dropped.Add(1)
 			continue
 		}
@@ -115,24 +121,48 @@ func (r *Relay) acceptLoop() {
 		if err != nil {
 			return
 		}
-		to := r.tcpTo.Load()
-		if to == nil {
-			in.Close()
-			continue
-		}
-		out, err := net.DialTimeout("tcp", *to, 5*time.Second)
-		if err != nil {
-			in.Close()
-			continue
-		}
-		if !r.track(in, out) {
-			return
-		}
-		r.wg.Add(2)
-		go r.pipe(out, in)
-		go r.pipe(in, out)
+		r.wg.Add(1)
+		go r.relayStream(in)
 	}
 }
+
+// relayStream plays the handshake (a round trip, a second more per lost
+// SYN or SYN-ACK), then pipes both ways.
+func (r *Relay) relayStream(in net.Conn) {
+	defer r.wg.Done()
+	to := r.tcpTo.Load()
+	if to == nil {
+		in.Close()
+		return
+	}
+	handshake := 2 * r.delay
+	for range 2 { // SYN, SYN-ACK
+		if r.lost() {
+			handshake += time.Second
+		}
+	}
+	t := time.NewTimer(handshake) // the emulated link, not synchronisation
+	select {
+	case <-t.C:
+	case <-r.done:
+		t.Stop()
+		in.Close()
+		return
+	}
+	out, err := net.DialTimeout("tcp", *to, 5*time.Second)
+	if err != nil {
+		in.Close()
+		return
+	}
+	if !r.track(in, out) {
+		return
+	}
+	r.wg.Add(2)
+	go r.pipe(out, in)
+	go r.pipe(in, out)
+}
+
+func (r *Relay) lost() bool { return rand.Float64() < r.loss }
 
 // track registers the connections for Close; false if closing.
 func (r *Relay) track(cs ...net.Conn) bool {
@@ -157,17 +187,28 @@ type chunk struct {
 	due time.Time
 }
 
-// pipe copies src to dst, each chunk delay after it was read, in order.
+// pipe copies src to dst, each chunk delay after it was read (a lost one
+// a retransmission timeout later), in order.
 func (r *Relay) pipe(dst, src net.Conn) {
 	defer r.wg.Done()
 	q := make(chan chunk, 1024)
+	rto := 200*time.Millisecond + 2*r.delay
 	go func() {
 		defer close(q)
 		buf := make([]byte, 32<<10)
+		var last time.Time
 		for {
 			n, err := src.Read(buf)
 			if n > 0 {
-				q <- chunk{append([]byte(nil), buf[:n]...), time.Now().Add(r.delay)}
+				due := time.Now().Add(r.delay)
+				if r.lost() {
+					due = due.Add(rto)
+				}
+				if due.Before(last) {
+					due = last // in order: TCP holds back what follows a lost segment
+				}
+				last = due
+				q <- chunk{append([]byte(nil), buf[:n]...), due}
 			}
 			if err != nil {
 				return
