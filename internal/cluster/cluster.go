@@ -181,7 +181,7 @@ func New(cfg Config) (*Cluster, error) {
 	c.start(c.joiner.run)
 	c.log.Info("gossip started", "node", cfg.NodeName, "bind", netip.AddrPortFrom(cfg.BindAddr, uint16(cfg.BindPort)),
 		"advertise", netip.AddrPortFrom(cfg.AdvertiseAddr, uint16(cfg.AdvertisePort)), "vtep", cfg.VTEP,
-		"key", Fingerprint(cfg.Key), "seeds", cfg.Seeds)
+		"key", Fingerprint(cfg.Key), "seeds", cfg.Seeds, "gossip_profile", cfg.Profile.String())
 	return c, nil
 }
 

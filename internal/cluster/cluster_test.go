@@ -385,6 +385,8 @@ func TestConfigValidation(t *testing.T) {
 		"no watcher":    func(c *Config) { c.Watcher = nil },
 		"bad vtep":      func(c *Config) { c.VTEP = netip.MustParseAddr("224.0.0.1") },
 		"probe timeout": func(c *Config) { c.ProbeTimeout = time.Second },
+		"bad profile":   func(c *Config) { c.Profile = Profile{Name: "metro"} },
+		"wan timeout":   func(c *Config) { c.Profile = Profile{Name: "wan", ProbeTimeout: 2 * time.Second} },
 	} {
 		cfg := base()
 		mod(&cfg)

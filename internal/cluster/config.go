@@ -70,10 +70,16 @@ type Config struct {
 	// advertise.
 	Transport memberlist.Transport
 
-	// Timing. The defaults (see DefaultConfig) are for a LAN: they detect
-	// a dead node in about 2-3.5 s with 50 nodes (under 5 s in the worst
-	// case measured) and leave a suspected node at least 0.9 s (3 nodes) to
-	// 1.5 s (50 nodes) to refute, which a busy host does easily.
+	// Profile: the failure detector's and gossip's timings (LANProfile,
+	// WANProfile or ParseProfile's explicit timings); the zero Profile is
+	// LANProfile, and its zero fields take its base's values. The timing
+	// fields below, when set, win over it (tests tune single timings).
+	Profile Profile
+
+	// Timing. The defaults (see DefaultConfig) are LANProfile's: they
+	// detect a dead node in about 2-3.5 s with 50 nodes (under 5 s in the
+	// worst case measured) and leave a suspected node at least 0.9 s (3
+	// nodes) to 1.5 s (50 nodes) to refute, which a busy host does easily.
 
 	// ProbeInterval: each node probes one other node per interval
 	// (memberlist SWIM). Default 300 ms.
@@ -221,19 +227,34 @@ func (c *Config) normalize() error {
 		return errors.New("cluster: label longer than 255 bytes")
 	}
 	setDefault(&c.TombstoneTTL, DefaultTombstoneTTL)
-	setDefault(&c.ProbeInterval, DefaultProbeInterval)
-	setDefault(&c.ProbeTimeout, DefaultProbeTimeout)
-	setDefault(&c.SuspicionMult, DefaultSuspicionMult)
-	setDefault(&c.SuspicionMaxTimeoutMult, DefaultSuspicionMaxTimeoutMult)
-	setDefault(&c.GossipInterval, DefaultGossipInterval)
+	base := LANProfile
+	if c.Profile.Name == "wan" {
+		base = WANProfile
+	}
+	setDefault(&c.Profile.Name, base.Name)
+	setDefault(&c.Profile.ProbeInterval, base.ProbeInterval)
+	setDefault(&c.Profile.ProbeTimeout, base.ProbeTimeout)
+	setDefault(&c.Profile.SuspicionMult, base.SuspicionMult)
+	setDefault(&c.Profile.SuspicionMaxTimeoutMult, base.SuspicionMaxTimeoutMult)
+	setDefault(&c.Profile.GossipInterval, base.GossipInterval)
+	setDefault(&c.Profile.PushPullInterval, base.PushPullInterval)
+	setDefault(&c.Profile.TCPTimeout, base.TCPTimeout)
+	if err := c.Profile.validate(); err != nil {
+		return fmt.Errorf("cluster: gossip profile: %w", err)
+	}
+	setDefault(&c.ProbeInterval, c.Profile.ProbeInterval)
+	setDefault(&c.ProbeTimeout, c.Profile.ProbeTimeout)
+	setDefault(&c.SuspicionMult, c.Profile.SuspicionMult)
+	setDefault(&c.SuspicionMaxTimeoutMult, c.Profile.SuspicionMaxTimeoutMult)
+	setDefault(&c.GossipInterval, c.Profile.GossipInterval)
 	setDefault(&c.GossipNodes, DefaultGossipNodes)
-	setDefault(&c.PushPullInterval, DefaultPushPullInterval)
+	setDefault(&c.PushPullInterval, c.Profile.PushPullInterval)
 	setDefault(&c.DigestInterval, DefaultDigestInterval)
 	setDefault(&c.DigestMaxInterval, DefaultDigestMaxInterval)
 	c.DigestMaxInterval = max(c.DigestMaxInterval, c.DigestInterval)
 	setDefault(&c.ReconnectInterval, DefaultReconnectInterval)
 	setDefault(&c.ReconnectTimeout, DefaultReconnectTimeout)
-	setDefault(&c.TCPTimeout, DefaultTCPTimeout)
+	setDefault(&c.TCPTimeout, c.Profile.TCPTimeout)
 	setDefault(&c.RestartGrace, DefaultRestartGrace)
 	setDefault(&c.FailedGrace, DefaultFailedGrace)
 	c.FailedGrace = max(c.FailedGrace, 0)
@@ -253,6 +274,7 @@ func (c *Config) normalize() error {
 // zero Config means the same); callers set the identity, key and Watcher.
 func DefaultConfig() Config {
 	return Config{
+		Profile:                 LANProfile,
 		BindPort:                DefaultPort,
 		Label:                   DefaultLabel,
 		TombstoneTTL:            DefaultTombstoneTTL,
@@ -276,7 +298,7 @@ func DefaultConfig() Config {
 
 // memberlistConfig builds memberlist's configuration.
 func (c *Config) memberlistConfig(d *delegate, logw *mlLogWriter) *memberlist.Config {
-	mc := memberlist.DefaultLANConfig()
+	mc := c.Profile.baseMemberlistConfig()
 	mc.Name = c.NodeName
 	mc.BindAddr = c.BindAddr.String()
 	mc.BindPort = c.BindPort
@@ -294,7 +316,9 @@ func (c *Config) memberlistConfig(d *delegate, logw *mlLogWriter) *memberlist.Co
 	mc.SuspicionMaxTimeoutMult = c.SuspicionMaxTimeoutMult
 	mc.GossipInterval = c.GossipInterval
 	mc.GossipNodes = c.GossipNodes
-	mc.GossipToTheDeadTime = 30 * time.Second
+	if c.Profile.Name != "wan" {
+		mc.GossipToTheDeadTime = 30 * time.Second // the WAN config's is 60 s
+	}
 	mc.PushPullInterval = c.PushPullInterval
 	mc.TCPTimeout = c.TCPTimeout
 	mc.DeadNodeReclaimTime = deadNodeReclaimTime

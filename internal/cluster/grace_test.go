@@ -100,7 +100,14 @@ func memberState(c *Cluster, name string) MemberState {
 // waitDead waits until every observer has declared name dead.
 func waitDead(t *testing.T, obs []*node, name string) {
 	t.Helper()
-	waitFor(t, 15*time.Second, name+" declared dead", func() (bool, string) {
+	waitDeadWithin(t, 15*time.Second, obs, name)
+}
+
+// waitDeadWithin waits until every observer has declared name dead, at
+// most timeout, and returns how long that took.
+func waitDeadWithin(t *testing.T, timeout time.Duration, obs []*node, name string) time.Duration {
+	t.Helper()
+	return waitFor(t, timeout, name+" declared dead by every observer", func() (bool, string) {
 		for _, o := range obs {
 			if s := memberState(o.c, name); s != StateDead {
 				return false, fmt.Sprintf("%s sees %s", o.name, s)

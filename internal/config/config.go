@@ -18,6 +18,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/overlayd/overlayd/internal/cluster"
 	"github.com/overlayd/overlayd/internal/sandbox"
 	"github.com/overlayd/overlayd/internal/suggest"
 )
@@ -38,6 +39,8 @@ type Settings struct {
 	SecretFile    string   // "": <state-dir>/cluster.key, generated on first start
 	ControlSocket string
 	NodeName      string
+	// GossipProfile: the failure detector's timings (--gossip-profile).
+	GossipProfile cluster.Profile
 	// KeyRotationInterval is how often the encryption keys rotate (0: never
 	// by timer; `overlayd keys rotate` still works).
 	KeyRotationInterval time.Duration
@@ -98,6 +101,7 @@ var settings = []setting{
 	{"secret-file", "OVERLAYD_SECRET_FILE", "", "file holding the cluster key, mode 0600 or 0400; when given it must exist; default: <state-dir>/cluster.key, generated on first start"},
 	{"control-socket", "OVERLAYD_CONTROL_SOCKET", DefaultControlSocket, "local control socket for `overlayd status` (mode 0600)"},
 	{"node-name", "OVERLAYD_NODE_NAME", "", "this host's name in the cluster; default: the hostname"},
+	{"gossip-profile", "OVERLAYD_GOSSIP_PROFILE", "lan", "gossip timings: lan (one site: detects a dead host in 2-5 s), wan (racks, zones, sites: tolerates loss and 100 ms+ round trips, detects in 6-10 s), or explicit, like wan,probe-timeout=800ms (keys: probe-interval, probe-timeout, suspicion-mult, suspicion-max-mult, gossip-interval, push-pull-interval)"},
 	{"key-rotation-interval", "OVERLAYD_KEY_ROTATION_INTERVAL", "12h", "how often encrypted networks' keys rotate cluster-wide (0: only by `overlayd keys rotate`)"},
 	{"metrics-addr", "OVERLAYD_METRICS_ADDR", "", "IP:port serving Prometheus /metrics, /healthz and /readyz over HTTP (like 127.0.0.1:9447); default: not served"},
 }
@@ -290,6 +294,13 @@ func Parse(args []string, getenv func(string) string) (*Settings, error) {
 		st.NodeName = h
 	} else if len(st.NodeName) > 128 || strings.ContainsAny(st.NodeName, " \t\n/") {
 		errs = append(errs, fmt.Errorf("%s %q: must be at most 128 characters without spaces or slashes", src, st.NodeName))
+	}
+	if v, src := get("gossip-profile"); v != "" {
+		p, err := cluster.ParseProfile(v)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("%s %q: %v; allowed: %s", src, v, err, cluster.ProfileSyntax))
+		}
+		st.GossipProfile = p
 	}
 	if v, src := get("key-rotation-interval"); v != "" {
 		d, err := time.ParseDuration(v)

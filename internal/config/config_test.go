@@ -224,3 +224,42 @@ func TestUnknownEnvWarnsWithSuggestion(t *testing.T) {
 		t.Errorf("UnknownEnv:\n%s\nwant:\n%s", strings.Join(got, "\n"), strings.Join(want, "\n"))
 	}
 }
+
+// --gossip-profile: lan by default, wan by name, explicit timings on a
+// base; a bad value is refused in one line naming the setting, the key and
+// what is allowed.
+func TestGossipProfile(t *testing.T) {
+	st, err := Parse(nil, env(nil))
+	if err != nil || st.GossipProfile.Name != "lan" || st.GossipProfile.ProbeTimeout != 150*time.Millisecond {
+		t.Fatalf("default gossip profile: %+v %v", st.GossipProfile, err)
+	}
+	st, err = Parse(nil, env(map[string]string{"OVERLAYD_GOSSIP_PROFILE": "wan"}))
+	if err != nil || st.GossipProfile.Name != "wan" || st.GossipProfile.ProbeInterval != time.Second {
+		t.Fatalf("wan: %+v %v", st.GossipProfile, err)
+	}
+	st, err = Parse([]string{"--gossip-profile", "wan,probe-timeout=800ms,suspicion-mult=5"}, env(nil))
+	if err != nil || st.GossipProfile.ProbeTimeout != 800*time.Millisecond || st.GossipProfile.SuspicionMult != 5 ||
+		st.GossipProfile.ProbeInterval != time.Second || st.GossipProfile.String() != "wan,probe-timeout=800ms,suspicion-mult=5" {
+		t.Fatalf("explicit: %+v %v", st.GossipProfile, err)
+	}
+	st, err = Parse([]string{"--gossip-profile", "probe-interval=500ms"}, env(nil))
+	if err != nil || st.GossipProfile.Name != "lan" || st.GossipProfile.ProbeInterval != 500*time.Millisecond {
+		t.Fatalf("explicit without base: %+v %v", st.GossipProfile, err)
+	}
+	for _, c := range []struct{ val, want string }{
+		{"metro", `--gossip-profile "metro": unknown profile "metro": the profiles are lan and wan`},
+		{"wan,probe=1s", `unknown timing "probe" (keys: probe-interval,`},
+		{"wan,probe-timeout", `"probe-timeout" is not key=value`},
+		{"wan,probe-timeout=1s", "probe-timeout 1s: must be shorter than probe-interval (1s)"},
+		{"lan,probe-interval=fast", `probe-interval "fast": must be a duration like 500ms`},
+		{"lan,suspicion-mult=0", "suspicion-mult 0: must be from 1 to 20"},
+		{"lan,gossip-interval=1ms", "gossip-interval 1ms: must be from 10ms to 10s"},
+		{"lan,suspicion-mult=3,suspicion-mult=4", "suspicion-mult given twice"},
+	} {
+		_, err := Parse([]string{"--gossip-profile", c.val}, env(nil))
+		if err == nil || !strings.Contains(err.Error(), c.want) || !strings.Contains(err.Error(), "allowed: lan, wan") ||
+			strings.Contains(err.Error(), "\n") {
+			t.Errorf("--gossip-profile %q: %v, want one line containing %q", c.val, err, c.want)
+		}
+	}
+}

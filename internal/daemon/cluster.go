@@ -230,6 +230,7 @@ func (cp *controlPlane) tryStart() {
 		AdvertiseAddr:    bind,
 		VTEP:             vtep,
 		Key:              cp.key,
+		Profile:          cp.st.GossipProfile,
 		Seeds:            all,
 		Watcher:          cp.d,
 		Logger:           cp.log,
