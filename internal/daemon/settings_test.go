@@ -146,32 +146,23 @@ func TestServingLineSaysWhatIsKnown(t *testing.T) {
 		t.Fatalf("%v; log:\n%s", err, r.logs)
 	}
 	logs := r.logs.String()
-	serving := lineWith(logs, `msg="overlayd serving"`)
+	serving := line(logs, `msg="overlayd serving"`)
 	if serving == "" || strings.Contains(serving, `vtep=""`) || !strings.Contains(serving, `vtep="unknown yet"`) || !strings.Contains(serving, "version=") {
 		t.Errorf("serving line %q: want the version and vtep=\"unknown yet\"", serving)
 	}
-	if w := lineWith(logs, "the control plane waits"); !strings.Contains(w, "default route") || !strings.Contains(w, "--advertise-addr") {
+	if w := line(logs, "the control plane waits"); !strings.Contains(w, "default route") || !strings.Contains(w, "--advertise-addr") {
 		t.Errorf("waiting line %q does not say what provides the address", w)
 	}
 	nstest.Underlay(t, host.NL, netip.MustParsePrefix("192.0.2.1/24"), true)
 	if err := nstest.Eventually(20*time.Second, 50*time.Millisecond, func() error {
 		l := r.logs.String()
-		if !strings.Contains(lineWith(l, "local VTEP settled"), "vtep=192.0.2.1") {
+		if !strings.Contains(line(l, "local VTEP settled"), "vtep=192.0.2.1") {
 			return errors.New("VTEP not logged as settled")
 		}
 		return nil
 	}); err != nil {
 		t.Fatalf("%v; log:\n%s", err, r.logs)
 	}
-}
-
-func lineWith(logs, s string) string {
-	for _, l := range strings.Split(logs, "\n") {
-		if strings.Contains(l, s) {
-			return l
-		}
-	}
-	return ""
 }
 
 // A control plane that cannot start (here: its gossip port is taken) is
