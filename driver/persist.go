@@ -150,7 +150,7 @@ func (d *Driver) restore() error {
 		} else if len(fixed) > 0 {
 			d.log.Info("restored the bridge ports of an adopted sandbox", "network", n.id, "corrected", len(fixed), "first", fixed[0])
 		}
-		d.log.Info("network restored", "network", n.id, "vnis", formatVNIs(n.vnis()), "joined", n.joined)
+		d.log.Info("network restored", logkeys.Event, logkeys.NetworkRestored, logkeys.Network, n.id, logkeys.VNIs, formatVNIs(n.vnis()), "joined", n.joined)
 	}
 	// Every network's share, before dockerd can call: the encryption
 	// owner keeps what the earlier run programmed until Settle (no peer is

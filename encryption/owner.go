@@ -663,7 +663,7 @@ func (o *Owner) newGenLocked(reason string) {
 	if err := o.persistLocked(); err != nil {
 		o.noteErrLocked(err)
 	}
-	o.log.Info("new send generation", "gen", fmt.Sprintf("%016x", o.gen), "previous", fmt.Sprintf("%016x", old), "reason", reason)
+	o.log.Info("new send generation", logkeys.Event, logkeys.SendGeneration, logkeys.Kind, reason, "gen", fmt.Sprintf("%016x", o.gen), "previous", fmt.Sprintf("%016x", old))
 }
 
 func randomGen(not uint64) uint64 {

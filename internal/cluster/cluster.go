@@ -452,7 +452,7 @@ func (c *Cluster) SetVTEP(v netip.Addr) error {
 	if old == v {
 		return nil
 	}
-	c.log.Info("VTEP changed; records re-published", "from", old, "to", v, "records", n)
+	c.log.Info("VTEP changed; records re-published", logkeys.Event, logkeys.VTEPChanged, logkeys.VTEP, v, logkeys.From, old, logkeys.Count, n)
 	err := c.updateNode()
 	c.wakePublisher() // the deltas follow the metadata
 	if err != nil {

@@ -204,7 +204,7 @@ func (j *joiner) run() {
 				// Once per joining: a further seed joined while already
 				// in the cluster is no news.
 				if wasAlone {
-					c.log.Info("joined the cluster", "seed", a, "members", c.ml.NumMembers())
+					c.log.Info("joined the cluster", logkeys.Event, logkeys.ClusterJoined, logkeys.Addr, a, logkeys.Count, c.ml.NumMembers())
 				} else {
 					c.log.Debug("joined a seed while already in the cluster", "seed", a)
 				}

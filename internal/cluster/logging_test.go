@@ -175,4 +175,9 @@ func TestJoinedTheClusterOnce(t *testing.T) {
 	if n := lc.count("joined the cluster"); n != 1 {
 		t.Errorf("%d 'joined the cluster' lines, want 1: %v", n, lc.lines())
 	}
+	for _, r := range lc.lines() {
+		if r.msg == "joined the cluster" && !strings.Contains(r.attrs, " event=cluster_joined") {
+			t.Errorf("'joined the cluster' without event=cluster_joined: %q", r.attrs)
+		}
+	}
 }

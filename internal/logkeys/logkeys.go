@@ -26,6 +26,10 @@
 //	rotation_step           INFO   step, accept, send, target
 //	reconcile_repair        INFO   kind, count; network, first (kinds sandbox, ports, peers) or trigger, kernel (kind encryption)
 //	encryption_unsupported  WARN   error
+//	vtep_changed            INFO   vtep, from, count      (this host's records re-published with it)
+//	cluster_joined          INFO   addr, count            (the seed that answered, members known)
+//	network_restored        INFO   network, vnis          (from the state file at start)
+//	send_generation         INFO   kind                   (encryption: new outbound SPIs; kind says why)
 package logkeys
 
 // Event is the key whose value names the state change a line reports.
@@ -103,3 +107,16 @@ const (
 // EncryptionUnsupported: the kernel cannot install ESP states, so the
 // traffic of encrypted networks is dropped (never sent in clear).
 const EncryptionUnsupported = "encryption_unsupported"
+
+// Host events: this host's VTEP changed, it joined a cluster (first seed
+// that answered while alone), a network came back from the state file, the
+// encryption owner started a new send generation.
+const (
+	VTEPChanged     = "vtep_changed"
+	ClusterJoined   = "cluster_joined"
+	NetworkRestored = "network_restored"
+	SendGeneration  = "send_generation"
+)
+
+// From is the former value of what an event changes (VTEPChanged).
+const From = "from"
