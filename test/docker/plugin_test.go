@@ -8,6 +8,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -78,8 +79,10 @@ func TestPluginConfig(t *testing.T) {
 	if len(cfg.Entrypoint) == 0 || cfg.Entrypoint[0] != "/bin/overlayd" {
 		t.Errorf("entrypoint %v, want /bin/overlayd", cfg.Entrypoint)
 	}
-	if len(cfg.Interface.Types) != 1 || cfg.Interface.Types[0] != "docker.networkdriver/1.0" {
-		t.Errorf("interface types %v", cfg.Interface.Types)
+	// Both APIs on the one socket: dockerd looks a managed plugin up
+	// for --ipam-driver only if it declares the IPAM interface.
+	if !slices.Equal(cfg.Interface.Types, []string{"docker.networkdriver/1.0", "docker.ipamdriver/1.0"}) {
+		t.Errorf("interface types %v, want docker.networkdriver/1.0 and docker.ipamdriver/1.0", cfg.Interface.Types)
 	}
 	if cfg.Network.Type != "host" {
 		t.Errorf("network type %q, want host (sandboxes' VXLAN sockets and veth host ends live in the host namespace)", cfg.Network.Type)
