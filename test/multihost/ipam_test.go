@@ -325,6 +325,21 @@ func TestIPAMThreeHostsConcurrent(t *testing.T) {
 	}
 }
 
+// ipamHosts starts three hosts, waits until they see each other, and
+// requests pool on each: it returns the hosts, the key file, the PoolID and
+// a ledger of the pool.
+func ipamHosts(t *testing.T, pool string) ([]*host, string, string, *ledger) {
+	t.Helper()
+	nstest.RequireRoot(t)
+	hosts, keyFile := startHosts(t, 3, nil)
+	waitAllAlive(t, hosts)
+	var id string
+	for _, h := range hosts {
+		id, _ = h.requestPool(t, pool)
+	}
+	return hosts, keyFile, id, newLedger(pool)
+}
+
 func countHeldBy(l *ledger, name string) int {
 	l.mu.Lock()
 	defer l.mu.Unlock()
@@ -343,15 +358,7 @@ func countHeldBy(l *ledger, name string) int {
 // cut-off host until it is refused: that refusal says the others cannot
 // be reached, never guessing; and after healing. Never an address twice.
 func TestIPAMPartition(t *testing.T) {
-	nstest.RequireRoot(t)
-	hosts, _ := startHosts(t, 3, nil)
-	waitAllAlive(t, hosts)
-	const pool = "203.0.113.0/24"
-	var id string
-	for _, h := range hosts {
-		id, _ = h.requestPool(t, pool)
-	}
-	l := newLedger(pool)
+	hosts, _, id, l := ipamHosts(t, "203.0.113.0/24")
 	next := make([]int, 3) // next endpoint number per host
 	alloc := func(hi, n int) ([]netip.Addr, []error) {
 		var got []netip.Addr
@@ -496,15 +503,7 @@ func cutGossip(t *testing.T, h *host) func() {
 // back, any other MAC is refused), and nothing handed out before is
 // handed out again, on this host or another.
 func TestIPAMSurvivesSIGKILL(t *testing.T) {
-	nstest.RequireRoot(t)
-	hosts, keyFile := startHosts(t, 3, nil)
-	waitAllAlive(t, hosts)
-	const pool = "127.77.64.0/22"
-	var id string
-	for _, h := range hosts {
-		id, _ = h.requestPool(t, pool)
-	}
-	l := newLedger(pool)
+	hosts, keyFile, id, l := ipamHosts(t, "127.77.64.0/22")
 	for i, h := range hosts {
 		if got, errs, _ := burst(h, i, id, 0, 30, l); len(got) != 30 {
 			t.Fatalf("%s: %d of 30 (%s)", h.name, len(got), errText(errs))
