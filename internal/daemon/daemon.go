@@ -160,7 +160,7 @@ func Run(ctx context.Context, st *config.Settings, log *slog.Logger) error {
 	}
 	defer ctl.Close()
 	g := &gate{d: d, log: log}
-	ia := &ipamAPI{a: alloc}
+	ia := &ipamAPI{a: alloc, log: log.With("component", "ipam")}
 	var msrv *http.Server
 	if ml != nil {
 		m := metrics.New(metrics.Sources{

@@ -3,6 +3,7 @@ package daemon
 import (
 	"context"
 	"errors"
+	"log/slog"
 
 	ipamapi "github.com/docker/go-plugins-helpers/ipam"
 
@@ -20,7 +21,8 @@ const gatewayKey = "com.docker.network.gateway"
 // it only translates between the remote API's strings and the allocator's
 // types; every check and every error text is the allocator's.
 type ipamAPI struct {
-	a *ipam.Allocator
+	a   *ipam.Allocator
+	log *slog.Logger // each request at debug: what dockerd asked (replays included)
 	// refused, if set, is told why each request was refused (the
 	// metrics' counter by reason); it must not block.
 	refused func(reason string)
@@ -55,6 +57,7 @@ func (p *ipamAPI) GetDefaultAddressSpaces(context.Context) (*ipamapi.AddressSpac
 }
 
 func (p *ipamAPI) RequestPool(ctx context.Context, r *ipamapi.RequestPoolRequest) (*ipamapi.RequestPoolResponse, error) {
+	p.log.Debug("ipam request", "call", "RequestPool", "address_space", r.AddressSpace, "pool", r.Pool, "sub_pool", r.SubPool, "v6", r.V6, "options", r.Options)
 	res, err := p.a.RequestPool(ctx, ipam.PoolRequest{AddressSpace: r.AddressSpace, Pool: r.Pool, SubPool: r.SubPool, V6: r.V6, Options: r.Options})
 	if err := p.count(err); err != nil {
 		return nil, err
@@ -67,10 +70,12 @@ func (p *ipamAPI) RequestPool(ctx context.Context, r *ipamapi.RequestPoolRequest
 }
 
 func (p *ipamAPI) ReleasePool(ctx context.Context, r *ipamapi.ReleasePoolRequest) error {
+	p.log.Debug("ipam request", "call", "ReleasePool", "pool_id", r.PoolID)
 	return p.count(p.a.ReleasePool(ctx, r.PoolID))
 }
 
 func (p *ipamAPI) RequestAddress(ctx context.Context, r *ipamapi.RequestAddressRequest) (*ipamapi.RequestAddressResponse, error) {
+	p.log.Debug("ipam request", "call", "RequestAddress", "pool_id", r.PoolID, "address", r.Address, "options", r.Options)
 	addr, err := p.a.RequestAddress(ctx, ipam.AddressRequest{PoolID: r.PoolID, Address: r.Address, Options: r.Options})
 	if err := p.count(err); err != nil {
 		return nil, err
@@ -79,6 +84,7 @@ func (p *ipamAPI) RequestAddress(ctx context.Context, r *ipamapi.RequestAddressR
 }
 
 func (p *ipamAPI) ReleaseAddress(ctx context.Context, r *ipamapi.ReleaseAddressRequest) error {
+	p.log.Debug("ipam request", "call", "ReleaseAddress", "pool_id", r.PoolID, "address", r.Address)
 	return p.count(p.a.ReleaseAddress(ctx, r.PoolID, r.Address))
 }
 

@@ -248,6 +248,24 @@ func TestManagedPlugin(t *testing.T) {
 	e.run("m1c3", "m1", "192.0.2.4")
 	e.mustPing("m1c3", "192.0.2.2")
 
+	// The managed plugin is also an IPAM driver (config.json declares
+	// docker.ipamdriver/1.0): --ipam-driver with its reference hands out
+	// the addresses, the gateway being the subnet's first.
+	e.createNetwork(pluginRef, "m2", "--ipam-driver", pluginRef, "-o", "vni=4402", "--subnet", "192.0.2.64/26")
+	if g := e.must("network", "inspect", "-f", "{{.IPAM.Driver}} {{range .IPAM.Config}}{{.Gateway}}{{end}}", "m2"); g != pluginRef+" 192.0.2.65" {
+		t.Errorf("IPAM of a network with --ipam-driver %s: %q, want the plugin and gateway 192.0.2.65", pluginRef, g)
+	}
+	e.run("m2c1", "m2", "")
+	e.run("m2c2", "m2", "")
+	a1 := e.must("inspect", "-f", "{{.NetworkSettings.Networks.m2.IPAddress}}", "m2c1")
+	a2 := e.must("inspect", "-f", "{{.NetworkSettings.Networks.m2.IPAddress}}", "m2c2")
+	if a1 == a2 || !strings.HasPrefix(a1, "192.0.2.") || !strings.HasPrefix(a2, "192.0.2.") {
+		t.Errorf("containers of the managed plugin's IPAM got %q and %q: want two distinct addresses of 192.0.2.64/26", a1, a2)
+	}
+	e.mustPing("m2c1", a2)
+	e.must("rm", "-f", "m2c1", "m2c2")
+	e.must("network", "rm", "m2")
+
 	// `overlayd status` reaches the plugin from the host (dockerd's mount
 	// namespace) through its control socket.
 	if out, err := e.inMount(overlayd, "status", "--json", "--control-socket", "/run/docker/plugins/"+id+"/control.sock"); err != nil || !strings.Contains(out, "4401") {
