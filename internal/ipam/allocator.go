@@ -2,9 +2,9 @@ package ipam
 
 import (
 	"bytes"
-	"encoding/json"
 	"crypto/rand"
 	"encoding/binary"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"

@@ -71,7 +71,7 @@ func encodePoolRecord(refs int, r *ring) []byte {
 
 func decodePoolRecord(s poolSpec, b []byte) (refs int, r *ring, err error) {
 	var rec struct {
-		Refs int                 `json:"refs"`
+		Refs int                  `json:"refs"`
 		Ring [][3]json.RawMessage `json:"ring"`
 	}
 	if err := json.Unmarshal(b, &rec); err != nil {

@@ -90,7 +90,7 @@ func (c claimID) String() string { return fmt.Sprintf("%s#%016x", c.proposer, c.
 
 // ownerStats are an owner's own figures for a pool, sent with its rings.
 type ownerStats struct {
-	inUse              bool // a network of this host uses the pool
+	inUse             bool // a network of this host uses the pool
 	owned, free, used uint64
 }
 
