@@ -32,15 +32,15 @@ func startDaemon(t *testing.T, scope string) (*http.Client, func() error) {
 	return startDaemonIn(t, scope, t.TempDir(), nstest.NetnsDir(t), nstest.NewNS(t, "host"))
 }
 
-func startDaemonIn(t *testing.T, scope, dir, netnsDir string, host *nstest.NS) (*http.Client, func() error) {
+func startDaemonIn(t *testing.T, scope, dir, netnsDir string, host *nstest.NS, extra ...string) (*http.Client, func() error) {
 	t.Helper()
-	st, err := config.Parse([]string{
+	st, err := config.Parse(append([]string{
 		"--socket", filepath.Join(dir, "plugins", "overlayd.sock"),
 		"--state-dir", filepath.Join(dir, "state"),
 		"--netns-dir", netnsDir,
 		"--control-socket", filepath.Join(dir, "control.sock"),
 		"--scope", scope,
-	}, func(string) string { return "" })
+	}, extra...), func(string) string { return "" })
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -14,6 +14,7 @@ import (
 	ipamapi "github.com/docker/go-plugins-helpers/ipam"
 
 	"github.com/overlayd/overlayd/internal/pluginapi"
+	"github.com/overlayd/overlayd/internal/testutil/nstest"
 )
 
 // blockingIPAM is a stand-in allocator whose RequestAddress waits for
@@ -61,7 +62,18 @@ func TestIPAMCallsPassTheGate(t *testing.T) {
 // --subnet 198.51.100.0/24` and a container, on a single daemon (the first
 // host of a cluster: no seeds), with the real allocator and state file.
 func TestIPAMOverHTTP(t *testing.T) {
-	c, stop := startDaemon(t, "local")
+	nstest.RequireRoot(t)
+	host := nstest.NewNS(t, "host")
+	lo, err := host.NL.LinkByName("lo")
+	if err == nil {
+		err = host.NL.LinkSetUp(lo)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The control plane (gossip on loopback, alone: no seeds) must run:
+	// a pool's ring is agreed with the cluster.
+	c, stop := startDaemonIn(t, "local", t.TempDir(), nstest.NetnsDir(t), host, "--advertise-addr", "127.0.0.1")
 	code, out := post(t, c, "IpamDriver.GetCapabilities", "null")
 	if code != 200 || out["RequiresMACAddress"] != true {
 		t.Fatalf("GetCapabilities: %d %v", code, out)
@@ -74,9 +86,16 @@ func TestIPAMOverHTTP(t *testing.T) {
 		t.Fatalf("GetDefaultAddressSpaces: %d %v", code, out)
 	}
 	space := fmt.Sprint(out["LocalDefaultAddressSpace"])
-	code, out = post(t, c, "IpamDriver.RequestPool", `{"AddressSpace":"`+space+`","Pool":"198.51.100.0/24","SubPool":"","Options":{},"V6":false}`)
-	if code != 200 || out["Pool"] != "198.51.100.0/24" {
-		t.Fatalf("RequestPool: %d %v", code, out)
+	// Until the control plane has started, RequestPool is refused (it
+	// says so); it starts within a moment.
+	if err := nstest.Eventually(10*time.Second, 50*time.Millisecond, func() error {
+		code, out = post(t, c, "IpamDriver.RequestPool", `{"AddressSpace":"`+space+`","Pool":"198.51.100.0/24","SubPool":"","Options":{},"V6":false}`)
+		if code != 200 || out["Pool"] != "198.51.100.0/24" {
+			return fmt.Errorf("RequestPool: %d %v", code, out)
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
 	}
 	pool := fmt.Sprint(out["PoolID"])
 	data, _ := out["Data"].(map[string]any)
