@@ -252,8 +252,8 @@ func TestManagedPlugin(t *testing.T) {
 	// docker.ipamdriver/1.0): --ipam-driver with its reference hands out
 	// the addresses, the gateway being the subnet's first.
 	e.createNetwork(pluginRef, "m2", "--ipam-driver", pluginRef, "-o", "vni=4402", "--subnet", "192.0.2.64/26")
-	if g := e.must("network", "inspect", "-f", "{{.IPAM.Driver}} {{range .IPAM.Config}}{{.Gateway}}{{end}}", "m2"); g != pluginRef+" 192.0.2.65" {
-		t.Errorf("IPAM of a network with --ipam-driver %s: %q, want the plugin and gateway 192.0.2.65", pluginRef, g)
+	if d := e.must("network", "inspect", "-f", "{{.IPAM.Driver}}", "m2"); d != pluginRef {
+		t.Errorf("IPAM driver of a network with --ipam-driver %s: %q", pluginRef, d)
 	}
 	e.run("m2c1", "m2", "")
 	e.run("m2c2", "m2", "")
@@ -263,6 +263,7 @@ func TestManagedPlugin(t *testing.T) {
 		t.Errorf("containers of the managed plugin's IPAM got %q and %q: want two distinct addresses of 192.0.2.64/26", a1, a2)
 	}
 	e.mustPing("m2c1", a2)
+	e.mustPing("m2c2", "192.0.2.65") // the gateway, on the sandbox's bridge
 	e.must("rm", "-f", "m2c1", "m2c2")
 	e.must("network", "rm", "m2")
 
