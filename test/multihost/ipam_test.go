@@ -332,6 +332,9 @@ func TestIPAMThreeHostsConcurrent(t *testing.T) {
 	if err != nil || !strings.Contains(string(out), "Address management") || !strings.Contains(string(out), "pool 198.51.100.0/24") {
 		t.Errorf("overlayd status (text) lacks the pool: %v\n%s", err, out)
 	}
+	if i := strings.Index(string(out), "\nAddress management"); i >= 0 {
+		t.Logf("overlayd status (text) of %s, its IPAM section:%s", hosts[1].name, strings.SplitN(string(out)[i:], "\nDriver:", 2)[0])
+	}
 }
 
 // ipamHosts starts three hosts, waits until they see each other, and
@@ -567,4 +570,92 @@ func TestIPAMSurvivesSIGKILL(t *testing.T) {
 		}
 	}
 	l.check(t)
+}
+
+// TestIPAMReclaim: `overlayd ipam reclaim NODE` over the control socket is
+// refused while NODE is alive, saying so; once NODE is gone (its overlayd
+// stopped for good) it gives this host NODE's space, the other hosts learn
+// that NODE's identity is reclaimed, and the space is handed out again:
+// the whole pool, NODE's former allocations included.
+func TestIPAMReclaim(t *testing.T) {
+	hosts, _, id, l := ipamHosts(t, "203.0.113.0/26")
+	for i, h := range hosts {
+		if got, errs, _ := burst(h, i, id, 0, 10, l); len(got) != 10 {
+			t.Fatalf("%s: %d of 10 (%s)", h.name, len(got), errText(errs))
+		}
+	}
+	reclaim := func(on *host, node string) (string, error) {
+		out, err := exec.Command(binary(t), "ipam", "reclaim", node, "--control-socket", on.control()).CombinedOutput()
+		return string(out), err
+	}
+	gone := hosts[2]
+	out, err := reclaim(hosts[0], gone.name)
+	if err == nil || !strings.Contains(out, gone.name) || !strings.Contains(out, "alive") {
+		t.Fatalf("reclaim of an alive host: %v\n%s\nwant a refusal saying it is alive", err, out)
+	}
+	t.Logf("reclaim of an alive host, refused: %s", strings.TrimSpace(out))
+
+	gone.stop(t) // gone for good: the others see it dead
+	hosts[0].waitMemberState(t, gone.name, "dead")
+	out, err = reclaim(hosts[0], gone.name)
+	if err != nil {
+		t.Fatalf("reclaim of a dead host: %v\n%s", err, out)
+	}
+	var res struct {
+		Node       string
+		Identities []string
+		Pools      []struct {
+			PoolID    string `json:"pool_id"`
+			Addresses uint64
+		}
+	}
+	if err := json.Unmarshal([]byte(out), &res); err != nil || res.Node != gone.name || len(res.Identities) != 1 || len(res.Pools) != 1 ||
+		res.Pools[0].PoolID != id || res.Pools[0].Addresses < 10 {
+		t.Fatalf("reclaim answer %s (%v): want node %s, its identity, and pool %s with at least its 10 addresses", out, err, gone.name, id)
+	}
+	t.Logf("reclaim answer: %s", strings.Join(strings.Fields(out), " "))
+	if err := nstest.Eventually(30*time.Second, 200*time.Millisecond, func() error {
+		ipam, _ := hosts[1].status(t)["ipam"].(map[string]any)
+		recl, _ := ipam["reclaimed"].([]any)
+		if len(recl) != 1 || !strings.HasPrefix(fmt.Sprint(recl[0]), gone.name+"/") {
+			return fmt.Errorf("%s lists reclaimed identities %v, want %s's", hosts[1].name, recl, gone.name)
+		}
+		return nil
+	}); err != nil {
+		t.Error(err)
+	}
+	// The gone host's addresses are free again: the two others fill the
+	// whole pool (61 addresses), and nothing is handed out twice among
+	// them.
+	for _, a := range heldBy(l, gone.name) {
+		l.release(a)
+	}
+	total := 20
+	for i, h := range hosts[:2] {
+		for n := 0; ; n++ {
+			a, err := h.requestAddress(id, "", macFor(i, 100+n))
+			if err != nil {
+				break
+			}
+			l.take(a, h.name)
+			total++
+		}
+	}
+	l.check(t)
+	if total != 61 {
+		t.Errorf("%d addresses of %s in use after the reclaim, want all 61", total, id)
+	}
+}
+
+// heldBy returns the addresses l has handed to the host named name.
+func heldBy(l *ledger, name string) []netip.Addr {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	var out []netip.Addr
+	for a, h := range l.held {
+		if strings.HasPrefix(h, name+"/") {
+			out = append(out, a)
+		}
+	}
+	return out
 }
