@@ -429,3 +429,57 @@ func lastLine(s string) string {
 	l := strings.Split(strings.TrimSpace(s), "\n")
 	return l[len(l)-1]
 }
+
+// TestIPAMRefusedInput: what `docker network create --ipam-driver overlayd`
+// and `docker run --ip` print for bad input, through a real engine: each
+// refusal names what was wrong, and a refused network leaves nothing
+// behind (dockerd lists no network, and the same name and VNI work
+// afterwards).
+func TestIPAMRefusedInput(t *testing.T) {
+	l := newLab(t)
+	e := l.addEngine("h1", 1)
+	e.startOverlayd()
+	create := func(args ...string) (string, error) {
+		return e.docker(append(append([]string{"network", "create", "-d", "overlayd", "--ipam-driver", "overlayd", "-o", "vni=4711"}, args...), "bad")...)
+	}
+	for _, tc := range []struct {
+		name string
+		args []string
+		want string
+	}{
+		{"no --subnet", nil, "--subnet is required"},
+		{"a gateway that is not the subnet's first address", []string{"--subnet", "192.0.2.0/24", "--gateway", "192.0.2.9"}, "192.0.2.1"},
+		{"a subnet too small", []string{"--subnet", "192.0.2.0/31"}, "too small"},
+		{"an --ip-range outside the subnet", []string{"--subnet", "192.0.2.0/25", "--ip-range", "192.0.2.128/26"}, "192.0.2.128/26"},
+		{"IPv6", []string{"--ipv6", "--subnet", "192.0.2.0/24", "--subnet", "2001:db8::/64"}, "IPv4"},
+	} {
+		out, err := create(tc.args...)
+		t.Logf("%s: %s", tc.name, lastLine(out))
+		if err == nil || !strings.Contains(out, tc.want) {
+			t.Errorf("%s: %v\n%s\nwant a refusal saying %q", tc.name, err, out, tc.want)
+		}
+		if contains(e.networks(), "bad") {
+			t.Fatalf("%s: the refused network is listed", tc.name)
+		}
+	}
+	e.must("network", "create", "-d", "overlayd", "--ipam-driver", "overlayd", "-o", "vni=4712", "--subnet", "192.0.2.0/24", "good")
+	out, err := create("--subnet", "192.0.2.128/25")
+	t.Logf("a pool overlapping another: %s", lastLine(out))
+	if err == nil || !strings.Contains(out, "overlaps") || !strings.Contains(out, "192.0.2.0/24") {
+		t.Errorf("a pool overlapping another overlayd pool: %v\n%s\nwant a refusal naming it", err, out)
+	}
+	out, err = e.docker("run", "-d", "--name", "far", "--network", "good", "--ip", "203.0.113.200", image, "true")
+	t.Logf("--ip outside the subnet: %s", lastLine(out))
+	if err == nil {
+		t.Errorf("docker run --ip outside the subnet succeeded:\n%s", out)
+	}
+	out, err = e.docker("run", "-d", "--name", "gw", "--network", "good", "--ip", "192.0.2.1", image, "true")
+	t.Logf("--ip of the gateway: %s", lastLine(out))
+	if err == nil || !strings.Contains(out, "192.0.2.1") {
+		t.Errorf("docker run --ip of the gateway: %v\n%s\nwant a refusal naming it", err, out)
+	}
+	// Nothing of the refusals stayed: the name and VNI are free.
+	e.must("network", "create", "-d", "overlayd", "--ipam-driver", "overlayd", "-o", "vni=4711", "--subnet", "198.51.100.0/24", "bad")
+	e.dockerQuiet("rm", "-f", "far", "gw")
+	e.must("network", "rm", "bad", "good")
+}
