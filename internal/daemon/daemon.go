@@ -1,5 +1,7 @@
-// Package daemon runs overlayd's plugin server: it opens the driver, serves
-// the remote driver API on the plugin socket and shuts down gracefully.
+// Package daemon runs overlayd's plugin server: it opens the driver and
+// the cluster address management (internal/ipam), serves both remote APIs
+// (network driver and IPAM driver) on the plugin socket and shuts down
+// gracefully.
 // With --metrics-addr it also serves Prometheus metrics and the health
 // endpoints (internal/metrics), reading every owner at scrape time.
 package daemon

@@ -481,5 +481,18 @@ func TestIPAMRefusedInput(t *testing.T) {
 	// Nothing of the refusals stayed: the name and VNI are free.
 	e.must("network", "create", "-d", "overlayd", "--ipam-driver", "overlayd", "-o", "vni=4711", "--subnet", "198.51.100.0/24", "bad")
 	e.dockerQuiet("rm", "-f", "far", "gw")
+	mark := len(e.ovd.logTail(1 << 30))
 	e.must("network", "rm", "bad", "good")
+	// docker network rm gives the pools back.
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		counts, _ := ipamCalls(e.ovd.logTail(1 << 30)[mark:])
+		if counts["ReleasePool"] == 2 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("after docker network rm of two networks, overlayd saw %v, want 2 ReleasePool", counts)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
 }
