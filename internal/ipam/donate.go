@@ -98,11 +98,12 @@ func (a *Allocator) requestSpace(ctx context.Context, p *pool, cands []candidate
 	t := a.getTransport()
 	states := a.memberStates()
 	a.mu.Lock()
-	peers := make(map[string]Identity, len(a.peers))
+	peers := make(map[string]Identity, len(a.peers)+1)
 	for k, v := range a.peers {
 		peers[k] = v
 	}
 	a.mu.Unlock()
+	peers[a.self.Name] = a.self
 	var notes []string
 	full := true // every owner says (or reported) it has none free
 	for _, c := range cands {
