@@ -105,7 +105,8 @@ func (a *Allocator) requestSpace(ctx context.Context, p *pool, cands []candidate
 	a.mu.Unlock()
 	peers[a.self.Name] = a.self
 	var notes []string
-	full := true // every owner says (or reported) it has none free
+	full := true   // every owner says (or reported) it has none free
+	retry := false // an alive owner did not answer
 	for _, c := range cands {
 		label := fmt.Sprintf("%s (owns %d", c.owner.Name, c.owned)
 		if c.reported {
@@ -135,6 +136,9 @@ func (a *Allocator) requestSpace(ctx context.Context, p *pool, cands []candidate
 		case err != nil:
 			notes = append(notes, fmt.Sprintf("%s: %v", label, err))
 			full = false
+			// An alive owner that did not answer may answer the next time
+			// (a lost message); one that refused or is gone will not.
+			retry = true
 		case res.result == donateOK:
 			p.mu.Lock()
 			_, ok := p.findFree(a.self)
@@ -154,9 +158,18 @@ func (a *Allocator) requestSpace(ctx context.Context, p *pool, cands []candidate
 	if full {
 		return fmt.Errorf("pool %s is full: all %d addresses are in use (this host has %d of them)", p.id, p.spec.size(), ownedHere)
 	}
-	return fmt.Errorf("no free address in pool %s: the %d addresses this host owns are in use, and no other host gave any: %s",
+	err := fmt.Errorf("no free address in pool %s: the %d addresses this host owns are in use, and no other host gave any: %s",
 		p.id, ownedHere, strings.Join(notes, "; "))
+	if retry {
+		return &retryableError{err}
+	}
+	return err
 }
+
+// retryableError: asking again may help (an alive owner did not answer).
+type retryableError struct{ error }
+
+func (e *retryableError) Unwrap() error { return e.error }
 
 // obtainAddress asks the owner of x to give x, following the owners the
 // answers name.
