@@ -74,6 +74,8 @@ bench:
 	$(GO) test -run '^$$' -bench . -benchmem -benchtime 5x ./driver ./internal/nlbatch
 	$(GO) test -run '^$$' -bench . -benchmem ./peerdb
 	$(GO) test -run '^$$' -tags testhooks -bench . -benchtime 20000x ./test/stress
+	$(GO) test -run '^$$' -bench 'Local|Obtain' -benchtime 1000x ./internal/ipam
+	$(GO) test -run '^$$' -bench 'Heap' -benchtime 3x ./internal/ipam
 
 # Serve the plugin on the default socket with the embedded defaults.
 run: build
