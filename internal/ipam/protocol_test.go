@@ -1,6 +1,7 @@
 package ipam
 
 import (
+	"context"
 	"errors"
 	"math/rand/v2"
 	"sync"
@@ -77,26 +78,39 @@ func TestJournalGroupsAndOrders(t *testing.T) {
 	}
 }
 
-// A voter left holding its vote for a claim its proposer gave up (the
-// abort lost) asks the proposer, hears the abort, and the pool can be
-// created.
-func TestStuckVoteIsResolved(t *testing.T) {
-	c := newCluster(t, "node-a", "node-b")
+// injectProposal makes node-b vote for a claim of node-a that node-a does
+// not run, while node-a is cut off (so that nothing resolves it yet).
+func injectProposal(t *testing.T, c *cluster, claim claimID) {
+	t.Helper()
 	a, b := c.hosts["node-a"], c.hosts["node-b"]
-	// A proposal from node-a that node-a itself does not run.
-	stale := claimID{proposer: a.a.self, nonce: 12345}
-	m, err := a.a.encode(&message{kind: kindPropose, pool: "overlayd:198.51.100.0/24", claim: stale})
+	m, err := a.a.encode(&message{kind: kindPropose, pool: "overlayd:198.51.100.0/24", claim: claim})
 	if err != nil {
 		t.Fatal(err)
 	}
+	c.net.partition("node-a", true)
 	b.a.HandleMessage("node-a", m)
-	waitUntil(t, 5*time.Second, "node-b votes for the stale claim", func() bool {
+	waitUntil(t, 5*time.Second, "node-b votes for the claim", func() bool {
 		st := b.a.Status()
 		return len(st.Pools) == 1 && st.Pools[0].PendingClaim != ""
 	})
 	if _, ok := snapshot(b.store.(*memStore))[prefixVote+"overlayd:198.51.100.0/24"]; !ok {
 		t.Fatal("node-b's vote is not on disk")
 	}
+	// The vote blocks claims while node-a is unreachable.
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	_, err = b.a.RequestPool(ctx, PoolRequest{Pool: "198.51.100.0/24"})
+	wantErr(t, err, "this host accepted node-a's claim of it and awaits its outcome", "overlayd ipam reclaim node-a")
+}
+
+// A voter left holding its vote for a claim its proposer gave up (the
+// abort lost) asks the proposer, hears the abort, and the pool can be
+// created.
+func TestStuckVoteIsResolved(t *testing.T) {
+	c := newCluster(t, "node-a", "node-b")
+	injectProposal(t, c, claimID{proposer: c.hosts["node-a"].a.self, nonce: 12345})
+	c.net.partition("node-a", false)
+	b := c.hosts["node-b"]
 	if id := b.requestPool(t, "198.51.100.0/24", ""); id != "overlayd:198.51.100.0/24" {
 		t.Fatal(id)
 	}
@@ -106,22 +120,24 @@ func TestStuckVoteIsResolved(t *testing.T) {
 }
 
 // A proposer that restarts with its claim pending aborts it (it never won:
-// the win and the ring are one write), and the voters let go.
+// the win and the ring are one write), and the voters let go without
+// asking (node-b here never asks).
 func TestRestartAbortsPendingClaim(t *testing.T) {
-	c := newCluster(t, "node-a", "node-b")
+	c := newCluster(t, "node-a")
+	noQuery := testTiming
+	noQuery.query = time.Hour
+	c.startWith("node-b", newMemStore(), noQuery)
 	a, b := c.hosts["node-a"], c.hosts["node-b"]
 	claim := claimID{proposer: a.a.self, nonce: 777}
-	m, _ := a.a.encode(&message{kind: kindPropose, pool: "overlayd:198.51.100.0/24", claim: claim})
-	b.a.HandleMessage("node-a", m)
-	waitUntil(t, 5*time.Second, "node-b votes", func() bool {
-		st := b.a.Status()
-		return len(st.Pools) == 1 && st.Pools[0].PendingClaim != ""
-	})
+	injectProposal(t, c, claim)
 	// node-a "crashed" with that claim and its own vote on disk.
 	store := a.store.(*memStore)
 	c.remove("node-a")
 	store.data[prefixClaim+"overlayd:198.51.100.0/24"] = encodeClaim(claim)
 	store.data[prefixVote+"overlayd:198.51.100.0/24"] = encodeClaim(claim)
+	c.net.mu.Lock()
+	c.net.cut = map[[2]string]bool{}
+	c.net.mu.Unlock()
 	c.start("node-a", store)
 	waitUntil(t, 5*time.Second, "node-b hears the abort", func() bool {
 		return b.a.Status().Pools[0].PendingClaim == ""

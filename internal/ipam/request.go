@@ -143,7 +143,7 @@ func (a *Allocator) requestedPool(poolID string) (*pool, error) {
 	p := a.lookupPool(spec.id())
 	if p != nil {
 		p.mu.Lock()
-		ok := p.ring != nil
+		ok := p.ring != nil && p.refs > 0
 		p.mu.Unlock()
 		if ok {
 			return p, nil
