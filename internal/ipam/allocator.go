@@ -153,6 +153,9 @@ type pool struct {
 	// conflicts: allocations of this host in ranges it does not own, with
 	// the owner; guarded by mu.
 	conflicts map[uint32]Identity
+	// announced: this host's figures as last sent to every member; guarded
+	// by mu.
+	announced ownerStats
 }
 
 type report struct {

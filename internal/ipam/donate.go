@@ -140,14 +140,10 @@ func (a *Allocator) requestSpace(ctx context.Context, p *pool, cands []candidate
 			// (a lost message); one that refused or is gone will not.
 			retry = true
 		case res.result == donateOK:
-			p.mu.Lock()
-			_, ok := p.findFree(a.self)
-			p.mu.Unlock()
-			if ok {
-				return nil
-			}
-			notes = append(notes, label+": gave space that is in use again already")
-			full = false
+			// Space moved to this host; the requests waiting take it, and
+			// any left without ask again (each round moves space, so this
+			// ends when the pool is full).
+			return nil
 		case res.result == donateNoneFree:
 			notes = append(notes, label+": has none free")
 		default:

@@ -191,3 +191,36 @@ func TestNewMemberGetsRings(t *testing.T) {
 		return err != nil
 	})
 }
+
+// Each anti-entropy tick sends the pools whose figures changed to every
+// member, not only to the random one that gets all rings: one tick is
+// enough for everyone's status totals.
+func TestFiguresReachEveryMemberInOneTick(t *testing.T) {
+	c := newCluster(t)
+	quiet := testTiming
+	quiet.gossip = time.Hour // ticks only when the test calls them
+	for _, n := range []string{"node-a", "node-b", "node-c"} {
+		c.startWith(n, newMemStore(), quiet)
+	}
+	var poolID string
+	for _, n := range c.names() {
+		poolID = c.hosts[n].requestPool(t, "198.51.100.0/24", "")
+	}
+	b := c.hosts["node-b"]
+	for i := range 4 {
+		if _, err := b.request(ctxT(t), poolID, "", mac(2, i)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	b.a.antiEntropy()
+	for _, n := range []string{"node-a", "node-c"} {
+		waitUntil(t, 5*time.Second, n+" has node-b's figures", func() bool {
+			for _, o := range c.hosts[n].a.Status().Pools[0].Owners {
+				if o.Node == "node-b" && o.Reported && o.Used == 4 {
+					return true
+				}
+			}
+			return false
+		})
+	}
+}
