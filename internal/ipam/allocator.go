@@ -153,6 +153,9 @@ type pool struct {
 	// conflicts: allocations of this host in ranges it does not own, with
 	// the owner; guarded by mu.
 	conflicts map[uint32]Identity
+	// announced: this host's figures as last sent to every member; guarded
+	// by mu.
+	announced ownerStats
 }
 
 type report struct {
@@ -469,12 +472,17 @@ func (a *Allocator) Capabilities() Capabilities {
 }
 
 // HandleMessage takes a message of the allocator's protocol from the member
-// named from. It never blocks: the message is queued for the allocator's
-// workers (and dropped, counted, when the queue is full; every exchange
-// recovers from a lost message).
+// named from. It never blocks and keeps no reference to payload: a copy is
+// queued for the allocator's workers (and dropped, counted in Status, when
+// the queue is full; every exchange recovers from a lost message).
 func (a *Allocator) HandleMessage(from string, payload []byte) {
+	if len(payload) > maxMessage {
+		a.dropped.Add(1)
+		return
+	}
+	// A copy: the caller may reuse its buffer once this returns.
 	select {
-	case a.inbox <- inbound{from: from, payload: payload}:
+	case a.inbox <- inbound{from: from, payload: append([]byte(nil), payload...)}:
 	default:
 		a.dropped.Add(1)
 	}

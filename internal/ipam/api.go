@@ -85,6 +85,9 @@ type Status struct {
 	// Reclaimed lists the identities reclaimed cluster-wide, "node/hostid".
 	Reclaimed []string     `json:"reclaimed,omitempty"`
 	Pools     []PoolStatus `json:"pools"`
+	// DroppedMessages counts messages dropped because a queue was full
+	// (inbound, or outbound to one member); exchanges recover from them.
+	DroppedMessages uint64 `json:"dropped_messages"`
 }
 
 // PoolStatus is one pool's part of Status. Counts are addresses.

@@ -301,6 +301,9 @@ func (a *Allocator) memberState(name string) (MemberState, bool) {
 
 // handlePropose answers a claim as a voter.
 func (a *Allocator) handlePropose(m *message) {
+	if m.claim.proposer != m.from {
+		return // a host proposes only its own claims
+	}
 	spec, _ := parsePoolID(m.pool) // validated by the decoder
 	p := a.poolFor(spec)
 	if p == nil {

@@ -98,13 +98,15 @@ func (a *Allocator) requestSpace(ctx context.Context, p *pool, cands []candidate
 	t := a.getTransport()
 	states := a.memberStates()
 	a.mu.Lock()
-	peers := make(map[string]Identity, len(a.peers))
+	peers := make(map[string]Identity, len(a.peers)+1)
 	for k, v := range a.peers {
 		peers[k] = v
 	}
 	a.mu.Unlock()
+	peers[a.self.Name] = a.self
 	var notes []string
-	full := true // every owner says (or reported) it has none free
+	full := true   // every owner says (or reported) it has none free
+	retry := false // an alive owner did not answer
 	for _, c := range cands {
 		label := fmt.Sprintf("%s (owns %d", c.owner.Name, c.owned)
 		if c.reported {
@@ -134,15 +136,14 @@ func (a *Allocator) requestSpace(ctx context.Context, p *pool, cands []candidate
 		case err != nil:
 			notes = append(notes, fmt.Sprintf("%s: %v", label, err))
 			full = false
+			// An alive owner that did not answer may answer the next time
+			// (a lost message); one that refused or is gone will not.
+			retry = true
 		case res.result == donateOK:
-			p.mu.Lock()
-			_, ok := p.findFree(a.self)
-			p.mu.Unlock()
-			if ok {
-				return nil
-			}
-			notes = append(notes, label+": gave space that is in use again already")
-			full = false
+			// Space moved to this host; the requests waiting take it, and
+			// any left without ask again (each round moves space, so this
+			// ends when the pool is full).
+			return nil
 		case res.result == donateNoneFree:
 			notes = append(notes, label+": has none free")
 		default:
@@ -153,9 +154,18 @@ func (a *Allocator) requestSpace(ctx context.Context, p *pool, cands []candidate
 	if full {
 		return fmt.Errorf("pool %s is full: all %d addresses are in use (this host has %d of them)", p.id, p.spec.size(), ownedHere)
 	}
-	return fmt.Errorf("no free address in pool %s: the %d addresses this host owns are in use, and no other host gave any: %s",
+	err := fmt.Errorf("no free address in pool %s: the %d addresses this host owns are in use, and no other host gave any: %s",
 		p.id, ownedHere, strings.Join(notes, "; "))
+	if retry {
+		return &retryableError{err}
+	}
+	return err
 }
+
+// retryableError: asking again may help (an alive owner did not answer).
+type retryableError struct{ error }
+
+func (e *retryableError) Unwrap() error { return e.error }
 
 // obtainAddress asks the owner of x to give x, following the owners the
 // answers name.

@@ -107,15 +107,30 @@ func (a *Allocator) durable() bool {
 	return true
 }
 
-// antiEntropy sends all rings to one random alive member and asks about
-// votes left waiting.
+// antiEntropy sends all rings to one random alive member, the pools whose
+// figures changed since the last tick to every alive member (so status
+// totals lag by one interval, not by the time a random pick takes to reach
+// everyone), and asks about votes left waiting.
 func (a *Allocator) antiEntropy() {
 	a.queryStaleVotes()
 	members := a.aliveMembers()
 	if len(members) == 0 {
 		return
 	}
-	a.sendRings(members[rand.IntN(len(members))], a.allPools())
+	pools := a.allPools()
+	var changed []*pool
+	for _, p := range pools {
+		p.mu.Lock()
+		if st := a.statsLocked(p); st != p.announced {
+			p.announced = st
+			changed = append(changed, p)
+		}
+		p.mu.Unlock()
+	}
+	if len(changed) > 0 {
+		a.broadcastPools(changed)
+	}
+	a.sendRings(members[rand.IntN(len(members))], pools)
 }
 
 // membersChanged sends all rings to members that appeared alive.

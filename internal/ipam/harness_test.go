@@ -218,8 +218,13 @@ func newCluster(t *testing.T, names ...string) *cluster {
 // start (re)starts host name on store and connects it.
 func (c *cluster) start(name string, store Store) *host {
 	c.t.Helper()
+	return c.startWith(name, store, testTiming)
+}
+
+func (c *cluster) startWith(name string, store Store, tm timing) *host {
+	c.t.Helper()
 	logs := &logrec.Recorder{}
-	a, err := newAllocator(Config{NodeName: name, Store: store, Logger: logs.Logger()}, testTiming)
+	a, err := newAllocator(Config{NodeName: name, Store: store, Logger: logs.Logger()}, tm)
 	if err != nil {
 		c.t.Fatalf("start %s: %v", name, err)
 	}

@@ -260,9 +260,13 @@ func (j *journal) wait(seq uint64) error {
 	}
 }
 
-// sync writes everything marked so far.
+// sync writes everything marked so far, retrying what a failed write
+// left pending.
 func (j *journal) sync() error {
 	j.mu.Lock()
+	if len(j.pending) > 0 {
+		j.seq++ // a mark of its own, so that a failed write is retried
+	}
 	seq := j.seq
 	j.mu.Unlock()
 	return j.wait(seq)

@@ -7,7 +7,12 @@ import (
 	"net/netip"
 	"sort"
 	"strings"
+	"time"
 )
+
+// maxObtainRounds bounds how often one request asks other hosts for space
+// when some did not answer.
+const maxObtainRounds = 3
 
 // knownPoolOptions are RequestPool options the allocator accepts (and
 // ignores): dockerd passes the driver's options through.
@@ -138,7 +143,7 @@ func (a *Allocator) requestedPool(poolID string) (*pool, error) {
 	p := a.lookupPool(spec.id())
 	if p != nil {
 		p.mu.Lock()
-		ok := p.ring != nil
+		ok := p.ring != nil && p.refs > 0
 		p.mu.Unlock()
 		if ok {
 			return p, nil
@@ -232,6 +237,7 @@ func (r allocRequest) sameMAC(al allocation) bool { return r.hasMAC && al.hasMAC
 // space (or the address), otherwise after obtaining space from another
 // host. It returns once the allocation is on disk.
 func (a *Allocator) allocate(ctx context.Context, p *pool, req allocRequest) (uint32, error) {
+	rounds := 0
 	for {
 		p.mu.Lock()
 		x, wait, needSpace, err := a.allocateLocked(p, req)
@@ -241,6 +247,13 @@ func (a *Allocator) allocate(ctx context.Context, p *pool, req allocRequest) (ui
 			return 0, err
 		case needSpace:
 			if err := a.obtain(ctx, p, req.addr); err != nil {
+				// An owner that did not answer gets another chance
+				// while the request has time for it.
+				var re *retryableError
+				d, ok := ctx.Deadline()
+				if rounds++; errors.As(err, &re) && rounds < maxObtainRounds && (!ok || time.Until(d) > a.timing.donate) {
+					continue
+				}
 				return 0, err
 			}
 			continue

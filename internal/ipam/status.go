@@ -34,7 +34,7 @@ func (p *pool) checkConflicts(a *Allocator, before []span) {
 // Status returns the allocator's state for `overlayd status`.
 func (a *Allocator) Status() Status {
 	a.mu.Lock()
-	st := Status{Node: a.self.Name, HostID: a.self.hexID()}
+	st := Status{Node: a.self.Name, HostID: a.self.hexID(), DroppedMessages: a.dropped.Load()}
 	for id := range a.reclaimed {
 		st.Reclaimed = append(st.Reclaimed, id.String())
 	}
