@@ -165,6 +165,9 @@ func (r *StatusReport) renderIPAM(w io.Writer) {
 	for _, id := range st.Reclaimed {
 		fmt.Fprintf(w, "  reclaimed identity %s (its messages are ignored)\n", id)
 	}
+	if st.DroppedMessages > 0 {
+		fmt.Fprintf(w, "  messages dropped on a full queue: %d (the exchanges repeat them)\n", st.DroppedMessages)
+	}
 	for _, p := range st.Pools {
 		fmt.Fprintf(w, "  pool %s  gateway %s  range %s  %d addresses; used by %d network(s) here\n", p.Prefix, p.Gateway, p.Range, p.Size, p.InUse)
 		if p.PendingClaim != "" {

@@ -111,7 +111,7 @@ func TestReadiness(t *testing.T) {
 func TestStatusRenderIPAM(t *testing.T) {
 	at := time.Date(2026, 12, 3, 4, 5, 6, 0, time.UTC)
 	r := &StatusReport{Driver: driver.Status{Scope: "local"}, IPAM: &ipam.Status{
-		Node: "h1", HostID: "5f3a9c0d1e2b4a68", Reclaimed: []string{"h9/0123456789abcdef"},
+		Node: "h1", HostID: "5f3a9c0d1e2b4a68", Reclaimed: []string{"h9/0123456789abcdef"}, DroppedMessages: 3,
 		Pools: []ipam.PoolStatus{{
 			PoolID: "overlayd:198.51.100.0/24", Prefix: "198.51.100.0/24", Range: "198.51.100.0/24", Gateway: "198.51.100.1",
 			InUse: 1, Size: 253,
@@ -134,6 +134,7 @@ func TestStatusRenderIPAM(t *testing.T) {
 	for _, want := range []string{
 		"Address management (--ipam-driver overlayd): host id 5f3a9c0d1e2b4a68, 1 pool(s)",
 		"reclaimed identity h9/0123456789abcdef",
+		"messages dropped on a full queue: 3",
 		"pool 198.51.100.0/24  gateway 198.51.100.1  range 198.51.100.0/24  253 addresses; used by 1 network(s) here",
 		"this host owns 84: 64 free, 20 used",
 		"198.51.100.2-198.51.100.85  84 addresses: 64 free, 20 used",
