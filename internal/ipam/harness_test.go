@@ -45,7 +45,10 @@ type fakeNet struct {
 	// drop, when set, decides per message whether it is lost; guarded by mu.
 	drop  func(from, to string, payload []byte) bool
 	delay time.Duration // guarded by mu
-	sent  map[msgKind]int
+	// slow: how long each Send blocks (as a TCP stream may); guarded by mu.
+	slow time.Duration
+	// sent counts sends per message kind; guarded by mu.
+	sent map[msgKind]int
 }
 
 func newFakeNet() *fakeNet {
@@ -109,6 +112,10 @@ func (t *fakeTransport) Send(node string, payload []byte) error {
 	blocked := n.cut[pair(t.name, node)] || n.gone[node] || n.gone[t.name]
 	drop := n.drop
 	delay := n.delay
+	slow := n.slow
+	n.mu.Unlock()
+	time.Sleep(slow)
+	n.mu.Lock()
 	if len(payload) > 3 {
 		n.sent[msgKind(payload[3])]++
 	}
