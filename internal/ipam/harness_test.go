@@ -25,11 +25,13 @@ import (
 
 var _ Store = (*statefile.File)(nil)
 
-// testTiming: short timeouts so that the tests' failure paths are quick.
+// testTiming: shorter timeouts so that the tests' failure paths are
+// quick, long enough for a host answering under the race detector on a
+// loaded machine.
 var testTiming = timing{
-	request: 2 * time.Second,
-	donate:  500 * time.Millisecond,
-	vote:    500 * time.Millisecond,
+	request: 3 * time.Second,
+	donate:  time.Second,
+	vote:    time.Second,
 	backoff: 40 * time.Millisecond,
 	gossip:  200 * time.Millisecond,
 	query:   200 * time.Millisecond,
