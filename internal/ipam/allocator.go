@@ -90,13 +90,17 @@ type Allocator struct {
 	// once the transport is set; guarded by mu.
 	aborts []abortNotice
 	closed bool // guarded by mu
+	// draining: Close is sending what is queued; nothing new is queued;
+	// guarded by mu.
+	draining bool
 
 	seq      atomic.Uint64 // sequence number of this process's messages
 	dropped  atomic.Uint64 // messages dropped (inbox or a send queue full)
 	inbox    chan inbound
 	members  chan struct{} // MembersChanged signals (buffered 1)
 	stop     chan struct{}
-	wg       sync.WaitGroup
+	wg       sync.WaitGroup // workers and the loop
+	drains   sync.WaitGroup // send-queue goroutines
 	stopOnce sync.Once
 }
 
@@ -442,10 +446,25 @@ func (a *Allocator) getTransport() Transport {
 	return a.transport
 }
 
-// Close stops the allocator's goroutines and writes what is pending;
-// requests in flight fail.
+// closeDrainTime bounds how long Close waits for queued messages (a won
+// claim's commit, a changed ring) to go out before it stops.
+const closeDrainTime = time.Second
+
+// Close sends what is queued (for up to a second), stops the allocator's
+// goroutines and writes what is pending; requests in flight fail.
 func (a *Allocator) Close() {
 	a.stopOnce.Do(func() {
+		a.mu.Lock()
+		a.draining = true // no new messages; the queued ones go out
+		a.mu.Unlock()
+		drained := make(chan struct{})
+		go func() { a.drains.Wait(); close(drained) }()
+		timer := time.NewTimer(closeDrainTime)
+		select {
+		case <-drained:
+		case <-timer.C:
+		}
+		timer.Stop()
 		a.mu.Lock()
 		a.closed = true
 		for id, w := range a.waiters {
@@ -590,7 +609,7 @@ func (a *Allocator) sendMsg(to string, m *message) {
 func (a *Allocator) enqueue(to string, b []byte) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	if a.closed || a.transport == nil {
+	if a.closed || a.draining || a.transport == nil {
 		return
 	}
 	s := a.senders[to]
@@ -608,7 +627,11 @@ func (a *Allocator) enqueue(to string, b []byte) {
 	if !s.running {
 		s.running = true
 		t := a.transport
-		a.wg.Go(func() { a.drain(to, s, t) })
+		a.drains.Add(1) // under mu, before draining is set: never concurrent with Wait
+		go func() {
+			defer a.drains.Done()
+			a.drain(to, s, t)
+		}()
 	}
 }
 

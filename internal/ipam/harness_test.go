@@ -25,11 +25,13 @@ import (
 
 var _ Store = (*statefile.File)(nil)
 
-// testTiming: short timeouts so that the tests' failure paths are quick.
+// testTiming: shorter timeouts so that the tests' failure paths are
+// quick, long enough for a host answering under the race detector on a
+// loaded machine.
 var testTiming = timing{
-	request: 2 * time.Second,
-	donate:  500 * time.Millisecond,
-	vote:    500 * time.Millisecond,
+	request: 3 * time.Second,
+	donate:  time.Second,
+	vote:    time.Second,
 	backoff: 40 * time.Millisecond,
 	gossip:  200 * time.Millisecond,
 	query:   200 * time.Millisecond,
@@ -45,7 +47,10 @@ type fakeNet struct {
 	// drop, when set, decides per message whether it is lost; guarded by mu.
 	drop  func(from, to string, payload []byte) bool
 	delay time.Duration // guarded by mu
-	sent  map[msgKind]int
+	// slow: how long each Send blocks (as a TCP stream may); guarded by mu.
+	slow time.Duration
+	// sent counts sends per message kind; guarded by mu.
+	sent map[msgKind]int
 }
 
 func newFakeNet() *fakeNet {
@@ -109,6 +114,10 @@ func (t *fakeTransport) Send(node string, payload []byte) error {
 	blocked := n.cut[pair(t.name, node)] || n.gone[node] || n.gone[t.name]
 	drop := n.drop
 	delay := n.delay
+	slow := n.slow
+	n.mu.Unlock()
+	time.Sleep(slow)
+	n.mu.Lock()
 	if len(payload) > 3 {
 		n.sent[msgKind(payload[3])]++
 	}

@@ -224,3 +224,22 @@ func TestFiguresReachEveryMemberInOneTick(t *testing.T) {
 		})
 	}
 }
+
+// Close sends what is queued first (a won claim's commit, a changed ring),
+// even over a slow transport.
+func TestCloseSendsWhatIsQueued(t *testing.T) {
+	c := newCluster(t, "node-a", "node-b")
+	a := c.hosts["node-a"].a
+	c.net.mu.Lock()
+	c.net.slow = 20 * time.Millisecond
+	c.net.mu.Unlock()
+	for i := range 5 {
+		a.sendMsg("node-b", &message{kind: kindQuery, pool: "overlayd:198.51.100.0/24", claim: claimID{proposer: a.self, nonce: uint64(i)}})
+	}
+	a.Close()
+	c.net.mu.Lock()
+	defer c.net.mu.Unlock()
+	if got := c.net.sent[kindQuery]; got != 5 {
+		t.Fatalf("%d of 5 queued messages sent before Close returned", got)
+	}
+}

@@ -7,6 +7,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/overlayd/overlayd/internal/logkeys"
 	"github.com/overlayd/overlayd/internal/statefile"
@@ -339,4 +340,41 @@ func TestStatus(t *testing.T) {
 		}
 		return false
 	})
+}
+
+// A reclaim against its precondition (node-c was only cut off, not gone)
+// is what makes two hosts own one range. When node-c hears of it, it
+// reports each of its allocations in the lost ranges as a conflict (status
+// and an ERROR line) and refuses every request from then on.
+func TestWrongReclaimIsReportedAsConflict(t *testing.T) {
+	c := newCluster(t, "node-a", "node-b", "node-c")
+	var poolID string
+	for _, n := range c.names() {
+		poolID = c.hosts[n].requestPool(t, "198.51.100.0/24", "")
+	}
+	cc := c.hosts["node-c"]
+	for i := range 3 {
+		if _, err := cc.request(ctxT(t), poolID, "", mac(3, i)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	c.converge(poolID)
+	c.net.partition("node-c", true)
+	if _, err := c.hosts["node-a"].a.Reclaim(ctxT(t), "node-c"); err != nil {
+		t.Fatal(err)
+	}
+	c.net.partition("node-c", false)
+	waitUntil(t, 5*time.Second, "node-c reports its conflicts", func() bool {
+		return len(cc.a.Status().Pools[0].Conflicts) == 3
+	})
+	if n := len(cc.logs.Events(logkeys.IPAMConflict)); n != 3 {
+		t.Fatalf("%d ipam_conflict lines, want one per allocation (3)", n)
+	}
+	for _, r := range cc.logs.Events(logkeys.IPAMConflict) {
+		if r.Level != slog.LevelError || r.Attrs[logkeys.Owner] == "" || r.Attrs[logkeys.Address] == "" {
+			t.Fatalf("conflict line %v", r)
+		}
+	}
+	_, err := cc.request(ctxT(t), poolID, "", mac(3, 9))
+	wantErr(t, err, "was reclaimed by node-a")
 }
