@@ -13,6 +13,7 @@ FUZZ_DB     ?= 40000x
 FUZZ_KEYED  ?= 40000x
 FUZZ_DECODE ?= 100000x
 FUZZ_ADVERT ?= 50000x
+FUZZ_IPAM   ?= 50000x
 # Test builds check the lock hierarchy (lockcheck) and carry the driver's
 # trace for the stress harness (testhooks); faultinject adds deliberate bugs.
 TAGS      := lockcheck testhooks
@@ -60,6 +61,7 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzKeyed$$' -fuzztime $(FUZZ_KEYED) -fuzzminimizetime 1s ./peerdb
 	$(GO) test -run '^$$' -fuzz '^FuzzDecode$$' -fuzztime $(FUZZ_DECODE) -fuzzminimizetime 1s ./internal/cluster
 	$(GO) test -run '^$$' -fuzz '^FuzzDecodeAdvert$$' -fuzztime $(FUZZ_ADVERT) -fuzzminimizetime 1s ./encryption
+	$(GO) test -run '^$$' -fuzz '^FuzzDecode$$' -fuzztime $(FUZZ_IPAM) -fuzzminimizetime 1s ./internal/ipam
 
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
@@ -72,6 +74,8 @@ bench:
 	$(GO) test -run '^$$' -bench . -benchmem -benchtime 5x ./driver ./internal/nlbatch
 	$(GO) test -run '^$$' -bench . -benchmem ./peerdb
 	$(GO) test -run '^$$' -tags testhooks -bench . -benchtime 20000x ./test/stress
+	$(GO) test -run '^$$' -bench 'Local|Obtain' -benchtime 1000x ./internal/ipam
+	$(GO) test -run '^$$' -bench 'Heap' -benchtime 3x ./internal/ipam
 
 # Serve the plugin on the default socket with the embedded defaults.
 run: build

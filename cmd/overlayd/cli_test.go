@@ -165,7 +165,7 @@ func TestVersion(t *testing.T) {
 // naming the environment variables; misuse is one line and exit 2.
 func TestClientCommandsHelp(t *testing.T) {
 	bin := buildBinary(t)
-	for _, args := range [][]string{{"status", "--help"}, {"keys", "--help"}, {"keys", "rotate", "--help"}, {"leave", "-h"}, {"help", "status"}} {
+	for _, args := range [][]string{{"status", "--help"}, {"keys", "--help"}, {"keys", "rotate", "--help"}, {"leave", "-h"}, {"help", "status"}, {"ipam", "--help"}, {"ipam", "reclaim", "--help"}, {"help", "ipam"}} {
 		name := args[0]
 		if name == "help" {
 			name = args[1]
@@ -178,12 +178,19 @@ func TestClientCommandsHelp(t *testing.T) {
 			t.Errorf("%v: usage lacks the environment variable:\n%s", args, stdout)
 		}
 	}
-	for _, args := range [][]string{{"keys"}, {"keys", "spin"}, {"status", "--bogus"}, {"status", "extra"}} {
+	for _, args := range [][]string{{"keys"}, {"keys", "spin"}, {"status", "--bogus"}, {"status", "extra"}, {"ipam"}, {"ipam", "spin"}} {
 		code, _, stderr := runBin(t, bin, args...)
 		if code != 2 {
 			t.Errorf("%v: exit %d, want 2", args, code)
 		}
 		oneLine(t, strings.Join(args, " "), stderr, "overlayd "+args[0]+":", "--help")
+	}
+	for _, args := range [][]string{{"ipam", "reclaim"}, {"ipam", "reclaim", "h3", "h4"}} {
+		code, _, stderr := runBin(t, bin, args...)
+		if code != 2 {
+			t.Errorf("%v: exit %d, want 2", args, code)
+		}
+		oneLine(t, strings.Join(args, " "), stderr, "overlayd ipam reclaim:", "--help")
 	}
 	code, _, stderr := runBin(t, bin, "status", "--control-socket", filepath.Join(t.TempDir(), "none.sock"))
 	if code != 1 {

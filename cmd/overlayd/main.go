@@ -62,6 +62,8 @@ func run(args []string, stdout, stderr io.Writer) int {
 		return keys(args, stdout, stderr)
 	case "leave":
 		return leave(args, stdout, stderr)
+	case "ipam":
+		return ipamCmd(args, stdout, stderr)
 	}
 	st, err := config.Parse(args, config.Env)
 	if errors.Is(err, flag.ErrHelp) {
@@ -152,16 +154,27 @@ func status(args []string, stdout, stderr io.Writer) int {
 	return 0
 }
 
-// keys handles `overlayd keys rotate`.
-func keys(args []string, stdout, stderr io.Writer) int {
+// subcommand checks that args start with cmd's only subcommand sub
+// (described as what, e.g. "reclaim NODE"). It returns the exit status and
+// false when the command ends here: its usage was asked for, or the
+// subcommand is missing or unknown.
+func subcommand(cmd, sub, what string, args []string, stdout, stderr io.Writer) (int, bool) {
 	switch {
 	case len(args) > 0 && (args[0] == "-h" || args[0] == "--help" || args[0] == "-help" || args[0] == "help"):
-		config.CommandUsage(stdout, "overlayd", "keys")
-		return 0
+		config.CommandUsage(stdout, "overlayd", cmd)
+		return 0, false
 	case len(args) == 0:
-		return fail(stderr, "keys", &config.Invalid{Err: errors.New("missing subcommand: the only one is rotate (see overlayd keys --help)")})
-	case args[0] != "rotate":
-		return fail(stderr, "keys", &config.Invalid{Err: fmt.Errorf("unknown subcommand %q: the only one is rotate (see overlayd keys --help)", args[0])})
+		return fail(stderr, cmd, &config.Invalid{Err: fmt.Errorf("missing subcommand: the only one is %s (see overlayd %s --help)", what, cmd)}), false
+	case args[0] != sub:
+		return fail(stderr, cmd, &config.Invalid{Err: fmt.Errorf("unknown subcommand %q: the only one is %s (see overlayd %s --help)", args[0], what, cmd)}), false
+	}
+	return 0, true
+}
+
+// keys handles `overlayd keys rotate`.
+func keys(args []string, stdout, stderr io.Writer) int {
+	if code, ok := subcommand("keys", "rotate", "rotate", args, stdout, stderr); !ok {
+		return code
 	}
 	c, err := clientFlags("keys", args[1:], nil, stdout)
 	if c == nil && err == nil {
@@ -192,6 +205,36 @@ func leave(args []string, stdout, stderr io.Writer) int {
 	body, err := c.Post("/v1/leave")
 	if err != nil {
 		return fail(stderr, "leave", err)
+	}
+	stdout.Write(body)
+	return 0
+}
+
+// ipamCmd handles `overlayd ipam reclaim NODE`: this host takes over the
+// address space of NODE, a host gone for good. The daemon refuses while
+// NODE is alive, with the reason.
+func ipamCmd(args []string, stdout, stderr io.Writer) int {
+	if code, ok := subcommand("ipam", "reclaim", "reclaim NODE", args, stdout, stderr); !ok {
+		return code
+	}
+	args = args[1:]
+	var node string
+	if len(args) > 0 && !strings.HasPrefix(args[0], "-") {
+		node, args = args[0], args[1:]
+	}
+	c, err := clientFlags("ipam", args, nil, stdout)
+	if c == nil && err == nil {
+		return 0
+	}
+	if err != nil {
+		return fail(stderr, "ipam reclaim", err)
+	}
+	if node == "" {
+		return fail(stderr, "ipam reclaim", &config.Invalid{Err: errors.New("missing NODE: the name of the host whose address space to take over (see overlayd ipam --help)")})
+	}
+	body, err := c.Post(control.ReclaimPath(node))
+	if err != nil {
+		return fail(stderr, "ipam reclaim", err)
 	}
 	stdout.Write(body)
 	return 0

@@ -55,6 +55,10 @@ type Cluster struct {
 	bytesSent    atomic.Uint64
 	msgsReceived atomic.Uint64
 	sendErrors   atomic.Uint64
+	// Application messages (app.go): sent, failed sends, accepted.
+	appSent, appSendErrors, appReceived atomic.Uint64
+	// joinedOnce: another member has been alive here (Joined).
+	joinedOnce atomic.Bool
 
 	joiner  *joiner
 	pubWake chan struct{}
@@ -393,6 +397,8 @@ func (c *Cluster) handleMessage(b []byte) {
 	c.mu.Unlock()
 	if reason != "" {
 		c.drop(reason, detail)
+	} else if m.Type == msgApp {
+		c.deliverApp(m)
 	} else if leftDead {
 		c.log.Info("member left; its records are withdrawn", logkeys.Event, logkeys.MemberLeft, logkeys.Member, m.Origin)
 	}
@@ -520,6 +526,9 @@ func (c *Cluster) membersChanged() {
 // memberAlive handles memberlist's join and update events (called with
 // memberlist's node lock held: no calls into memberlist here).
 func (c *Cluster) memberAlive(n *memberlist.Node) {
+	if n.Name != c.cfg.NodeName {
+		c.joinedOnce.Store(true)
+	}
 	c.mu.Lock()
 	var fresh *dest
 	if n.Name != c.cfg.NodeName && !c.closed.Load() {

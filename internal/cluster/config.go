@@ -64,7 +64,16 @@ type Config struct {
 	// block (signal a goroutine) and must not call into the Cluster or
 	// memberlist.
 	OnMembersChange func()
-	Logger          *slog.Logger
+	// OnAppMessage, if set, receives every application message (SendApp
+	// on another node) accepted from an alive member's current
+	// incarnation: the sender's node name and the payload, a copy that is
+	// the callee's to keep. It is called on memberlist's goroutines (its
+	// stream and packet handlers) with no cluster lock held: it must not
+	// block (hand the work to a goroutine) and must not send (SendApp
+	// waits for a stream). Messages from one sender may be delivered
+	// concurrently and out of order.
+	OnAppMessage func(from string, payload []byte)
+	Logger       *slog.Logger
 	// Transport replaces memberlist's NetTransport (tests wrap it to drop,
 	// delay or count traffic). BindAddr/BindPort are then only used to
 	// advertise.

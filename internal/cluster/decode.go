@@ -38,6 +38,7 @@ const (
 	DropBadMeta     DropReason = "bad_member_meta"      // origin's node metadata is unusable
 	DropIncarnation DropReason = "incarnation_mismatch" // not the origin's current incarnation
 	DropVTEPMatch   DropReason = "vtep_mismatch"        // a record's VTEP is not its origin's VTEP
+	DropProtocol    DropReason = "protocol_mismatch"    // a message type the origin's advertised protocol lacks
 	// Memberlist layer (counted from its log lines: it drops those itself).
 	DropGossipAuth  DropReason = "gossip_auth_failed" // could not decrypt/authenticate (wrong key, plaintext)
 	DropGossipLabel DropReason = "gossip_bad_label"   // another cluster label
@@ -131,7 +132,7 @@ func decodeMessage(b []byte) (*message, *decodeError) {
 	if err != nil {
 		return nil, err
 	}
-	if typ < msgDelta || typ > msgDefs {
+	if typ < msgDelta || typ > msgApp {
 		return nil, derr(DropUnknownType, "type %d", typ)
 	}
 	m := &message{Type: typ}
@@ -223,6 +224,20 @@ func decodeMessage(b []byte) (*message, *decodeError) {
 			if i > 0 && m.Defs[i].VNI <= m.Defs[i-1].VNI {
 				return nil, derr(DropMalformed, "definition %d: VNI %d not after VNI %d (sorted, no duplicates)", i, m.Defs[i].VNI, m.Defs[i-1].VNI)
 			}
+		}
+	case msgApp:
+		n, err := r.uvarint("payload length")
+		if err != nil {
+			return nil, err
+		}
+		switch {
+		case n == 0:
+			return nil, derr(DropMalformed, "empty application payload")
+		case n > MaxAppPayload:
+			return nil, derr(DropOversized, "application payload of %d bytes (limit %d)", n, MaxAppPayload)
+		}
+		if m.Payload, err = r.bytes(int(n), "payload"); err != nil {
+			return nil, err
 		}
 	case msgSyncRequest, msgLeave:
 	}

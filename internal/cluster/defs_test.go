@@ -97,15 +97,7 @@ func TestDefinitionsSpareProtocol1Members(t *testing.T) {
 	nodes := startCluster(t, "dv", hosts("127.0.0.", 161, 2), nodeOpts{})
 	waitMembers(t, 10*time.Second, nodes)
 	cur, old := nodes[0], nodes[1]
-	l := old.c.local
-	l.mu.Lock()
-	l.protoMax = 1
-	b := encodeMeta(l.metaLocked())
-	l.metaBytes.Store(&b)
-	l.mu.Unlock()
-	if err := old.c.updateNode(); err != nil {
-		t.Fatal(err)
-	}
+	old.advertiseProtocol(1)
 	waitFor(t, 10*time.Second, "the protocol-1 metadata to arrive", func() (bool, string) {
 		st := cur.c.Status()
 		for _, m := range st.Members {

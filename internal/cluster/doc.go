@@ -78,6 +78,17 @@
 // until it has. A change of what is in force for a VNI is delivered as
 // Watcher.PeersChanged(vni, nil). See defs.go.
 //
+// # Application messages
+//
+// Other parts of overlayd (the cluster address management) exchange their
+// own messages through the cluster: SendApp sends an opaque payload (up
+// to 1 MiB) reliably to one member (type 7, protocol version 3, sent only
+// to members that advertise it), and the receiver hands it to
+// Config.OnAppMessage once it has been validated like every message
+// (alive member, current incarnation, sizes). AppMembers lists the members
+// with their states and Joined says whether this node has met the cluster
+// (see app.go).
+//
 // # Membership
 //
 // Node metadata carries a metadata version, the protocol versions the node

@@ -498,6 +498,21 @@ func (n *node) stop() {
 	}
 }
 
+// advertiseProtocol makes n advertise max as the highest protocol it
+// speaks (an older overlayd) and gossips that.
+func (n *node) advertiseProtocol(max byte) {
+	n.t.Helper()
+	l := n.c.local
+	l.mu.Lock()
+	l.protoMax = max
+	b := encodeMeta(l.metaLocked())
+	l.metaBytes.Store(&b)
+	l.mu.Unlock()
+	if err := n.c.updateNode(); err != nil {
+		n.t.Fatal(err)
+	}
+}
+
 func (n *node) addr() string { return net.JoinHostPort(n.host, fmt.Sprint(n.port)) }
 
 func (n *node) key(vni uint32, id string) peerdb.Key {

@@ -24,9 +24,10 @@ const (
 	metaVersion byte = 2
 	// ProtocolVersion is the wire protocol this package speaks; nodes
 	// advertise the range they understand in their metadata.
-	// Version 2 adds the network definitions (msgDefs); version 1 nodes
-	// are still served, without them.
-	ProtocolVersion    byte = 2
+	// Version 2 adds the network definitions (msgDefs); version 3 the
+	// application messages (msgApp, the address management's). Nodes of
+	// versions 1 and 2 are still served, without what they lack.
+	ProtocolVersion    byte = 3
 	protocolVersionMin byte = 1
 )
 

@@ -489,6 +489,9 @@ func (s *replica) apply(m *message, now time.Time) (DropReason, string) {
 	case m.Incarnation != mem.meta.Incarnation:
 		return DropIncarnation, fmt.Sprintf("origin %q incarnation %d, member advertises %d",
 			m.Origin, m.Incarnation, mem.meta.Incarnation)
+	case m.Type == msgApp && mem.meta.ProtoMax < ProtocolApp:
+		return DropProtocol, fmt.Sprintf("origin %q sent an application message but advertises protocol %d (application messages need %d)",
+			m.Origin, mem.meta.ProtoMax, ProtocolApp)
 	}
 	for i := range m.Records {
 		r := &m.Records[i]
@@ -514,6 +517,8 @@ func (s *replica) apply(m *message, now time.Time) (DropReason, string) {
 	case msgSyncRequest:
 		s.sendSnapshot(m.Origin)
 		return "", ""
+	case msgApp:
+		return "", "" // delivered by the Cluster, outside its lock
 	case msgLeave:
 		mem.leaving = true
 		if leaveOfDead {

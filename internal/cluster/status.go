@@ -2,7 +2,6 @@ package cluster
 
 import (
 	"cmp"
-	"math"
 	"net/netip"
 	"slices"
 	"time"
@@ -87,6 +86,9 @@ type Stats struct {
 	PeersChangedKeys    uint64 `json:"peers_changed_keys"`    // keys passed in them
 	Definitions         uint64 `json:"definitions"`           // definition sets applied
 	StaleDefinitions    uint64 `json:"stale_definitions"`     // definition sets older than held
+	AppMessagesSent     uint64 `json:"app_messages_sent"`     // application messages (SendApp), also in MessagesSent
+	AppSendErrors       uint64 `json:"app_send_errors"`       // failed SendApp streams, also in SendErrors
+	AppMessagesReceived uint64 `json:"app_messages_received"` // application messages accepted and delivered
 }
 
 // Status returns the current status.
@@ -127,16 +129,7 @@ func (c *Cluster) Status() Status {
 	now := c.now()
 
 	c.mu.Lock()
-	alive := 0
-	for _, m := range c.replica.members {
-		if m.state == StateAlive {
-			alive++
-		}
-	}
-	// Memberlist declares a suspect dead or hears it refute within the
-	// maximum suspicion time; past that, a stale suspicion means nothing.
-	suspicionMax := time.Duration(float64(c.cfg.SuspicionMaxTimeoutMult*c.cfg.SuspicionMult) *
-		max(1, math.Log10(float64(alive))) * float64(c.cfg.ProbeInterval))
+	suspicionMax := c.suspicionMaxLocked()
 	for name, m := range c.replica.members {
 		ms := MemberStatus{Name: name, Port: m.node.Port, State: m.state, Since: m.since,
 			LastHeard: m.lastHeard, Self: name == c.cfg.NodeName}
@@ -150,7 +143,7 @@ func (c *Cluster) Status() Status {
 		}
 		if ms.Self {
 			ms.Protocol, ms.Incarnation, ms.VTEP, ms.LastHeard = ProtocolVersion, c.inc, st.Node.VTEP, time.Time{}
-		} else if m.state == StateAlive && !m.suspectSince.IsZero() && now.Sub(m.suspectSince) < suspicionMax {
+		} else if m.suspected(now, suspicionMax) {
 			ms.State = StateSuspect
 		}
 		if m.failedGrace {
@@ -191,6 +184,7 @@ func (c *Cluster) Status() Status {
 		FailedGraceExpired: ss.FailedGraceExpired, RestartGraceExpired: ss.GraceExpired,
 		PeersChangedCalls: c.changeCalls.Load(), PeersChangedKeys: c.changedKeys.Load(),
 		Definitions: ss.Defs, StaleDefinitions: ss.StaleDefs,
+		AppMessagesSent: c.appSent.Load(), AppSendErrors: c.appSendErrors.Load(), AppMessagesReceived: c.appReceived.Load(),
 	}
 	return st
 }

@@ -15,7 +15,7 @@ import (
 //
 //	message   = version:u8 (=1) type:u8 origin incarnation:u64be body
 //	origin    = len:u8 (1..255) name (UTF-8)
-//	body      = delta | snapshot | digest | syncRequest | leave | defs
+//	body      = delta | snapshot | digest | syncRequest | leave | defs | app
 //	delta     = count:uvarint record*count           (type 1)
 //	snapshot  = asOf:uvarint count:uvarint record*count (type 2, live records only)
 //	digest    = asOf:uvarint count:uvarint hash:u64be (type 3)
@@ -23,6 +23,8 @@ import (
 //	leave     = (empty)                              (type 5)
 //	defs      = asOf:uvarint count:uvarint def*count (type 6, protocol 2: the
 //	            origin's complete set of network definitions, see defs.go)
+//	app       = len:uvarint (1..MaxAppPayload) payload (type 7, protocol 3:
+//	            opaque to this package, see app.go)
 //	record    = vni:u24be flags:u8 id version:uvarint [value]
 //	flags     = bit 0 deleted, bit 1 id is hex-packed; other bits zero
 //	id        = len:u8 (1..255) bytes   (hex-packed: the bytes of a
@@ -41,6 +43,7 @@ const (
 	msgSyncRequest byte = 4
 	msgLeave       byte = 5
 	msgDefs        byte = 6 // protocol version 2 only
+	msgApp         byte = 7 // protocol version 3 only
 
 	flagDeleted byte = 1 << 0
 	flagHexID   byte = 1 << 1
@@ -98,6 +101,7 @@ type message struct {
 	Hash        uint64 // digest: sum of the live records' hashes
 	Records     []record
 	Defs        []defRecord // defs: by VNI, no duplicates
+	Payload     []byte      // app: 1..MaxAppPayload bytes (aliases the decoded buffer)
 }
 
 var errEncode = errors.New("cluster: message cannot be encoded")
@@ -196,7 +200,7 @@ func encodeMessage(m *message) ([]byte, error) {
 	if err := checkName(m.Origin); err != nil || m.Incarnation == 0 {
 		return nil, errEncode
 	}
-	size := headerFixed + len(m.Origin) + 3*binary.MaxVarintLen64 + 8
+	size := headerFixed + len(m.Origin) + 3*binary.MaxVarintLen64 + 8 + len(m.Payload)
 	for i := range m.Records {
 		r := &m.Records[i]
 		if reason := validRecord(r); reason != "" {
@@ -247,10 +251,16 @@ func encodeMessage(m *message) ([]byte, error) {
 			}
 			b = appendDef(b, &m.Defs[i])
 		}
+	case msgApp:
+		if len(m.Records) != 0 || len(m.Payload) == 0 || len(m.Payload) > MaxAppPayload {
+			return nil, errEncode
+		}
+		b = binary.AppendUvarint(b, uint64(len(m.Payload)))
+		b = append(b, m.Payload...)
 	default:
 		return nil, errEncode
 	}
-	if m.Type != msgDefs && len(m.Defs) != 0 || len(b) > maxMessageBytes {
+	if m.Type != msgDefs && len(m.Defs) != 0 || m.Type != msgApp && len(m.Payload) != 0 || len(b) > maxMessageBytes {
 		return nil, errEncode
 	}
 	return b, nil

@@ -45,6 +45,8 @@ func sampleMessages() []*message {
 				{VNI: MaxVNI, Pool: netip.MustParsePrefix("203.0.113.0/30")}}}},
 		}},
 		{Type: msgDefs, Origin: "host-e", Incarnation: 8, AsOf: 1, Defs: []defRecord{}},
+		{Type: msgApp, Origin: "host-f", Incarnation: 9, Payload: []byte{0}},
+		{Type: msgApp, Origin: "host-f", Incarnation: 9, Payload: bytes.Repeat([]byte("ipam"), MaxAppPayload/4)},
 	}
 }
 
@@ -163,7 +165,18 @@ func badCases(t testing.TB) []badCase {
 	}
 	defsTwice := append(append([]byte(nil), defsBase...), defsBase[15:]...)
 	defsTwice[14] = 2
+	// Offsets in appBase: 0-12 header (origin "ab"), 13 payload length,
+	// 14-16 payload.
+	appBase := mustEncode(t, &message{Type: msgApp, Origin: "ab", Incarnation: 9, Payload: []byte("abc")})
+	appLen := func(n uint64) []byte {
+		return binary.AppendUvarint(append([]byte(nil), appBase[:13]...), n)
+	}
 	return []badCase{
+		{"application payload empty", appLen(0), DropMalformed},
+		{"application payload over 1 MiB", append(appLen(MaxAppPayload+1), make([]byte, MaxAppPayload+1)...), DropOversized},
+		{"application payload truncated", appBase[:len(appBase)-1], DropTruncated},
+		{"application payload length missing", appBase[:13], DropTruncated},
+		{"application trailing byte", append(append([]byte(nil), appBase...), 0), DropMalformed},
 		{"definitions clock zero", defsSet(13, 0), DropMalformed},
 		{"definition count over bytes", defsSet(14, 9), DropTruncated},
 		{"definition unknown flag", defsSet(18, 0x04), DropMalformed},
@@ -248,6 +261,10 @@ func TestEncodeRefusesInvalid(t *testing.T) {
 		{Type: msgDelta, Origin: "a", Incarnation: 1, Records: []record{liveRec(1, "x", "10.0.0.1", "0.0.0.0", 1)}},
 		{Type: msgSnapshot, Origin: "a", Incarnation: 1, Records: []record{{VNI: 1, EndpointID: "x", Version: 1, Deleted: true}}},
 		{Type: 99, Origin: "a", Incarnation: 1},
+		{Type: msgApp, Origin: "a", Incarnation: 1},
+		{Type: msgApp, Origin: "a", Incarnation: 1, Payload: make([]byte, MaxAppPayload+1)},
+		{Type: msgDelta, Origin: "a", Incarnation: 1, Payload: []byte{1}},
+		{Type: msgApp, Origin: "a", Incarnation: 1, Payload: []byte{1}, Records: []record{{VNI: 1, EndpointID: "x", Version: 1, Deleted: true}}},
 	} {
 		if b, err := encodeMessage(m); err == nil {
 			t.Errorf("encoded invalid %+v as %x", m, b)

@@ -113,6 +113,7 @@ func Usage(w io.Writer, prog string) {
 	fmt.Fprintf(w, "       %s status [--json]       show the running daemon's view (via --control-socket)\n", prog)
 	fmt.Fprintf(w, "       %s keys rotate           start a cluster-wide rotation of the encryption keys\n", prog)
 	fmt.Fprintf(w, "       %s leave                 decommission this host: leave the cluster (stopping does not)\n", prog)
+	fmt.Fprintf(w, "       %s ipam reclaim NODE     take over the address space of NODE, a host gone for good\n", prog)
 	fmt.Fprintf(w, "       %s version               print the version (also --version)\n", prog)
 	fmt.Fprintf(w, "       %s help [COMMAND]        this text, or a command's (also COMMAND --help)\n\n", prog)
 	fmt.Fprintf(w, "overlayd is a Docker network plugin joining containers on many hosts over VXLAN.\nWith no command it serves the plugin API.\n\n")
@@ -160,6 +161,13 @@ var (
 				"once. Stopping overlayd does not leave (the others keep its peers through a restart).\n" +
 				"Stop overlayd (or disable the plugin) afterwards.",
 			[]setting{controlSocketFlag}},
+		"ipam": {"ipam reclaim NODE [--control-socket PATH]",
+			"Makes this host the owner of every address range of NODE, a host that is gone for good\n" +
+				"(decommissioned, or reinstalled with an empty state directory, which makes it a new\n" +
+				"identity), so its free addresses can be handed out again. Refused while a member named\n" +
+				"NODE is alive or suspect. Addresses NODE's containers held become free: run it only once\n" +
+				"NODE and its containers are gone. NODE's identity is then ignored cluster-wide.",
+			[]setting{controlSocketFlag}},
 	}
 )
 
@@ -191,7 +199,7 @@ func Parse(args []string, getenv func(string) string) (*Settings, error) {
 		return nil, &Invalid{fmt.Errorf("%v (see overlayd --help)", err)}
 	}
 	if fs.NArg() > 0 {
-		return nil, &Invalid{fmt.Errorf("unexpected argument %q: the commands are status, keys, leave, version and help (see --help)", fs.Arg(0))}
+		return nil, &Invalid{fmt.Errorf("unexpected argument %q: the commands are status, keys, leave, ipam, version and help (see --help)", fs.Arg(0))}
 	}
 	given := map[string]bool{}
 	fs.Visit(func(f *flag.Flag) { given[f.Name] = true })

@@ -185,7 +185,7 @@ func TestSourceSaysHowASettingWasGiven(t *testing.T) {
 // The client commands' usage is in --help's style and names the
 // environment variables.
 func TestCommandUsage(t *testing.T) {
-	for _, name := range []string{"status", "keys", "leave"} {
+	for _, name := range []string{"status", "keys", "leave", "ipam"} {
 		if !IsCommand(name) {
 			t.Fatalf("%s is not a command", name)
 		}

@@ -25,6 +25,10 @@ type Handlers struct {
 	Rotate func() (any, error)
 	// Leave makes this host leave the cluster for good (decommissioning).
 	Leave func() (any, error)
+	// Reclaim makes this host the owner of the address space of node, a
+	// host gone for good (`overlayd ipam reclaim NODE`); ctx ends when the
+	// client gives up.
+	Reclaim func(ctx context.Context, node string) (any, error)
 }
 
 // Server is a running control socket.
@@ -73,6 +77,13 @@ func Serve(path string, h Handlers) (*Server, error) {
 	}
 	mux.HandleFunc("POST /v1/keys/rotate", action("key rotation", h.Rotate))
 	mux.HandleFunc("POST /v1/leave", action("leaving the cluster", h.Leave))
+	mux.HandleFunc("POST /v1/ipam/reclaim/{node}", func(w http.ResponseWriter, r *http.Request) {
+		if h.Reclaim == nil {
+			http.Error(w, "reclaiming address space is not available", http.StatusNotImplemented)
+			return
+		}
+		action("reclaiming address space", func() (any, error) { return h.Reclaim(r.Context(), r.PathValue("node")) })(w, r)
+	})
 	s := &Server{srv: &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}, path: path, done: make(chan error, 1)}
 	go func() {
 		err := s.srv.Serve(l)
@@ -148,6 +159,9 @@ func NewClient(path string) *Client {
 		},
 	}}}
 }
+
+// ReclaimPath is the control path of `overlayd ipam reclaim NODE`.
+func ReclaimPath(node string) string { return "/v1/ipam/reclaim/" + url.PathEscape(node) }
 
 // Get fetches path (e.g. "/v1/status") and returns the raw JSON body.
 func (c *Client) Get(p string) ([]byte, error) { return c.do(http.MethodGet, p) }

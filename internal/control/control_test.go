@@ -1,6 +1,7 @@
 package control
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"os"
@@ -64,6 +65,48 @@ func TestServeStatusAndRotate(t *testing.T) {
 		}
 	case <-time.After(5 * time.Second):
 		t.Fatal("Done not signalled after Close")
+	}
+}
+
+// `overlayd ipam reclaim NODE` reaches the handler with the node's name
+// (escaped on the way: names may hold anything the cluster accepts) and a
+// live context; a refusal comes back as the error's text.
+func TestReclaim(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "control.sock")
+	var got []string
+	s, err := Serve(path, Handlers{Reclaim: func(ctx context.Context, node string) (any, error) {
+		if ctx.Err() != nil {
+			t.Error("reclaim called with a dead context")
+		}
+		got = append(got, node)
+		if node == "alive host" {
+			return nil, errors.New(`refused: member "alive host" is alive; reclaim only a host that is gone for good`)
+		}
+		return map[string]string{"node": node}, nil
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	c := NewClient(path)
+	body, err := c.Post(ReclaimPath("h3/old"))
+	if err != nil || !strings.Contains(string(body), `"node": "h3/old"`) {
+		t.Fatalf("reclaim h3/old: %s %v", body, err)
+	}
+	if _, err := c.Post(ReclaimPath("alive host")); err == nil || err.Error() != `refused: member "alive host" is alive; reclaim only a host that is gone for good` {
+		t.Fatalf("refused reclaim: %v", err)
+	}
+	if len(got) != 2 || got[0] != "h3/old" || got[1] != "alive host" {
+		t.Fatalf("handler got %q", got)
+	}
+	s2path := filepath.Join(t.TempDir(), "control.sock")
+	s2, err := Serve(s2path, Handlers{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s2.Close()
+	if _, err := NewClient(s2path).Post(ReclaimPath("h3")); err == nil || !strings.Contains(err.Error(), "not available") {
+		t.Fatalf("reclaim without a handler: %v", err)
 	}
 }
 

@@ -17,6 +17,7 @@ import (
 	"github.com/overlayd/overlayd/encryption"
 	"github.com/overlayd/overlayd/internal/cluster"
 	"github.com/overlayd/overlayd/internal/config"
+	"github.com/overlayd/overlayd/internal/ipam"
 	"github.com/overlayd/overlayd/internal/lockorder"
 	"github.com/overlayd/overlayd/internal/netdef"
 	"github.com/overlayd/overlayd/internal/statefile"
@@ -55,6 +56,11 @@ type controlPlane struct {
 	key []byte
 	enc *encryption.Owner
 	d   *driver.Driver
+	// alloc is the cluster address management (nil in tests of the
+	// control plane alone): it gets the cluster as its transport when the
+	// control plane starts, and the cluster's application messages and
+	// membership changes.
+	alloc *ipam.Allocator
 
 	c atomic.Pointer[cluster.Cluster] // nil until started, and again once left
 
@@ -82,8 +88,8 @@ type controlPlane struct {
 	hasLeft    atomic.Bool // left, readable without startMu
 }
 
-func newControlPlane(st *config.Settings, db *statefile.File, log *slog.Logger, key []byte, enc *encryption.Owner) *controlPlane {
-	return &controlPlane{st: st, db: db, log: log, key: key, enc: enc,
+func newControlPlane(st *config.Settings, db *statefile.File, log *slog.Logger, key []byte, enc *encryption.Owner, alloc *ipam.Allocator) *controlPlane {
+	return &controlPlane{st: st, db: db, log: log, key: key, enc: enc, alloc: alloc,
 		startMu: lockorder.New(lockorder.LevelStart), seedMu: lockorder.New(lockorder.LevelLeaf),
 		started: make(chan struct{}), stop: make(chan struct{})}
 }
@@ -235,8 +241,21 @@ func (cp *controlPlane) tryStart() {
 		Watcher:          cp.d,
 		Logger:           cp.log,
 		// Members or their adverts changed: the encryption owner steps
-		// the key rotation soon (Poke never blocks).
-		OnMembersChange: cp.enc.Poke,
+		// the key rotation soon, the address management re-reads the
+		// members (neither blocks).
+		OnMembersChange: func() {
+			cp.enc.Poke()
+			if cp.alloc != nil {
+				cp.alloc.MembersChanged()
+			}
+		},
+		// The address management's messages (it queues them, never
+		// blocks).
+		OnAppMessage: func(from string, payload []byte) {
+			if cp.alloc != nil {
+				cp.alloc.HandleMessage(from, payload)
+			}
+		},
 	})
 	if err != nil {
 		// Once per distinct error, not every second: the retry goes on
@@ -264,6 +283,9 @@ func (cp *controlPlane) tryStart() {
 	cp.seedMu.Unlock()
 	c.AddSeeds(late...)
 	cp.enc.AttachGossip(keyGossip{c})
+	if cp.alloc != nil {
+		cp.alloc.SetTransport(ipamTransport{c})
+	}
 	cp.hadSeeds.Store(len(all)+len(late) > 0)
 	cp.log.Info("control plane started", "node", cp.st.NodeName, "gossip", net.JoinHostPort(bind.String(), strconv.Itoa(cp.st.GossipPort)),
 		"vtep", vtep, "seeds", len(all)+len(late), "key_fingerprint", cluster.Fingerprint(cp.key))

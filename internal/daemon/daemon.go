@@ -1,5 +1,7 @@
-// Package daemon runs overlayd's plugin server: it opens the driver, serves
-// the remote driver API on the plugin socket and shuts down gracefully.
+// Package daemon runs overlayd's plugin server: it opens the driver and
+// the cluster address management (internal/ipam), serves both remote APIs
+// (network driver and IPAM driver) on the plugin socket and shuts down
+// gracefully.
 // With --metrics-addr it also serves Prometheus metrics and the health
 // endpoints (internal/metrics), reading every owner at scrape time.
 package daemon
@@ -16,16 +18,17 @@ import (
 	"time"
 
 	sdnotify "github.com/coreos/go-systemd/daemon"
-	"github.com/docker/go-plugins-helpers/network"
 	"github.com/vishvananda/netns"
 
 	"github.com/overlayd/overlayd/driver"
 	"github.com/overlayd/overlayd/encryption"
 	"github.com/overlayd/overlayd/internal/config"
 	"github.com/overlayd/overlayd/internal/control"
+	"github.com/overlayd/overlayd/internal/ipam"
 	"github.com/overlayd/overlayd/internal/metrics"
 	"github.com/overlayd/overlayd/internal/netnsutil"
 	"github.com/overlayd/overlayd/internal/nlbatch"
+	"github.com/overlayd/overlayd/internal/pluginapi"
 	"github.com/overlayd/overlayd/internal/statefile"
 	"github.com/overlayd/overlayd/internal/version"
 )
@@ -66,6 +69,13 @@ func Run(ctx context.Context, st *config.Settings, log *slog.Logger) error {
 		return err
 	}
 	defer db.Close()
+	// The address management's state is in the state file too: it is
+	// loaded (or this host's identity created) before anything serves.
+	alloc, err := ipam.New(ipam.Config{NodeName: st.NodeName, Store: db, Logger: log.With("component", "ipam")})
+	if err != nil {
+		return fmt.Errorf("failed to load the address management's state from %s: %w", db.Path(), err)
+	}
+	defer alloc.Close()
 	hostNS, err := netns.Get()
 	if err != nil {
 		return fmt.Errorf("failed to open the host network namespace: %w", err)
@@ -79,7 +89,7 @@ func Run(ctx context.Context, st *config.Settings, log *slog.Logger) error {
 		return err
 	}
 	defer enc.Close()
-	cp := newControlPlane(st, db, log, key, enc)
+	cp := newControlPlane(st, db, log, key, enc, alloc)
 	d, err := driver.New(driver.Config{
 		Scope:         st.Scope,
 		AdvertiseAddr: st.AdvertiseAddr,
@@ -124,7 +134,8 @@ func Run(ctx context.Context, st *config.Settings, log *slog.Logger) error {
 	}
 	ctl, err := control.Serve(st.ControlSocket, control.Handlers{
 		Status: func() any {
-			r := &StatusReport{Cluster: cp.status(), Driver: d.Status(), Ready: readiness(cp.ready())}
+			ist := alloc.Status()
+			r := &StatusReport{Cluster: cp.status(), Driver: d.Status(), IPAM: &ist, Ready: readiness(cp.ready())}
 			if c := cp.c.Load(); c != nil {
 				r.Keys = memberKeys(c)
 			}
@@ -141,6 +152,9 @@ func Run(ctx context.Context, st *config.Settings, log *slog.Logger) error {
 			return map[string]any{"target_epoch": target, "note": "every host accepts the new epoch, then sends with it, then retires the old one"}, nil
 		},
 		Leave: cp.leave,
+		Reclaim: func(ctx context.Context, node string) (any, error) {
+			return alloc.Reclaim(ctx, node)
+		},
 	})
 	if err != nil {
 		l.Close()
@@ -148,6 +162,7 @@ func Run(ctx context.Context, st *config.Settings, log *slog.Logger) error {
 	}
 	defer ctl.Close()
 	g := &gate{d: d, log: log}
+	ia := &ipamAPI{a: alloc, log: log.With("component", "ipam")}
 	var msrv *http.Server
 	if ml != nil {
 		m := metrics.New(metrics.Sources{
@@ -161,10 +176,15 @@ func Run(ctx context.Context, st *config.Settings, log *slog.Logger) error {
 				c := nlbatch.Sent()
 				return c.Messages, c.Datagrams, c.SendFailures
 			},
+			IPAM: func() *ipam.Status {
+				st := alloc.Status()
+				return &st
+			},
 			Ready:   cp.ready,
 			Version: version.String(),
 		})
 		g.observe = m.ObserveCall
+		ia.refused = m.ObserveIPAMRefusal
 		msrv = &http.Server{Handler: m.Handler(), ReadHeaderTimeout: 10 * time.Second}
 		go func() {
 			if err := msrv.Serve(ml); err != nil && !errors.Is(err, http.ErrServerClosed) {
@@ -173,7 +193,8 @@ func Run(ctx context.Context, st *config.Settings, log *slog.Logger) error {
 		}()
 		log.Info("serving metrics", "addr", ml.Addr().String(), "paths", "/metrics /healthz /readyz")
 	}
-	h := network.NewHandler(g)
+	// One socket serves both APIs: -d overlayd --ipam-driver overlayd.
+	h := pluginapi.New(g, ipamGate{g: g, inner: ia})
 	served := make(chan error, 1)
 	go func() { served <- h.Serve(l) }()
 	// The control plane starts now if the VTEP is known, else when the

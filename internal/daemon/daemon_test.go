@@ -32,15 +32,15 @@ func startDaemon(t *testing.T, scope string) (*http.Client, func() error) {
 	return startDaemonIn(t, scope, t.TempDir(), nstest.NetnsDir(t), nstest.NewNS(t, "host"))
 }
 
-func startDaemonIn(t *testing.T, scope, dir, netnsDir string, host *nstest.NS) (*http.Client, func() error) {
+func startDaemonIn(t *testing.T, scope, dir, netnsDir string, host *nstest.NS, extra ...string) (*http.Client, func() error) {
 	t.Helper()
-	st, err := config.Parse([]string{
+	st, err := config.Parse(append([]string{
 		"--socket", filepath.Join(dir, "plugins", "overlayd.sock"),
 		"--state-dir", filepath.Join(dir, "state"),
 		"--netns-dir", netnsDir,
 		"--control-socket", filepath.Join(dir, "control.sock"),
 		"--scope", scope,
-	}, func(string) string { return "" })
+	}, extra...), func(string) string { return "" })
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -118,7 +118,7 @@ func TestPluginAPIOverHTTP(t *testing.T) {
 		t.Run(scope, func(t *testing.T) {
 			c, stop := startDaemon(t, scope)
 			code, out := post(t, c, "Plugin.Activate", "")
-			if code != 200 || fmt.Sprint(out["Implements"]) != "[NetworkDriver]" {
+			if code != 200 || fmt.Sprint(out["Implements"]) != "[NetworkDriver IpamDriver]" {
 				t.Fatalf("Activate: %d %v", code, out)
 			}
 			code, out = post(t, c, "NetworkDriver.GetCapabilities", "{}")
@@ -200,6 +200,16 @@ func TestGateDrains(t *testing.T) {
 	g := &gate{log: slog.New(slog.NewTextHandler(io.Discard, nil))}
 	go call0(g, "slow", func(int) error { close(entered); <-release; return nil }, 0)
 	<-entered
+	closeWaits(t, g, release)
+	if err := call0(g, "late", func(int) error { return nil }, 0); err != errShuttingDown {
+		t.Fatalf("call after close: %v", err)
+	}
+}
+
+// closeWaits checks that g.close waits while a call is in flight (until
+// release is closed) and returns once it ends.
+func closeWaits(t *testing.T, g *gate, release chan struct{}) {
+	t.Helper()
 	closed := make(chan struct{})
 	go func() { g.close(); close(closed) }()
 	select {
@@ -209,9 +219,6 @@ func TestGateDrains(t *testing.T) {
 	}
 	close(release)
 	<-closed
-	if err := call0(g, "late", func(int) error { return nil }, 0); err != errShuttingDown {
-		t.Fatalf("call after close: %v", err)
-	}
 }
 
 func TestStaleSocketReplacedLiveSocketRefused(t *testing.T) {
@@ -301,7 +308,7 @@ func TestStartAfterStopDoesNothing(t *testing.T) {
 			return err
 		}
 		defer enc.Close()
-		cp := newControlPlane(st, nil, slog.New(slog.NewTextHandler(io.Discard, nil)), make([]byte, 32), enc)
+		cp := newControlPlane(st, nil, slog.New(slog.NewTextHandler(io.Discard, nil)), make([]byte, 32), enc, nil)
 		d, err := driver.New(driver.Config{HostNS: host.Handle, NetnsDir: nstest.NetnsDir(t), AdvertiseAddr: netip.MustParseAddr("127.0.0.1"),
 			Peers: cp, Publisher: cp})
 		if err != nil {

@@ -61,7 +61,7 @@ func startDefHost(t *testing.T, name string, ns *nstest.NS, vtep netip.Addr, gos
 		t.Fatal(err)
 	}
 	h.enc.Start()
-	h.cp = newControlPlane(st, nil, log, key, h.enc)
+	h.cp = newControlPlane(st, nil, log, key, h.enc, nil)
 	h.d, err = driver.New(driver.Config{HostNS: ns.Handle, NetnsDir: nstest.NetnsDir(t), AdvertiseAddr: vtep, Logger: log,
 		Publisher: h.cp, Peers: h.cp, Definitions: h.cp, Encryption: h.enc})
 	if err != nil {

@@ -11,6 +11,7 @@ import (
 
 	"github.com/overlayd/overlayd/driver"
 	"github.com/overlayd/overlayd/internal/cluster"
+	"github.com/overlayd/overlayd/internal/ipam"
 )
 
 // StatusReport is what `overlayd status` shows: the control plane's view
@@ -21,6 +22,9 @@ type StatusReport struct {
 	Cluster *cluster.Status   `json:"cluster,omitempty"`
 	Keys    map[string]string `json:"member_keys,omitempty"` // key epochs each member advertises
 	Driver  driver.Status     `json:"driver"`
+	// IPAM is the cluster address management's view: per pool, the
+	// ranges this host owns and the cluster's totals.
+	IPAM *ipam.Status `json:"ipam,omitempty"`
 }
 
 // Render writes r for humans, section by section: this node, the members,
@@ -36,6 +40,7 @@ func (r *StatusReport) Render(w io.Writer) {
 	r.renderMembers(w)
 	r.renderKeys(w)
 	r.renderEncryption(w)
+	r.renderIPAM(w)
 	r.renderDriver(w, stale)
 }
 
@@ -146,6 +151,50 @@ func (r *StatusReport) renderEncryption(w io.Writer) {
 		fmt.Fprintf(w, "  failing: %s\n", e.Error)
 	} else if e.LastError != "" {
 		fmt.Fprintf(w, "  last failure (%s): %s\n", e.LastErrorAt.Format(time.RFC3339), e.LastError)
+	}
+}
+
+// renderIPAM writes the address management's pools: this host's ranges
+// with their free/used counts, then every owner's share as last reported.
+func (r *StatusReport) renderIPAM(w io.Writer) {
+	st := r.IPAM
+	if st == nil {
+		return
+	}
+	fmt.Fprintf(w, "\nAddress management (--ipam-driver overlayd): host id %s, %d pool(s)\n", st.HostID, len(st.Pools))
+	for _, id := range st.Reclaimed {
+		fmt.Fprintf(w, "  reclaimed identity %s (its messages are ignored)\n", id)
+	}
+	if st.DroppedMessages > 0 {
+		fmt.Fprintf(w, "  messages dropped on a full queue: %d (the exchanges repeat them)\n", st.DroppedMessages)
+	}
+	for _, p := range st.Pools {
+		fmt.Fprintf(w, "  pool %s  gateway %s  range %s  %d addresses; used by %d network(s) here\n", p.Prefix, p.Gateway, p.Range, p.Size, p.InUse)
+		if p.PendingClaim != "" {
+			fmt.Fprintf(w, "    pending claim: %s\n", p.PendingClaim)
+		}
+		fmt.Fprintf(w, "    this host owns %d: %d free, %d used\n", p.LocalOwned, p.LocalFree, p.LocalUsed)
+		for _, rg := range p.Ranges {
+			fmt.Fprintf(w, "      %s-%s  %d addresses: %d free, %d used\n", rg.First, rg.Last, rg.Size, rg.Free, rg.Used)
+		}
+		unreported := ""
+		if p.Unreported > 0 {
+			unreported = fmt.Sprintf(", %d owned by hosts that have not reported", p.Unreported)
+		}
+		fmt.Fprintf(w, "    cluster: %d free, %d used%s\n", p.ClusterFree, p.ClusterUsed, unreported)
+		for _, o := range p.Owners {
+			figures := "not reported"
+			switch {
+			case o.State == "self":
+				figures = fmt.Sprintf("%d free, %d used", o.Free, o.Used)
+			case o.Reported:
+				figures = fmt.Sprintf("%d free, %d used as of %s", o.Free, o.Used, o.Since.UTC().Format(time.TimeOnly+" UTC"))
+			}
+			fmt.Fprintf(w, "      %-20s %-9s owns %d: %s\n", o.Node, o.State, o.Owned, figures)
+		}
+		for _, c := range p.Conflicts {
+			fmt.Fprintf(w, "    CONFLICT: %s\n", c)
+		}
 	}
 }
 

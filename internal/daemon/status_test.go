@@ -10,6 +10,7 @@ import (
 
 	"github.com/overlayd/overlayd/driver"
 	"github.com/overlayd/overlayd/internal/cluster"
+	"github.com/overlayd/overlayd/internal/ipam"
 )
 
 // The text status lists networks by VNI (VNI first, in VNI order), shows
@@ -100,5 +101,60 @@ func TestReadiness(t *testing.T) {
 	cp.hasLeft.Store(true)
 	if err := cp.ready(); err == nil || !strings.Contains(err.Error(), "left the cluster") {
 		t.Errorf("left: %v", err)
+	}
+}
+
+// The address management's section shows, per pool, the gateway, this
+// host's ranges with free/used counts, the cluster's totals with every
+// owner's share (marking figures never reported), conflicts and a pending
+// claim.
+func TestStatusRenderIPAM(t *testing.T) {
+	at := time.Date(2026, 12, 3, 4, 5, 6, 0, time.UTC)
+	r := &StatusReport{Driver: driver.Status{Scope: "local"}, IPAM: &ipam.Status{
+		Node: "h1", HostID: "5f3a9c0d1e2b4a68", Reclaimed: []string{"h9/0123456789abcdef"}, DroppedMessages: 3,
+		Pools: []ipam.PoolStatus{{
+			PoolID: "overlayd:198.51.100.0/24", Prefix: "198.51.100.0/24", Range: "198.51.100.0/24", Gateway: "198.51.100.1",
+			InUse: 1, Size: 253,
+			Ranges:     []ipam.RangeStatus{{First: "198.51.100.2", Last: "198.51.100.85", Size: 84, Free: 64, Used: 20}},
+			LocalOwned: 84, LocalFree: 64, LocalUsed: 20,
+			Owners: []ipam.OwnerStatus{
+				{Node: "h1", HostID: "5f3a9c0d1e2b4a68", Owned: 84, Reported: true, Free: 64, Used: 20, State: "self"},
+				{Node: "h2", HostID: "77", Owned: 85, Reported: true, Free: 75, Used: 10, Since: at, State: "alive"},
+				{Node: "h3", HostID: "88", Owned: 84, State: "dead"},
+			},
+			ClusterFree: 139, ClusterUsed: 30, Unreported: 84,
+			Conflicts:    []string{"198.51.100.90 allocated here in a range owned by h2"},
+			PendingClaim: "voted for h2's claim, awaiting its commit",
+		}},
+	}}
+	var b bytes.Buffer
+	r.Render(&b)
+	out := b.String()
+	t.Logf("\n%s", out)
+	for _, want := range []string{
+		"Address management (--ipam-driver overlayd): host id 5f3a9c0d1e2b4a68, 1 pool(s)",
+		"reclaimed identity h9/0123456789abcdef",
+		"messages dropped on a full queue: 3",
+		"pool 198.51.100.0/24  gateway 198.51.100.1  range 198.51.100.0/24  253 addresses; used by 1 network(s) here",
+		"this host owns 84: 64 free, 20 used",
+		"198.51.100.2-198.51.100.85  84 addresses: 64 free, 20 used",
+		"cluster: 139 free, 30 used, 84 owned by hosts that have not reported",
+		"pending claim: voted for h2's claim, awaiting its commit",
+		"CONFLICT: 198.51.100.90 allocated here in a range owned by h2",
+	} {
+		if !strings.Contains(out, want) {
+			t.Errorf("IPAM status lacks %q", want)
+		}
+	}
+	if l := line(out, "      h2 "); !strings.Contains(l, "alive") || !strings.Contains(l, "owns 85: 75 free, 10 used as of 04:05:06 UTC") {
+		t.Errorf("owner line %q", l)
+	}
+	if l := line(out, "      h3 "); !strings.Contains(l, "dead") || !strings.Contains(l, "owns 84: not reported") {
+		t.Errorf("unreported owner line %q", l)
+	}
+	// The text lists the pools after the encryption and before the
+	// networks.
+	if strings.Index(out, "Address management") > strings.Index(out, "\nDriver:") {
+		t.Error("the IPAM section comes after the driver's")
 	}
 }

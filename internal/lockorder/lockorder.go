@@ -37,6 +37,13 @@ const (
 	LevelEncryption Level = 20
 	// LevelAlloc: the driver's VNI allocation lock (swarm leader).
 	LevelAlloc Level = 25
+	// LevelIPAMPool: one pool's lock in the cluster IPAM (its ring, its
+	// allocations, its claim); never two at once. Never held while
+	// sending to another host or waiting for the state file.
+	LevelIPAMPool Level = 27
+	// LevelIPAM: the cluster IPAM's maps (pools by id, identities, pending
+	// requests); taken alone or under a pool's lock.
+	LevelIPAM Level = 28
 	// LevelDriver: driver.mu, the driver's maps (networks by id and VNI,
 	// the local VTEP). Never held while calling out of the driver.
 	LevelDriver Level = 30
@@ -62,6 +69,8 @@ var levelNames = map[Level]string{
 	LevelNetwork:       "network.mu",
 	LevelEncryption:    "encryption lock",
 	LevelAlloc:         "allocation lock",
+	LevelIPAMPool:      "IPAM pool lock",
+	LevelIPAM:          "IPAM lock",
 	LevelDriver:        "driver.mu",
 	LevelCluster:       "cluster.mu",
 	LevelClusterSender: "cluster sender lock",
@@ -71,7 +80,7 @@ var levelNames = map[Level]string{
 
 // Levels returns every level of the hierarchy, top to bottom.
 func Levels() []Level {
-	return []Level{LevelVTEP, LevelStart, LevelNetwork, LevelEncryption, LevelAlloc, LevelDriver, LevelCluster, LevelClusterSender, LevelClusterLocal, LevelLeaf}
+	return []Level{LevelVTEP, LevelStart, LevelNetwork, LevelEncryption, LevelAlloc, LevelIPAMPool, LevelIPAM, LevelDriver, LevelCluster, LevelClusterSender, LevelClusterLocal, LevelLeaf}
 }
 
 func (l Level) String() string {

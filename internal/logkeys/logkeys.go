@@ -9,9 +9,10 @@
 // Each state change an operator cares about is exactly one line, at INFO,
 // with Event and the keys listed with the event below. Two are WARN
 // because they need the operator to act (ConflictFound,
-// EncryptionUnsupported); none is ERROR, which is kept for what overlayd
-// failed to do or undo (a rollback that left something behind), never for
-// a condition of the host or the cluster it reports and works around.
+// EncryptionUnsupported). ERROR is kept for what overlayd failed to do or
+// undo (a rollback that left something behind), never for a condition of
+// the host or the cluster it reports and works around; the two IPAM ERROR
+// events say that address uniqueness can no longer be promised.
 //
 //	event                   level  keys
 //	member_joined           INFO   member, addr
@@ -30,6 +31,12 @@
 //	cluster_joined          INFO   addr, count            (the seed that answered, members known)
 //	network_restored        INFO   network, vnis          (from the state file at start)
 //	send_generation         INFO   kind                   (encryption: new outbound SPIs; kind says why)
+//	ipam_ring_created       INFO   pool, voters           (this host won the pool's claim: it owns the whole ring)
+//	ipam_space_moved        INFO   pool, from, to, range, count   (a donation, logged by donor and recipient)
+//	ipam_reclaimed          INFO   pool, member, host_id, count   (this host took over a gone host's space)
+//	ipam_conflict           ERROR  pool, address, owner   (an allocation of this host in a range it does not own:
+//	                               a broken invariant or a wrong reclaim; never expected)
+//	ipam_identity_reclaimed ERROR  member                 (another host reclaimed this host's identity: IPAM refuses all requests)
 package logkeys
 
 // Event is the key whose value names the state change a line reports.
@@ -53,6 +60,22 @@ const (
 	Step    = "step"    // the rotation step (see the steps below)
 	Trigger = "trigger" // what started an encryption reconcile
 	Error   = "error"   // the error, as text
+	Pool    = "pool"    // an IPAM PoolID, "overlayd:198.51.100.0/24"
+	Voters  = "voters"  // how many hosts voted in a claim (number)
+	From    = "from"    // the former value: the identity space moved from ("node/hostid"), a VTEP's former address
+	To      = "to"      // the identity space moved to, "node/hostid"
+	Range   = "range"   // an address range, "198.51.100.2-198.51.100.127"
+	HostID  = "host_id" // a host's IPAM identity (16 hex digits)
+	Owner   = "owner"   // the identity owning an address, "node/hostid"
+)
+
+// Cluster IPAM events (internal/ipam).
+const (
+	IPAMRingCreated       = "ipam_ring_created"
+	IPAMSpaceMoved        = "ipam_space_moved"
+	IPAMReclaimed         = "ipam_reclaimed"
+	IPAMConflict          = "ipam_conflict"
+	IPAMIdentityReclaimed = "ipam_identity_reclaimed"
 )
 
 // Member events.
@@ -117,6 +140,3 @@ const (
 	NetworkRestored = "network_restored"
 	SendGeneration  = "send_generation"
 )
-
-// From is the former value of what an event changes (VTEPChanged).
-const From = "from"

@@ -21,15 +21,20 @@ import (
 
 	"github.com/overlayd/overlayd/driver"
 	"github.com/overlayd/overlayd/internal/cluster"
+	"github.com/overlayd/overlayd/internal/ipam"
 	"github.com/overlayd/overlayd/internal/latency"
 )
 
-// PluginMethods are the remote driver API's methods, each reported from
-// zero so that a rate over them is defined before the first call.
+// PluginMethods are the remote driver API's methods (the address
+// management's with their "IpamDriver." prefix: both APIs have a
+// GetCapabilities), each reported from zero so that a rate over them is
+// defined before the first call.
 var PluginMethods = []string{
 	"GetCapabilities", "CreateNetwork", "AllocateNetwork", "DeleteNetwork", "FreeNetwork",
 	"CreateEndpoint", "DeleteEndpoint", "EndpointInfo", "Join", "Leave",
 	"DiscoverNew", "DiscoverDelete", "ProgramExternalConnectivity", "RevokeExternalConnectivity",
+	"IpamDriver.GetCapabilities", "IpamDriver.GetDefaultAddressSpaces", "IpamDriver.RequestPool",
+	"IpamDriver.ReleasePool", "IpamDriver.RequestAddress", "IpamDriver.ReleaseAddress",
 }
 
 // Outcomes of a plugin call.
@@ -45,6 +50,9 @@ type Sources struct {
 	Driver         func() driver.Status
 	DriverCounters func() driver.Counters
 	Cluster        func() *cluster.Status
+	// IPAM is the cluster address management's status (free and used
+	// addresses per pool).
+	IPAM func() *ipam.Status
 	// Rotations are the completed key rotations' durations.
 	Rotations func() latency.Snapshot
 	// StateWrites are the state file's write transactions' durations.
@@ -67,6 +75,7 @@ type Metrics struct {
 	reg      *prometheus.Registry
 	calls    *prometheus.CounterVec
 	duration *prometheus.HistogramVec
+	refused  *prometheus.CounterVec
 	ready    func() error
 }
 
@@ -85,6 +94,10 @@ func New(src Sources) *Metrics {
 			// wait for the state file; seconds mean something is wrong.
 			Buckets: []float64{0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10},
 		}, []string{"method"}),
+		refused: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "overlayd_ipam_refused_total",
+			Help: "Address management requests from dockerd that were refused, by reason (other: a reason the allocator does not name).",
+		}, []string{"reason"}),
 		ready: src.Ready,
 	}
 	for _, meth := range PluginMethods {
@@ -92,7 +105,7 @@ func New(src Sources) *Metrics {
 		m.calls.WithLabelValues(meth, OutcomeError)
 		m.duration.WithLabelValues(meth)
 	}
-	m.reg.MustRegister(m.calls, m.duration, &collector{src: src},
+	m.reg.MustRegister(m.calls, m.duration, m.refused, &collector{src: src},
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }
@@ -106,6 +119,12 @@ func (m *Metrics) ObserveCall(method string, err error, took time.Duration) {
 	}
 	m.calls.WithLabelValues(method, outcome).Inc()
 	m.duration.WithLabelValues(method).Observe(took.Seconds())
+}
+
+// ObserveIPAMRefusal counts one refused address management request.
+// Safe for concurrent use; it never blocks.
+func (m *Metrics) ObserveIPAMRefusal(reason string) {
+	m.refused.WithLabelValues(reason).Inc()
 }
 
 // Gatherer is the registry, for tests and promhttp.
@@ -182,6 +201,7 @@ var (
 	dEncReconcile = desc("overlayd_encryption_reconciles_total", "Encryption reconciles run.")
 	dRotations    = desc("overlayd_encryption_rotation_duration_seconds", "Completed key rotations (count) and how long each took, from the raised target to the old epoch retired.")
 	dStateWrites  = desc("overlayd_state_write_duration_seconds", "State-file write transactions (each fsynced) and how long they took.")
+	dIPAM         = desc("overlayd_ipam_addresses", "Addresses of each address management pool in the ranges this host owns, by state (free, or used: allocated here).", "pool", "state")
 )
 
 // Describe sends every descriptor (the registry checks names once).
@@ -230,6 +250,14 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	}
 	if s.Cluster != nil {
 		collectCluster(s.Cluster(), gauge, counter)
+	}
+	if s.IPAM != nil {
+		if st := s.IPAM(); st != nil {
+			for _, p := range st.Pools {
+				gauge(dIPAM, float64(p.LocalFree), p.PoolID, "free")
+				gauge(dIPAM, float64(p.LocalUsed), p.PoolID, "used")
+			}
+		}
 	}
 	if s.Rotations != nil {
 		ch <- histogram(dRotations, s.Rotations())

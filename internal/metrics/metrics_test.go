@@ -11,6 +11,7 @@ import (
 
 	"github.com/overlayd/overlayd/driver"
 	"github.com/overlayd/overlayd/internal/cluster"
+	"github.com/overlayd/overlayd/internal/ipam"
 )
 
 func get(t *testing.T, h http.Handler, path string) (int, string) {
@@ -102,6 +103,38 @@ func TestCollectorReadsOwners(t *testing.T) {
 		`overlayd_gossip_members{state="dead"} 1`,
 		`overlayd_gossip_members{state="suspect"} 0`,
 		`overlayd_gossip_dropped_total{reason="gossip_auth_failed"} 4`,
+	} {
+		if !strings.Contains(text, want+"\n") {
+			t.Errorf("scrape lacks %s", want)
+		}
+	}
+}
+
+// The address management's metrics: free and used addresses of each pool
+// in this host's ranges, read from its status at scrape time, and the
+// refused requests by reason; its plugin calls are reported from zero
+// under their own names (both APIs have a GetCapabilities).
+func TestIPAMMetrics(t *testing.T) {
+	st := &ipam.Status{Pools: []ipam.PoolStatus{
+		{PoolID: "overlayd:198.51.100.0/24", LocalFree: 64, LocalUsed: 20},
+		{PoolID: "overlayd:127.77.0.0/20", LocalFree: 4093},
+	}}
+	m := New(Sources{IPAM: func() *ipam.Status { return st }})
+	m.ObserveIPAMRefusal("pool_full")
+	m.ObserveIPAMRefusal("pool_full")
+	m.ObserveIPAMRefusal("other")
+	m.ObserveCall("IpamDriver.RequestAddress", nil, time.Millisecond)
+	text := scrapeText(t, m)
+	for _, want := range []string{
+		`overlayd_ipam_addresses{pool="overlayd:198.51.100.0/24",state="free"} 64`,
+		`overlayd_ipam_addresses{pool="overlayd:198.51.100.0/24",state="used"} 20`,
+		`overlayd_ipam_addresses{pool="overlayd:127.77.0.0/20",state="free"} 4093`,
+		`overlayd_ipam_addresses{pool="overlayd:127.77.0.0/20",state="used"} 0`,
+		`overlayd_ipam_refused_total{reason="pool_full"} 2`,
+		`overlayd_ipam_refused_total{reason="other"} 1`,
+		`overlayd_plugin_calls_total{method="IpamDriver.RequestAddress",outcome="ok"} 1`,
+		`overlayd_plugin_calls_total{method="IpamDriver.RequestPool",outcome="error"} 0`,
+		`overlayd_plugin_calls_total{method="GetCapabilities",outcome="ok"} 0`,
 	} {
 		if !strings.Contains(text, want+"\n") {
 			t.Errorf("scrape lacks %s", want)

@@ -10,6 +10,7 @@
 package statefile
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -22,8 +23,10 @@ import (
 	"github.com/overlayd/overlayd/internal/latency"
 )
 
-// SchemaVersion is the version of the file's layout.
-const SchemaVersion = 1
+// SchemaVersion is the version of the file's layout. Version 2 added the
+// ipam table (cluster address management); a version 1 file gains it, empty,
+// when it is opened.
+const SchemaVersion = 2
 
 // FileName is the state file's name inside the state directory.
 const FileName = "overlayd.db"
@@ -33,6 +36,7 @@ var (
 	bucketNetworks  = []byte("networks")
 	bucketEndpoints = []byte("endpoints") // key: network id + "/" + endpoint id
 	bucketAllocs    = []byte("allocations")
+	bucketIPAM      = []byte("ipam") // owned by internal/ipam: opaque keys and values
 	keySchema       = []byte("schema")
 )
 
@@ -73,6 +77,8 @@ type File struct {
 	// writes times every write transaction (bbolt fsyncs each one): the
 	// figure that tells a slow disk from a slow plugin call.
 	writes latency.Recorder
+	// ipamCommit coalesces concurrent WriteIPAM calls into one transaction.
+	ipamCommit groupCommit
 }
 
 // WriteLatency returns how long the write transactions took so far.
@@ -126,35 +132,43 @@ func Open(dir string) (s *File, err error) {
 		return nil, &CorruptError{Path: path, Err: err}
 	}
 	s = &File{db: db, path: path}
+	s.ipamCommit.init()
 	err = db.Update(func(tx *bolt.Tx) error {
-		for _, b := range [][]byte{bucketMeta, bucketNetworks, bucketEndpoints, bucketAllocs} {
+		meta := tx.Bucket(bucketMeta)
+		stored := 0 // the file's schema version; 0 for a fresh file
+		if meta != nil {
+			if v := meta.Get(keySchema); v != nil {
+				if err := json.Unmarshal(v, &stored); err != nil {
+					return &CorruptError{Path: path, Err: fmt.Errorf("schema version %q: %w", v, err)}
+				}
+				if stored > SchemaVersion {
+					return fmt.Errorf("state file %s has schema version %d, newer than this overlayd understands (%d): run the newer overlayd, or move the file aside", path, stored, SchemaVersion)
+				}
+			}
+		}
+		for _, b := range [][]byte{bucketMeta, bucketNetworks, bucketEndpoints, bucketAllocs, bucketIPAM} {
 			if tx.Bucket(b) != nil {
 				continue
 			}
 			// A table missing from a file this process did not just
 			// create was lost: re-creating it empty would drop what it
-			// held without a word.
-			if !fresh {
+			// held without a word. The one exception is a table newer
+			// than the file's schema (ipam in a version 1 file).
+			upgrade := bytes.Equal(b, bucketIPAM) && stored == 1
+			if !fresh && !upgrade {
 				return &CorruptError{Path: path, Err: fmt.Errorf("table %q is missing", b)}
 			}
 			if _, err := tx.CreateBucket(b); err != nil {
 				return err
 			}
 		}
-		meta := tx.Bucket(bucketMeta)
-		if v := meta.Get(keySchema); v == nil && !fresh {
+		if stored == 0 && !fresh {
 			return &CorruptError{Path: path, Err: errors.New("the schema version is missing")}
-		} else if v != nil {
-			var ver int
-			if err := json.Unmarshal(v, &ver); err != nil {
-				return &CorruptError{Path: path, Err: fmt.Errorf("schema version %q: %w", v, err)}
-			}
-			if ver > SchemaVersion {
-				return fmt.Errorf("state file %s has schema version %d, newer than this overlayd understands (%d): run the newer overlayd, or move the file aside", path, ver, SchemaVersion)
-			}
+		}
+		if stored == SchemaVersion {
 			return nil
 		}
-		return meta.Put(keySchema, []byte(fmt.Sprint(SchemaVersion)))
+		return tx.Bucket(bucketMeta).Put(keySchema, []byte(fmt.Sprint(SchemaVersion)))
 	})
 	if err != nil {
 		db.Close()

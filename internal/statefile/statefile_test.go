@@ -135,7 +135,7 @@ func TestLostStateRefusesToStart(t *testing.T) {
 		_, err := Open(dir)
 		recovery(t, err, "empty")
 	})
-	for _, table := range [][]byte{bucketNetworks, bucketEndpoints, bucketAllocs, bucketMeta} {
+	for _, table := range [][]byte{bucketNetworks, bucketEndpoints, bucketAllocs, bucketMeta, bucketIPAM} {
 		t.Run("missing table "+string(table), func(t *testing.T) {
 			dir := t.TempDir()
 			s, err := Open(dir)

@@ -8,6 +8,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -78,8 +79,10 @@ func TestPluginConfig(t *testing.T) {
 	if len(cfg.Entrypoint) == 0 || cfg.Entrypoint[0] != "/bin/overlayd" {
 		t.Errorf("entrypoint %v, want /bin/overlayd", cfg.Entrypoint)
 	}
-	if len(cfg.Interface.Types) != 1 || cfg.Interface.Types[0] != "docker.networkdriver/1.0" {
-		t.Errorf("interface types %v", cfg.Interface.Types)
+	// Both APIs on the one socket: dockerd looks a managed plugin up
+	// for --ipam-driver only if it declares the IPAM interface.
+	if !slices.Equal(cfg.Interface.Types, []string{"docker.networkdriver/1.0", "docker.ipamdriver/1.0"}) {
+		t.Errorf("interface types %v, want docker.networkdriver/1.0 and docker.ipamdriver/1.0", cfg.Interface.Types)
 	}
 	if cfg.Network.Type != "host" {
 		t.Errorf("network type %q, want host (sandboxes' VXLAN sockets and veth host ends live in the host namespace)", cfg.Network.Type)
@@ -244,6 +247,25 @@ func TestManagedPlugin(t *testing.T) {
 	}
 	e.run("m1c3", "m1", "192.0.2.4")
 	e.mustPing("m1c3", "192.0.2.2")
+
+	// The managed plugin is also an IPAM driver (config.json declares
+	// docker.ipamdriver/1.0): --ipam-driver with its reference hands out
+	// the addresses, the gateway being the subnet's first.
+	e.createNetwork(pluginRef, "m2", "--ipam-driver", pluginRef, "-o", "vni=4402", "--subnet", "192.0.2.64/26")
+	if d := e.must("network", "inspect", "-f", "{{.IPAM.Driver}}", "m2"); d != pluginRef {
+		t.Errorf("IPAM driver of a network with --ipam-driver %s: %q", pluginRef, d)
+	}
+	e.run("m2c1", "m2", "")
+	e.run("m2c2", "m2", "")
+	a1 := e.must("inspect", "-f", "{{.NetworkSettings.Networks.m2.IPAddress}}", "m2c1")
+	a2 := e.must("inspect", "-f", "{{.NetworkSettings.Networks.m2.IPAddress}}", "m2c2")
+	if a1 == a2 || !strings.HasPrefix(a1, "192.0.2.") || !strings.HasPrefix(a2, "192.0.2.") {
+		t.Errorf("containers of the managed plugin's IPAM got %q and %q: want two distinct addresses of 192.0.2.64/26", a1, a2)
+	}
+	e.mustPing("m2c1", a2)
+	e.mustPing("m2c2", "192.0.2.65") // the gateway, on the sandbox's bridge
+	e.must("rm", "-f", "m2c1", "m2c2")
+	e.must("network", "rm", "m2")
 
 	// `overlayd status` reaches the plugin from the host (dockerd's mount
 	// namespace) through its control socket.

@@ -88,10 +88,12 @@ type host struct {
 func (h *host) socket() string  { return filepath.Join(h.dir, "overlayd.sock") }
 func (h *host) control() string { return filepath.Join(h.dir, "control.sock") }
 
+// nsPath is a path of h's network namespace for nsenter --net.
+func (h *host) nsPath() string { return fmt.Sprintf("/proc/%d/fd/%d", os.Getpid(), int(h.ns.Handle)) }
+
 func startHost(t *testing.T, h *host, keyFile string, join []string) {
 	t.Helper()
-	nsPath := fmt.Sprintf("/proc/%d/fd/%d", os.Getpid(), int(h.ns.Handle))
-	args := []string{"--net=" + nsPath, binary(t),
+	args := []string{"--net=" + h.nsPath(), binary(t),
 		"--socket", h.socket(), "--state-dir", filepath.Join(h.dir, "state"), "--netns-dir", h.netnsDir,
 		"--secret-file", keyFile, "--control-socket", h.control(),
 		"--node-name", h.name, "--log-level", "debug"}
@@ -232,6 +234,19 @@ func startCluster(t *testing.T, n int) []*host {
 // it starts.
 func startClusterWith(t *testing.T, n int, prep func(*host)) []*host {
 	t.Helper()
+	hosts, _ := startHosts(t, n, prep)
+	for _, h := range hosts {
+		h.call(t, "CreateNetwork", map[string]any{"NetworkID": netID,
+			"Options":  map[string]any{"com.docker.network.generic": map[string]string{"vni": fmt.Sprint(vni)}},
+			"IPv4Data": []map[string]string{{"Pool": subnet, "Gateway": gateway}}})
+	}
+	return hosts
+}
+
+// startHosts starts n hosts sharing one cluster key (returned: the key
+// file), each joining the first, with no network.
+func startHosts(t *testing.T, n int, prep func(*host)) ([]*host, string) {
+	t.Helper()
 	nsHosts, vteps := nstest.Hosts(t, n, false)
 	keyFile := filepath.Join(t.TempDir(), "cluster.key")
 	key := make([]byte, 32)
@@ -251,15 +266,11 @@ func startClusterWith(t *testing.T, n int, prep func(*host)) []*host {
 		if i > 0 {
 			join = []string{vteps[0].String()}
 		}
+		h.join0 = join
 		startHost(t, h, keyFile, join)
 		hosts = append(hosts, h)
 	}
-	for _, h := range hosts {
-		h.call(t, "CreateNetwork", map[string]any{"NetworkID": netID,
-			"Options":  map[string]any{"com.docker.network.generic": map[string]string{"vni": fmt.Sprint(vni)}},
-			"IPv4Data": []map[string]string{{"Pool": subnet, "Gateway": gateway}}})
-	}
-	return hosts
+	return hosts, keyFile
 }
 
 // vxlan returns a netlink handle in the network's sandbox on h (the
