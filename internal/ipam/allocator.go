@@ -686,14 +686,14 @@ func (a *Allocator) refuseIfReclaimed() error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if a.closed {
-		return errors.New("overlayd's address management is shutting down")
+		return refuse(ReasonShuttingDown, errors.New("overlayd's address management is shutting down"))
 	}
 	if a.reclaimedBy == nil {
 		return nil
 	}
-	return fmt.Errorf("this host's address space (identity %s) was reclaimed by %s, which takes this host for gone: it hands out no address any more. "+
+	return refuse(ReasonIdentityReclaimed, fmt.Errorf("this host's address space (identity %s) was reclaimed by %s, which takes this host for gone: it hands out no address any more. "+
 		"To bring the host back, stop overlayd, remove its containers and move its state directory aside; it then starts as a new identity",
-		a.self, a.reclaimedBy.Name)
+		a.self, a.reclaimedBy.Name))
 }
 
 // memberStates returns the transport's members by name.

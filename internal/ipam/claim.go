@@ -73,8 +73,8 @@ func (c *claimState) failure(pool string) error {
 		}
 	}
 	sort.Strings(lines)
-	return fmt.Errorf("could not create the address ring of pool %s: a majority of the %d hosts of the cluster (%d) must agree, and %d did (%s)",
-		pool, len(c.voters)+1, c.majority(), c.accepts(), strings.Join(lines, "; "))
+	return refuse(ReasonNoMajority, fmt.Errorf("could not create the address ring of pool %s: a majority of the %d hosts of the cluster (%d) must agree, and %d did (%s)",
+		pool, len(c.voters)+1, c.majority(), c.accepts(), strings.Join(lines, "; ")))
 }
 
 // voters returns the other members that vote: every member listed (alive,
@@ -124,16 +124,16 @@ func (a *Allocator) ensureRing(ctx context.Context, p *pool) error {
 		}
 		if ctx.Err() != nil {
 			if last == nil {
-				last = fmt.Errorf("could not create the address ring of pool %s in time", p.id)
+				last = refuse(ReasonNoMajority, fmt.Errorf("could not create the address ring of pool %s in time", p.id))
 			}
 			return last
 		}
 		t := a.getTransport()
 		if t == nil {
-			return fmt.Errorf("pool %s: overlayd's cluster has not started yet, and the pool's address ring must be agreed with it; try again in a moment", p.id)
+			return refuse(ReasonNotJoined, fmt.Errorf("pool %s: overlayd's cluster has not started yet, and the pool's address ring must be agreed with it; try again in a moment", p.id))
 		}
 		if !t.Joined() {
-			return fmt.Errorf("pool %s: this host has not joined its cluster yet (it has seeds, and none answered), and it does not create a pool's address ring alone: it waits to join", p.id)
+			return refuse(ReasonNotJoined, fmt.Errorf("pool %s: this host has not joined its cluster yet (it has seeds, and none answered), and it does not create a pool's address ring alone: it waits to join", p.id))
 		}
 		done, err := a.claimRound(ctx, p, t)
 		if done || err == nil {
@@ -157,9 +157,9 @@ func (a *Allocator) claimRound(ctx context.Context, p *pool, t Transport) (done 
 		p.mu.Unlock()
 		// This host accepted another host's claim: ask what became of it.
 		a.sendMsg(other.proposer.Name, &message{kind: kindQuery, pool: p.id, claim: other})
-		return false, fmt.Errorf("could not create the address ring of pool %s: this host accepted %s's claim of it and awaits its outcome (%s is %s); "+
+		return false, refuse(ReasonNoMajority, fmt.Errorf("could not create the address ring of pool %s: this host accepted %s's claim of it and awaits its outcome (%s is %s); "+
 			"if %s is gone for good, run `overlayd ipam reclaim %s`", p.id, other.proposer.Name, other.proposer.Name,
-			describeState(a.memberState(other.proposer.Name)), other.proposer.Name, other.proposer.Name)
+			describeState(a.memberState(other.proposer.Name)), other.proposer.Name, other.proposer.Name))
 	}
 	c := &claimState{id: claimID{proposer: a.self, nonce: randomUint64()}, voters: voters,
 		votes: map[string]bool{}, why: map[string]string{}, done: make(chan struct{})}

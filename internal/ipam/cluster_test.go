@@ -109,6 +109,7 @@ func TestThreeHostsExhaustPool(t *testing.T) {
 		}
 		for _, err := range errs[name] {
 			wantErr(t, err, "pool "+poolID+" is full", "all 253 addresses are in use")
+			wantReason(t, err, ReasonPoolFull)
 		}
 	}
 	if total != 253 {
@@ -242,6 +243,7 @@ func TestSpecificAddress(t *testing.T) {
 	// node-a cannot have it: node-b owns it now and holds it.
 	_, err = a.request(ctxT(t), poolID, "198.51.100.7", mac(1, 7))
 	wantErr(t, err, "198.51.100.7 is in use on node-b")
+	wantReason(t, err, ReasonInUse)
 	// node-a allocates .9; node-b asking for it hears who holds it.
 	if _, err := a.request(ctxT(t), poolID, "198.51.100.9", mac(1, 9)); err != nil {
 		t.Fatal(err)
@@ -252,6 +254,7 @@ func TestSpecificAddress(t *testing.T) {
 	c.stop("node-a")
 	_, err = b.request(ctxT(t), poolID, "198.51.100.20", mac(2, 20))
 	wantErr(t, err, "198.51.100.20 is owned by node-a, which is unreachable (dead)")
+	wantReason(t, err, ReasonOwnerUnreachable)
 	c.checkNoDuplicates(poolID)
 }
 

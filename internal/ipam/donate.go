@@ -48,7 +48,7 @@ func (a *Allocator) obtain(ctx context.Context, p *pool, want *uint32) error {
 		case <-oc.done:
 			return oc.err
 		case <-ctx.Done():
-			return fmt.Errorf("no free address in pool %s in time: %w", p.id, ctx.Err())
+			return refuse(ReasonNoSpaceReachable, fmt.Errorf("no free address in pool %s in time: %w", p.id, ctx.Err()))
 		}
 	}
 	oc := &obtainCall{done: make(chan struct{})}
@@ -152,10 +152,10 @@ func (a *Allocator) requestSpace(ctx context.Context, p *pool, cands []candidate
 		}
 	}
 	if full {
-		return fmt.Errorf("pool %s is full: all %d addresses are in use (this host has %d of them)", p.id, p.spec.size(), ownedHere)
+		return refuse(ReasonPoolFull, fmt.Errorf("pool %s is full: all %d addresses are in use (this host has %d of them)", p.id, p.spec.size(), ownedHere))
 	}
-	err := fmt.Errorf("no free address in pool %s: the %d addresses this host owns are in use, and no other host gave any: %s",
-		p.id, ownedHere, strings.Join(notes, "; "))
+	err := refuse(ReasonNoSpaceReachable, fmt.Errorf("no free address in pool %s: the %d addresses this host owns are in use, and no other host gave any: %s",
+		p.id, ownedHere, strings.Join(notes, "; ")))
 	if retry {
 		return &retryableError{err}
 	}
@@ -180,22 +180,22 @@ func (a *Allocator) obtainAddress(ctx context.Context, p *pool, x uint32) error 
 		}
 		st, member := a.memberState(owner.Name)
 		if t == nil || !member || st != Alive {
-			return fmt.Errorf("%s is owned by %s, which is %s: overlayd cannot tell whether it is free; try again when %s is back, or pick another address",
-				addrOf(x), owner.Name, describeState(st, member && t != nil), owner.Name)
+			return refuse(ReasonOwnerUnreachable, fmt.Errorf("%s is owned by %s, which is %s: overlayd cannot tell whether it is free; try again when %s is back, or pick another address",
+				addrOf(x), owner.Name, describeState(st, member && t != nil), owner.Name))
 		}
 		res, err := a.askDonor(ctx, t, p, owner.Name, &x)
 		if err != nil {
-			return fmt.Errorf("%s is owned by %s, which did not give it: %v", addrOf(x), owner.Name, err)
+			return refuse(ReasonOwnerUnreachable, fmt.Errorf("%s is owned by %s, which did not give it: %v", addrOf(x), owner.Name, err))
 		}
 		switch res.result {
 		case donateOK:
 			return nil
 		case donateInUse:
-			return fmt.Errorf("%s is in use on %s", addrOf(x), owner.Name)
+			return refuse(ReasonInUse, fmt.Errorf("%s is in use on %s", addrOf(x), owner.Name))
 		case donateNotOwner:
 			continue // its ring (merged by the handler) names the owner
 		default:
-			return fmt.Errorf("%s is owned by %s, which did not give it: %s", addrOf(x), owner.Name, res.reason)
+			return refuse(ReasonOwnerUnreachable, fmt.Errorf("%s is owned by %s, which did not give it: %s", addrOf(x), owner.Name, res.reason))
 		}
 	}
 	return fmt.Errorf("%s: its owner could not be found (the hosts asked each named another)", addrOf(x))

@@ -387,4 +387,12 @@ func wantErr(t *testing.T, err error, parts ...string) {
 	}
 }
 
+// wantReason checks the reason an error gives the metrics.
+func wantReason(t *testing.T, err error, reason string) {
+	t.Helper()
+	if got := ReasonOf(err); got != reason {
+		t.Fatalf("error %q has refusal reason %q, want %q", err, got, reason)
+	}
+}
+
 var errDisk = errors.New("disk on fire")

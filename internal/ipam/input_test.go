@@ -103,6 +103,11 @@ func TestBadInput(t *testing.T) {
 			unchanged(t, tc.name, func() {
 				_, err := a.a.RequestAddress(ctxT(t), tc.req)
 				wantErr(t, err, tc.want...)
+				want := ReasonBadInput
+				if tc.name == "in use here" {
+					want = ReasonInUse
+				}
+				wantReason(t, err, want)
 			})
 		})
 	}
@@ -119,7 +124,9 @@ func TestBadInput(t *testing.T) {
 	for _, tc := range releases {
 		t.Run("ReleaseAddress/"+tc.name, func(t *testing.T) {
 			unchanged(t, tc.name, func() {
-				wantErr(t, a.a.ReleaseAddress(ctxT(t), tc.pool, tc.addr), tc.want...)
+				err := a.a.ReleaseAddress(ctxT(t), tc.pool, tc.addr)
+				wantErr(t, err, tc.want...)
+				wantReason(t, err, ReasonBadInput)
 			})
 		})
 	}

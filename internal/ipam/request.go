@@ -23,11 +23,8 @@ func checkAddressSpace(s string) error {
 	return nil
 }
 
-// RequestPool validates r and returns the pool's ID. The first request of
-// a pool in the cluster claims its ring (agreed by a majority of the
-// cluster); a later one learns the ring from the hosts that know it. The
-// use count is on disk before it returns. Errors are user-facing text.
-func (a *Allocator) RequestPool(ctx context.Context, r PoolRequest) (PoolResponse, error) {
+// requestPool is RequestPool; what it refuses without a reason of its own is bad input.
+func (a *Allocator) requestPool(ctx context.Context, r PoolRequest) (PoolResponse, error) {
 	if err := a.refuseIfReclaimed(); err != nil {
 		return PoolResponse{}, err
 	}
@@ -73,7 +70,7 @@ func (a *Allocator) RequestPool(ctx context.Context, r PoolRequest) (PoolRespons
 		p.refs--
 		a.journal.mark1(prefixPool+p.id, encodePoolRecord(p.refs, p.ring))
 		p.mu.Unlock()
-		return PoolResponse{}, fmt.Errorf("failed to record pool %s in the state file: %w", p.id, err)
+		return PoolResponse{}, refuse(ReasonStateFile, fmt.Errorf("failed to record pool %s in the state file: %w", p.id, err))
 	}
 	a.broadcastPools([]*pool{p})
 	return PoolResponse{PoolID: p.id, Pool: spec.prefix, Gateway: spec.gateway()}, nil
@@ -107,9 +104,8 @@ func (a *Allocator) checkOverlap(spec poolSpec) error {
 	return nil
 }
 
-// ReleasePool drops one use of the pool on this host. The pool's ring and
-// this host's part of it stay: other hosts may still use the network.
-func (a *Allocator) ReleasePool(ctx context.Context, poolID string) error {
+// releasePool is ReleasePool; what it refuses without a reason of its own is bad input.
+func (a *Allocator) releasePool(ctx context.Context, poolID string) error {
 	spec, err := parsePoolID(poolID)
 	if err != nil {
 		return err
@@ -127,7 +123,7 @@ func (a *Allocator) ReleasePool(ctx context.Context, poolID string) error {
 	seq := a.journal.mark1(prefixPool+p.id, encodePoolRecord(p.refs, p.ring))
 	p.mu.Unlock()
 	if err := a.journal.wait(seq); err != nil {
-		return fmt.Errorf("failed to record the release of pool %s in the state file: %w", poolID, err)
+		return refuse(ReasonStateFile, fmt.Errorf("failed to record the release of pool %s in the state file: %w", poolID, err))
 	}
 	a.broadcastPools([]*pool{p})
 	return nil
@@ -152,11 +148,8 @@ func (a *Allocator) requestedPool(poolID string) (*pool, error) {
 	return nil, fmt.Errorf("PoolID %s was not requested on this host (RequestPool first)", poolID)
 }
 
-// RequestAddress allocates an address of the pool (any, or r.Address) and
-// returns it with the pool's prefix length; the allocation is on disk
-// before it returns. With the gateway option it returns the pool's gateway
-// and allocates nothing.
-func (a *Allocator) RequestAddress(ctx context.Context, r AddressRequest) (netip.Prefix, error) {
+// requestAddress is RequestAddress; what it refuses without a reason of its own is bad input.
+func (a *Allocator) requestAddress(ctx context.Context, r AddressRequest) (netip.Prefix, error) {
 	if err := a.refuseIfReclaimed(); err != nil {
 		return netip.Prefix{}, err
 	}
@@ -268,7 +261,7 @@ func (a *Allocator) allocate(ctx context.Context, p *pool, req allocRequest) (ui
 				a.journal.mark1(allocKey(p.id, x), nil)
 			}
 			p.mu.Unlock()
-			return 0, fmt.Errorf("failed to record %s in the state file: %w", addrOf(x), err)
+			return 0, refuse(ReasonStateFile, fmt.Errorf("failed to record %s in the state file: %w", addrOf(x), err))
 		}
 		p.mu.Lock()
 		if al, ok := p.allocs.get(x); ok && al.seq == wait {
@@ -290,7 +283,7 @@ func (a *Allocator) allocateLocked(p *pool, req allocRequest) (x uint32, wait ui
 			if req.sameMAC(al) {
 				return x, al.seq, false, nil // a replay of the request that allocated it
 			}
-			return 0, 0, false, fmt.Errorf("%s is in use on this host", addrOf(x))
+			return 0, 0, false, refuse(ReasonInUse, fmt.Errorf("%s is in use on this host", addrOf(x)))
 		}
 		if p.ring.ownerOf(x) != a.self {
 			return 0, 0, true, nil
@@ -345,10 +338,8 @@ func (p *pool) findFree(self Identity) (uint32, bool) {
 	return 0, false
 }
 
-// ReleaseAddress frees an address allocated on this host; the release is
-// on disk before it returns. Releasing the gateway does nothing (it is
-// never allocated).
-func (a *Allocator) ReleaseAddress(ctx context.Context, poolID, addr string) error {
+// releaseAddress is ReleaseAddress; what it refuses without a reason of its own is bad input.
+func (a *Allocator) releaseAddress(ctx context.Context, poolID, addr string) error {
 	spec, err := parsePoolID(poolID)
 	if err != nil {
 		return err
@@ -383,7 +374,7 @@ func (a *Allocator) ReleaseAddress(ctx context.Context, poolID, addr string) err
 	seq := a.journal.mark1(allocKey(p.id, x), nil)
 	p.mu.Unlock()
 	if err := a.journal.wait(seq); err != nil {
-		return fmt.Errorf("failed to record the release of %s in the state file: %w", ip, err)
+		return refuse(ReasonStateFile, fmt.Errorf("failed to record the release of %s in the state file: %w", ip, err))
 	}
 	return nil
 }
