@@ -163,7 +163,7 @@ func New(cfg Config) (*Cluster, error) {
 		c.shards = append(c.shards, &shard{dirty: make(map[uint32]map[pkey]struct{}), wake: make(chan struct{}, 1)})
 	}
 	c.joiner = newJoiner(c, cfg.Seeds) // before memberlist: its callbacks use it
-	logw := &mlLogWriter{log: cfg.Logger, rl: c.rl, dropped: c.countDrop, suspected: c.suspected, down: c.memberDown}
+	logw := &mlLogWriter{log: cfg.Logger, rl: c.rl, dropped: c.countDrop, suspected: c.suspected, down: c.memberDown, closing: c.closed.Load}
 	ml, err := memberlist.Create(cfg.memberlistConfig(&delegate{c}, logw))
 	if err != nil {
 		c.closed.Store(true)

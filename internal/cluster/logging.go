@@ -63,6 +63,8 @@ type mlLogWriter struct {
 	// down reports whether node is not known alive and unsuspected here
 	// (failed, left, suspected, or unknown); nil: never.
 	down func(node string) bool
+	// closing reports whether this node is shutting down; nil: never.
+	closing func() bool
 }
 
 func (w *mlLogWriter) logger() *log.Logger { return log.New(w, "", 0) }
@@ -134,12 +136,18 @@ func lineKind(s string) string {
 //   - a probe that got no ack ("Suspect X has failed"), a member marked
 //     failed, a fallback TCP ping that failed: the steps of failure
 //     detection, which either end in a refutation or in "member failed";
-//   - a push/pull with a member that is down or suspected here.
+//   - a push/pull with a member that is down or suspected here;
+//   - anything memberlist says once this node is shutting down: its
+//     probes and sends then fail on its own closed sockets ("use of closed
+//     network connection", "UDP probes failed"), which is no news.
 //
 // A push/pull failing with a member that is alive and unsuspected here
 // is a WARN at most: memberlist retries it, nothing in this process
 // failed, but state may not converge while it lasts.
 func (w *mlLogWriter) levelFor(line string, level slog.Level) slog.Level {
+	if w.closing != nil && w.closing() {
+		return min(level, slog.LevelDebug)
+	}
 	for _, p := range []string{"Refuting a", "Conflicting address for", "Marking ", "Failed fallback TCP ping"} {
 		if strings.HasPrefix(line, p) {
 			return min(level, slog.LevelDebug)

@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -73,8 +74,9 @@ func (h *captureHandler) WithGroup(string) slog.Handler { return h }
 // everything else keeps memberlist's level.
 func TestMemberlistLineLevels(t *testing.T) {
 	lc := &logCapture{}
+	var closing atomic.Bool
 	w := &mlLogWriter{log: lc.logger(), rl: newRateLimiter(time.Minute), dropped: func(DropReason) {},
-		down: func(node string) bool { return node == "restarting" }}
+		down: func(node string) bool { return node == "restarting" }, closing: closing.Load}
 	cases := []struct {
 		line string
 		want slog.Level
@@ -91,8 +93,16 @@ func TestMemberlistLineLevels(t *testing.T) {
 		{"[ERR] memberlist: Decrypt packet failed: No installed keys could decrypt the message from=192.0.2.9:7947", slog.LevelError},
 		{"[WARN] memberlist: Was able to connect to h4 over TCP but UDP probes failed, network may be misconfigured", slog.LevelWarn},
 		{"[DEBUG] memberlist: Stream connection from=192.0.2.2:40000", slog.LevelDebug},
+		// Once this node shuts down, its own closed sockets are no news.
+		{"closing", 0},
+		{"[ERR] memberlist: Failed to send UDP ping: write udp 192.0.2.1:40000->192.0.2.2:7947: use of closed network connection", slog.LevelDebug},
+		{"[WARN] memberlist: Was able to connect to h4 over TCP but UDP probes failed, network may be misconfigured", slog.LevelDebug},
 	}
 	for _, c := range cases {
+		if c.line == "closing" {
+			closing.Store(true)
+			continue
+		}
 		before := len(lc.lines())
 		if _, err := w.Write([]byte(c.line + "\n")); err != nil {
 			t.Fatal(err)

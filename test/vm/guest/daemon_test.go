@@ -228,7 +228,10 @@ func TestDaemonEncryptedFlushesVM(t *testing.T) {
 		for _, i := range s.hosts {
 			s.do(i)
 		}
-		back := nstest.Eventually(time.Second, 5*time.Millisecond, func() error {
+		// The deadlines say "repaired at all"; how fast is the FIGURE
+		// below (it varies several-fold under emulation on a loaded
+		// machine).
+		back := nstest.Eventually(10*time.Second, 5*time.Millisecond, func() error {
 			for i := range nss {
 				table, pols, states := ownState(t, nss[i])
 				if !table || pols < 1 || states < 2 {
@@ -239,9 +242,9 @@ func TestDaemonEncryptedFlushesVM(t *testing.T) {
 		})
 		restored := time.Since(t0)
 		if back != nil {
-			t.Errorf("%s: not restored within 1 s: %v", s.what, back)
+			t.Errorf("%s: not restored within 10 s: %v", s.what, back)
 		}
-		flowing := p.waitPingOK(t, t0, 2*time.Second, s.what)
+		flowing := p.waitPingOK(t, t0, 10*time.Second, s.what)
 		sent, lost, _, _ := p.since(t0)
 		t.Logf("FIGURE: %s: restored after %v, pings flowing again after %v (%d of %d lost so far)", s.what, restored.Round(time.Millisecond), flowing.Round(time.Millisecond), lost, sent)
 		// Let some traffic cross in the repaired state before the next step.
