@@ -93,16 +93,8 @@ func Open(ns netns.NsHandle) (*Conn, error) {
 	if !ns.IsOpen() {
 		return nil, errors.New("nlbatch: invalid network namespace handle")
 	}
-	fd := -1
-	err := netnsutil.DoIn(ns, func() error {
-		var err error
-		fd, err = unix.Socket(unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.NETLINK_ROUTE)
-		return err
-	})
+	fd, err := netnsutil.Socket(ns, unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.NETLINK_ROUTE)
 	if err != nil {
-		if fd >= 0 {
-			unix.Close(fd)
-		}
 		return nil, fmt.Errorf("nlbatch: failed to open netlink socket: %w", err)
 	}
 	c := &Conn{

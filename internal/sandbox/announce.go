@@ -77,15 +77,11 @@ func (sb *Sandbox) announce(neighs []peerdb.Neigh) error {
 	}
 	if sb.arp < 0 {
 		// Protocol 0: the socket only sends, it never queues what it sees.
-		err := netnsutil.DoIn(sb.ns, func() error {
-			fd, err := unix.Socket(unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, 0)
-			sb.arp = fd
-			return err
-		})
+		fd, err := netnsutil.Socket(sb.ns, unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, 0)
 		if err != nil {
-			sb.arp = -1
 			return fmt.Errorf("failed to open a packet socket in sandbox %s to announce moved addresses: %w", sb.path, err)
 		}
+		sb.arp = fd
 	}
 	var frame [42]byte
 	bcast := [6]byte{0xff, 0xff, 0xff, 0xff, 0xff, 0xff}
