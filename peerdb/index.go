@@ -97,6 +97,9 @@ func (x *index) set(i int, k uint64, v int32) {
 // at returns the value in slot i, a full slot returned by slot.
 func (x *index) at(i int) int32 { return x.slots[i].val - 1 }
 
+// put replaces the value in slot i, a full slot returned by slot.
+func (x *index) put(i int, v int32) { x.slots[i].val = v + 1 }
+
 // del removes k if present.
 func (x *index) del(k uint64) {
 	if x.n == 0 {

@@ -185,7 +185,7 @@ func (db *DB) finish() Delta {
 		if fDel > 0 {
 			d.FDBDel = make([]FDB, 0, fDel)
 		}
-		vt := db.vteps.addr
+		vt := db.vteps.vals
 		for i := range t.fdb {
 			f := &t.fdb[i]
 			e := FDB{Subnet: db.fdbNoteSubnet(f), MAC: f.mac, VTEP: vt[f.vtep]}
