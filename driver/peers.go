@@ -37,11 +37,11 @@ type PeerSource interface {
 // delivery goroutines, never from a gossip callback. Calls may come in any
 // order and be repeated: the network always pulls the current values.
 func (d *Driver) PeersChanged(vni uint32, keys []peerdb.Key) {
-	n, unlock := d.lockNetworkByVNI(vni)
+	n := d.lockNetworkByVNI(vni)
 	if n == nil {
 		return
 	}
-	defer unlock()
+	defer n.mu.Unlock()
 	if err := d.pull(n, vni, keys); err != nil {
 		d.log.Warn("programming remote peers failed; the periodic reconcile retries", "network", n.id, "vni", vni, "error", err)
 	}

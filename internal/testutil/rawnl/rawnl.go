@@ -169,7 +169,7 @@ func (p *Programmer) sendAndWait(first, last uint32) error {
 	}
 	var firstErr error
 	for {
-		n, _, err := unix.Recvfrom(p.fd, p.rbuf, 0)
+		n, err := unix.Read(p.fd, p.rbuf) // only the kernel sends to this port
 		if err == unix.EINTR {
 			continue
 		}
