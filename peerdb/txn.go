@@ -203,15 +203,23 @@ func (db *DB) finish() Delta {
 		// Start afresh, returning the memory of large indexes.
 		db.reset()
 	}
-	// Drop scratch space much larger than the DB.
-	const small = 1024
-	if cap(t.neigh) > small && cap(t.neigh) > 4*db.byIP.len() {
-		t.neigh = nil
-	}
-	if live := len(db.fdbs) - len(db.freeFDB); cap(t.fdb) > small && cap(t.fdb) > 4*live {
-		t.fdb = nil
-	}
+	// Keep the notes' room for the next transaction, unless a bulk change
+	// left it large against the DB: 64 bytes per peer for a change of
+	// every peer, which would stay long after it.
+	t.neigh = keepNotes(t.neigh, db.byIP.len())
+	t.fdb = keepNotes(t.fdb, len(db.fdbs)-len(db.freeFDB))
 	return d
+}
+
+// keepNotes returns notes, emptied, to keep as scratch space of a DB with
+// live claims or FDB records, or nil when its room is more than a few
+// thousand notes and more than a quarter of live.
+func keepNotes(notes []note, live int) []note {
+	const small = 4096
+	if cap(notes) > small && 4*cap(notes) > live {
+		return nil
+	}
+	return notes[:0]
 }
 
 // reset empties the indexes of a DB that holds no entry.

@@ -28,6 +28,11 @@ func (sb *Sandbox) ApplyDelta(d peerdb.Delta) error {
 	if d.Empty() {
 		return nil
 	}
+	// The scratch space grows to what a change needs, up to a datagram's
+	// worth: a notification of one peer keeps room for two operations.
+	if want := min(opChunk, len(d.NeighSet)+len(d.FDBSet)+len(d.NeighDel)+len(d.FDBDel)); cap(sb.ops) < want {
+		sb.ops = make([]nlbatch.Op, 0, want)
+	}
 	w := opWriter{sb: sb, ops: sb.ops[:0]}
 	// Neighbours and FDB entries are set alternately. The kernel gives
 	// each new FDB entry per-CPU memory (dst_cache_init, a route cache for
@@ -98,9 +103,6 @@ func (w *opWriter) fdbSet(f *peerdb.FDB) {
 }
 
 func (w *opWriter) add(op nlbatch.Op) {
-	if w.ops == nil {
-		w.ops = make([]nlbatch.Op, 0, opChunk)
-	}
 	w.ops = append(w.ops, op)
 	if len(w.ops) == opChunk {
 		w.flush()
