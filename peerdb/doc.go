@@ -79,6 +79,10 @@
 // bytes (FDB). Applying the deltas of successive mutations, in order, to the
 // desired state before them yields the desired state after them.
 //
+// A Delta's Set and Del slices belong to the DB: they are valid until its
+// next mutation, which reuses them (so a stream of bulk changes allocates
+// nothing); copy what must outlive it.
+//
 // # Cost
 //
 // The DB keeps indexes (claimants per IP, active remote claimants per FDB

@@ -122,9 +122,6 @@ func (t *heldTable) remove(ri int32, h uint64) {
 	t.recs[ri] = heldRec{}
 	t.free = append(t.free, ri)
 	t.n--
-	if t.n == 0 {
-		t.clear()
-	}
 }
 
 // reserve makes room for n records in all.
@@ -137,14 +134,14 @@ func (t *heldTable) reserve(n int) {
 	}
 }
 
-// clear empties the table, releasing large slabs.
-func (t *heldTable) clear() {
-	t.idx.clear()
-	if cap(t.recs) > 1024 {
+// reset empties the table (which holds no record: DB.reset), keeping its
+// room unless release.
+func (t *heldTable) reset(release bool) {
+	t.idx.reset(release)
+	clear(t.recs)
+	t.recs, t.free = t.recs[:0], t.free[:0]
+	if release && cap(t.recs) > 1024 {
 		t.recs, t.free = nil, nil
-	} else {
-		clear(t.recs)
-		t.recs, t.free = t.recs[:0], t.free[:0]
 	}
 	t.n = 0
 }

@@ -171,9 +171,9 @@ func (x *index) grow(n int) {
 // len returns the number of keys.
 func (x *index) len() int { return x.n }
 
-// clear removes every key, releasing a large table.
-func (x *index) clear() {
-	if len(x.slots) > 1024 {
+// reset removes every key; with release, a large table's room goes too.
+func (x *index) reset(release bool) {
+	if release && len(x.slots) > 1024 {
 		*x = index{}
 		return
 	}

@@ -23,7 +23,10 @@ func (db *DB) reserve(n int, nexts iter.Seq[*Peer]) {
 			}
 		}
 	}
-	db.reserveEntries(total, perSubnet)
+	db.reserveEntries(total)
+	for sub, n := range perSubnet {
+		db.reserveFDB(sub, n)
+	}
 }
 
 // reserveVNI is reserve for a batch of n changes to the records of vni,
@@ -32,11 +35,10 @@ func (db *DB) reserveVNI(vni uint32, n int) {
 	if !db.reserveNotes(n) {
 		return
 	}
-	perSubnet := make([]int, len(db.subnets))
-	if s := slices.Index(db.vnis, vni); s >= 0 {
-		perSubnet[s] = n
+	db.reserveEntries(n)
+	if sub := slices.Index(db.vnis, vni); sub >= 0 {
+		db.reserveFDB(sub, n)
 	}
-	db.reserveEntries(n, perSubnet)
 }
 
 // reserveNotes makes room for the notes of n changes and reports whether
@@ -48,9 +50,9 @@ func (db *DB) reserveNotes(n int) bool {
 	return n >= 64 && db.byIP.len() < n/2
 }
 
-// reserveEntries sizes the indexes and slabs for total new entries,
-// perSubnet[s] of them in subnet s.
-func (db *DB) reserveEntries(total int, perSubnet []int) {
+// reserveEntries sizes the claims, the remote records and their indexes
+// for total new entries.
+func (db *DB) reserveEntries(total int) {
 	if total == 0 {
 		return
 	}
@@ -58,10 +60,12 @@ func (db *DB) reserveEntries(total int, perSubnet []int) {
 	db.claims = slices.Grow(db.claims, total)
 	db.fdbs = slices.Grow(db.fdbs, total)
 	db.held.reserve(db.held.n + total)
-	for s, n := range perSubnet {
-		if n > 0 {
-			db.fdbIdx[s].reserve(db.fdbIdx[s].len() + n)
-		}
+}
+
+// reserveFDB sizes the FDB index of subnet sub for n new keys.
+func (db *DB) reserveFDB(sub, n int) {
+	if n > 0 {
+		db.fdbIdx[sub].reserve(db.fdbIdx[sub].len() + n)
 	}
 }
 

@@ -48,6 +48,14 @@ func (t *vtepTable) unref(i uint32) {
 	}
 }
 
+// reset empties the table (no entry uses an address), keeping its room.
+func (t *vtepTable) reset() {
+	clear(t.idx)
+	clear(t.vals)
+	t.vals, t.refs, t.free, t.zero = t.vals[:0], t.refs[:0], t.free[:0], t.zero[:0]
+	t.cache = [vtepCacheSize]vtepCached{}
+}
+
 // sweep frees the addresses that are no longer used.
 func (t *vtepTable) sweep() {
 	for _, i := range t.zero {
