@@ -25,7 +25,7 @@ PKGS      := ./...
 # fetches with apt-get and unpacks into a cache directory) in `engine-26.1`.
 # OVERLAYD_TEST_ENGINE picks the engine; test/docker/engines_test.go.
 
-.PHONY: all build test unit engine-26.1 fuzz lint bench run clean plugin install
+.PHONY: all build test unit engine-26.1 fuzz lint bench bench-peers run clean plugin install
 
 # `make install`: the binary, the systemd unit and (if absent) its settings
 # file. DESTDIR stages the files under another root (packaging, tests): then
@@ -71,11 +71,18 @@ lint:
 	$(GO) vet -tags '$(TAGS) faultinject' ./test/stress ./driver
 
 bench:
-	$(GO) test -run '^$$' -bench . -benchmem -benchtime 5x ./driver ./internal/nlbatch
+	$(GO) test -run '^$$' -bench . -benchmem -benchtime 5x ./driver ./internal/nlbatch ./internal/testutil/rawnl
 	$(GO) test -run '^$$' -bench . -benchmem ./peerdb
 	$(GO) test -run '^$$' -tags testhooks -bench . -benchtime 20000x ./test/stress
 	$(GO) test -run '^$$' -bench 'Local|Obtain' -benchtime 1000x ./internal/ipam
 	$(GO) test -run '^$$' -bench 'Heap' -benchtime 3x ./internal/ipam
+
+# Peer programming against the raw-netlink reference (rawnl), every size,
+# BENCH_COUNT runs of 5 interleaved rounds each, summarised as the median
+# and range over the runs of every figure (add-ratio_to_raw, peers/s, ...).
+BENCH_COUNT ?= 3
+bench-peers:
+	$(GO) test -run '^$$' -bench '^BenchmarkPeers(OneByOne)?$$' -benchtime 5x -count $(BENCH_COUNT) ./driver | tee /dev/stderr | sh test/bench/summary.sh
 
 # Serve the plugin on the default socket with the embedded defaults.
 run: build

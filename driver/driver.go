@@ -311,18 +311,20 @@ func (d *Driver) lockNetwork(id string) (*network, func(), error) {
 }
 
 // lockNetworkByVNI is lockNetwork for a network identified by any of its
-// VNIs; n is nil (and no lock held) when no network has vni.
-func (d *Driver) lockNetworkByVNI(vni uint32) (*network, func()) {
+// VNIs: it returns the network locked (the caller unlocks n.mu), or nil
+// (and no lock held) when no network has vni. It returns no unlock func:
+// a method value allocates, and a pull per notification calls this.
+func (d *Driver) lockNetworkByVNI(vni uint32) *network {
 	for {
 		d.mu.Lock()
 		n := d.byVNI[vni]
 		d.mu.Unlock()
 		if n == nil {
-			return nil, nil
+			return nil
 		}
 		n.mu.Lock()
 		if !n.deleted {
-			return n, n.mu.Unlock
+			return n
 		}
 		n.mu.Unlock()
 	}

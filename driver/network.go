@@ -51,9 +51,6 @@ type network struct {
 	logged map[peerdb.Key]string
 	// conflicts: the cross-host address conflicts logged; guarded by mu.
 	conflicts conflictLog
-	// pullUps, pullVals: scratch space of pull; guarded by mu.
-	pullUps  []peerdb.Update
-	pullVals []peerdb.Peer
 }
 
 // trace emits the creation of n; expects n.mu held.

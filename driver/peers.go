@@ -3,7 +3,6 @@ package driver
 import (
 	"errors"
 	"fmt"
-	"slices"
 
 	"github.com/overlayd/overlayd/peerdb"
 )
@@ -38,11 +37,11 @@ type PeerSource interface {
 // delivery goroutines, never from a gossip callback. Calls may come in any
 // order and be repeated: the network always pulls the current values.
 func (d *Driver) PeersChanged(vni uint32, keys []peerdb.Key) {
-	n, unlock := d.lockNetworkByVNI(vni)
+	n := d.lockNetworkByVNI(vni)
 	if n == nil {
 		return
 	}
-	defer unlock()
+	defer n.mu.Unlock()
 	if err := d.pull(n, vni, keys); err != nil {
 		d.log.Warn("programming remote peers failed; the periodic reconcile retries", "network", n.id, "vni", vni, "error", err)
 	}
@@ -64,30 +63,12 @@ func (d *Driver) pull(n *network, vni uint32, keys []peerdb.Key) error {
 	if keys == nil {
 		delta, rej = n.peers.SyncVNI(vni, withoutHosts(src.Peers(vni), bad))
 	} else {
-		// Scratch space of the network (guarded by n.mu), reused by every
-		// pull: notifications come one key at a time as often as in bursts.
-		ups := slices.Grow(n.pullUps[:0], len(keys))
-		vals := slices.Grow(n.pullVals[:0], len(keys)) // no reallocation below: ups point into it
-		for _, k := range keys {
-			if k.VNI != vni {
-				continue // not ours to pull: leave it unchanged
-			}
-			p, ok := src.Peer(k)
+		delta, rej = n.peers.Pull(vni, keys, func(k peerdb.Key) (peerdb.Peer, bool) {
 			if bad[k.Origin] {
-				p, ok = peerdb.Peer{}, false
+				return peerdb.Peer{}, false
 			}
-			vals = append(vals, p)
-			ups = append(ups, peerdb.Update{Key: k})
-			if ok {
-				ups[len(ups)-1].Peer = &vals[len(vals)-1]
-			}
-		}
-		delta, rej = n.peers.SetRemotes(ups)
-		clear(ups)
-		clear(vals)
-		if cap(ups) <= maxPullScratch {
-			n.pullUps, n.pullVals = ups[:0], vals[:0]
-		}
+			return src.Peer(k)
+		})
 	}
 	n.noteRejections(d, rej)
 	d.trace(TraceEvent{Kind: TracePull, Network: n.id, VNI: vni})
@@ -96,9 +77,6 @@ func (d *Driver) pull(n *network, vni uint32, keys []peerdb.Key) error {
 	}
 	return d.program(n, delta)
 }
-
-// maxPullScratch bounds the scratch space a network keeps between pulls.
-const maxPullScratch = 4096
 
 // pullAll pulls every VNI of n. Expects n.mu held.
 func (d *Driver) pullAll(n *network) error {

@@ -98,7 +98,7 @@ func applyPeerEvents(d *Driver, evs ...PeerEvent) error {
 	var errs []error
 	for _, vni := range vnis {
 		d.PeersChanged(vni, keys[vni])
-		if n, unlock := d.lockNetworkByVNI(vni); n != nil {
+		if n := d.lockNetworkByVNI(vni); n != nil {
 			for _, r := range n.peers.Rejected() {
 				for _, k := range keys[vni] {
 					if r.Key == k {
@@ -106,7 +106,7 @@ func applyPeerEvents(d *Driver, evs ...PeerEvent) error {
 					}
 				}
 			}
-			unlock()
+			n.mu.Unlock()
 		}
 	}
 	return errors.Join(errs...)

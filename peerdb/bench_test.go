@@ -1,9 +1,12 @@
 package peerdb
 
 import (
+	"fmt"
 	"math/rand/v2"
 	"net/netip"
+	"strconv"
 	"testing"
+	"time"
 )
 
 var benchSubnets = []netip.Prefix{netip.MustParsePrefix("10.0.0.0/17"), netip.MustParsePrefix("10.0.128.0/17")}
@@ -200,5 +203,58 @@ func BenchmarkSyncVNI20000(b *testing.B) {
 		if d, rej := db.SyncVNI(100, all); !d.Empty() || rej != nil {
 			b.Fatalf("%v %+v", rej, d)
 		}
+	}
+}
+
+// BenchmarkPull loads n records of one VNI into a table holding one local
+// endpoint, then removes them, through Pull as the driver's pull path does
+// (one source lookup per key), and reports the time per record of each.
+// It is the user-space part of BenchmarkPeers in package driver.
+func BenchmarkPull(b *testing.B) {
+	for _, n := range []int{1000, 20000, 100000} {
+		b.Run(strconv.Itoa(n), func(b *testing.B) {
+			subnet := netip.MustParsePrefix("198.18.0.0/15")
+			src := make(map[Key]Peer, n)
+			keys := make([]Key, n)
+			base := ip4(subnet.Addr())
+			for i := range keys {
+				ip := addr4(base + uint32(i) + 10)
+				p := Peer{EndpointID: fmt.Sprintf("%064x", i), IP: ip, MAC: MACFromIP(ip), VTEP: netip.AddrFrom4([4]byte{192, 0, 2, byte(1 + i%50)})}
+				keys[i] = Key{VNI: 100, Origin: "host-" + p.VTEP.String(), EndpointID: p.EndpointID}
+				src[keys[i]] = p
+			}
+			db := New([]netip.Prefix{subnet}, 100)
+			if _, err := db.AddLocal(Peer{EndpointID: "local", IP: addr4(base + 2), MAC: MAC{2, 0, 0, 0, 0, 1}}); err != nil {
+				b.Fatal(err)
+			}
+			present := true
+			get := func(k Key) (Peer, bool) {
+				if !present {
+					return Peer{}, false
+				}
+				p, ok := src[k]
+				return p, ok
+			}
+			var addT, delT time.Duration
+			b.ReportAllocs()
+			for b.Loop() {
+				present = true
+				t0 := time.Now()
+				d, rej := db.Pull(100, keys, get)
+				addT += time.Since(t0)
+				if len(rej) != 0 || len(d.NeighSet) != n {
+					b.Fatalf("add: %d rejections, %d neighbours set", len(rej), len(d.NeighSet))
+				}
+				present = false
+				t0 = time.Now()
+				d, _ = db.Pull(100, keys, get)
+				delT += time.Since(t0)
+				if len(d.NeighDel) != n {
+					b.Fatalf("delete: %d neighbours deleted", len(d.NeighDel))
+				}
+			}
+			b.ReportMetric(float64(addT.Nanoseconds())/float64(n*b.N), "add-ns/peer")
+			b.ReportMetric(float64(delT.Nanoseconds())/float64(n*b.N), "del-ns/peer")
+		})
 	}
 }

@@ -226,13 +226,13 @@ func (db *DB) newClaim(ip uint32, sub int) int32 {
 // findRemote returns where p is among the remote claimants of c: headPos,
 // an index into c.x.remotes, or notFound.
 func (db *DB) findRemote(c *claim, p *Peer) int {
-	if c.id == p.EndpointID && c.mac == p.MAC && db.vteps.addr[c.vtep] == p.VTEP {
+	if c.id == p.EndpointID && c.mac == p.MAC && db.vteps.vals[c.vtep] == p.VTEP {
 		return headPos
 	}
 	if c.x != nil {
 		for i := range c.x.remotes {
 			r := &c.x.remotes[i]
-			if r.id == p.EndpointID && r.mac == p.MAC && db.vteps.addr[r.vtep] == p.VTEP {
+			if r.id == p.EndpointID && r.mac == p.MAC && db.vteps.vals[r.vtep] == p.VTEP {
 				return i
 			}
 		}
@@ -253,7 +253,7 @@ func (db *DB) lessRemote(a, b *remote) bool {
 	if a.mac != b.mac {
 		return macKey(a.mac) < macKey(b.mac)
 	}
-	return db.vteps.addr[a.vtep].Less(db.vteps.addr[b.vtep])
+	return db.vteps.vals[a.vtep].Less(db.vteps.vals[b.vtep])
 }
 
 func (c *claim) head() remote { return remote{id: c.id, mac: c.mac, vtep: c.vtep} }

@@ -97,6 +97,9 @@ func (x *index) set(i int, k uint64, v int32) {
 // at returns the value in slot i, a full slot returned by slot.
 func (x *index) at(i int) int32 { return x.slots[i].val - 1 }
 
+// put replaces the value in slot i, a full slot returned by slot.
+func (x *index) put(i int, v int32) { x.slots[i].val = v + 1 }
+
 // del removes k if present.
 func (x *index) del(k uint64) {
 	if x.n == 0 {
@@ -168,9 +171,9 @@ func (x *index) grow(n int) {
 // len returns the number of keys.
 func (x *index) len() int { return x.n }
 
-// clear removes every key, releasing a large table.
-func (x *index) clear() {
-	if len(x.slots) > 1024 {
+// reset removes every key; with release, a large table's room goes too.
+func (x *index) reset(release bool) {
+	if release && len(x.slots) > 1024 {
 		*x = index{}
 		return
 	}

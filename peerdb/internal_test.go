@@ -54,9 +54,14 @@ func TestIndexRandom(t *testing.T) {
 				}
 			}
 		}
-		x.clear()
+		room := len(x.slots)
+		x.reset(false)
+		if _, ok := x.get(base); ok || x.len() != 0 || len(x.slots) != room {
+			t.Fatalf("reset(false) left keys or changed the room (%d slots, had %d)", len(x.slots), room)
+		}
+		x.reset(true)
 		if _, ok := x.get(base); ok || x.len() != 0 {
-			t.Fatal("clear left keys")
+			t.Fatal("reset(true) left keys")
 		}
 	}
 }
@@ -299,5 +304,64 @@ func TestWideSubnets(t *testing.T) {
 	}
 	if err := checkInvariants(db); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestRoomKeptAcrossBulkChanges checks the scratch and room policy (txn):
+// a table emptied and loaded again, and bulk changes in a row, reuse the
+// room and the Delta's slices instead of allocating; a transaction that
+// changes nothing releases the scratch space, and one that finds the table
+// still empty releases its room.
+func TestRoomKeptAcrossBulkChanges(t *testing.T) {
+	const n = 5000
+	subnet := netip.MustParsePrefix("10.0.0.0/16")
+	db := New([]netip.Prefix{subnet}, 100)
+	keys := make([]Key, n)
+	src := map[Key]Peer{}
+	for i := range keys {
+		ip := addr4(ip4(subnet.Addr()) + uint32(i) + 1)
+		p := Peer{EndpointID: fmt.Sprintf("e%d", i), IP: ip, MAC: MACFromIP(ip), VTEP: netip.MustParseAddr("192.0.2.1")}
+		keys[i] = Key{VNI: 100, Origin: "h", EndpointID: p.EndpointID}
+		src[keys[i]] = p
+	}
+	present := true
+	get := func(k Key) (Peer, bool) {
+		p, ok := src[k]
+		return p, ok && present
+	}
+	cycle := func() {
+		present = true
+		if d, _ := db.Pull(100, keys, get); len(d.NeighSet) != n {
+			t.Fatalf("add: %d neighbours set, want %d", len(d.NeighSet), n)
+		}
+		present = false
+		if d, _ := db.Pull(100, keys, get); len(d.NeighDel) != n {
+			t.Fatalf("delete: %d neighbours deleted, want %d", len(d.NeighDel), n)
+		}
+	}
+	cycle() // sizes everything
+	if allocs := testing.AllocsPerRun(5, cycle); allocs > 2 {
+		t.Errorf("an add and a delete of %d records in a table emptied before: %.0f allocations, want at most 2", n, allocs)
+	}
+	if cap(db.claims) < n || cap(db.tx.neigh) < n || cap(db.tx.out.NeighDel) < n {
+		t.Fatalf("room not kept after emptying once: %d claims, %d notes, %d deletes", cap(db.claims), cap(db.tx.neigh), cap(db.tx.out.NeighDel))
+	}
+	// The owner's periodic full pull finds the table still empty.
+	if d, _ := db.SyncVNI(100, nil); !d.Empty() {
+		t.Fatalf("SyncVNI of an empty table: %+v", d)
+	}
+	if cap(db.claims) != 0 || len(db.byIP.slots) > 1024 || cap(db.held.recs) != 0 || cap(db.tx.neigh) > 4096 || cap(db.tx.out.NeighDel) != 0 {
+		t.Fatalf("room kept after a second empty transaction: %d claims, %d index slots, %d held, %d notes, %d deletes",
+			cap(db.claims), len(db.byIP.slots), cap(db.held.recs), cap(db.tx.neigh), cap(db.tx.out.NeighDel))
+	}
+	// A full table at rest: its periodic pull changes nothing and drops the
+	// scratch space of the load.
+	present = true
+	db.Pull(100, keys, get)
+	if d, _ := db.SyncVNI(100, src); !d.Empty() {
+		t.Fatalf("SyncVNI of an unchanged table: %+v", d)
+	}
+	if cap(db.tx.neigh) > 4096 || cap(db.tx.out.NeighSet) != 0 {
+		t.Fatalf("scratch kept at rest: %d notes, %d sets", cap(db.tx.neigh), cap(db.tx.out.NeighSet))
 	}
 }

@@ -118,7 +118,7 @@ func checkInvariants(db *DB) error {
 
 	// Entry counts and the local table.
 	nRemote, nLocal, nNeigh := 0, 0, 0
-	vrefs := make([]int32, len(db.vteps.addr))
+	vrefs := make([]int32, len(db.vteps.vals))
 	for _, ci := range byIP {
 		c := &db.claims[ci]
 		if c.id != "" {
@@ -234,29 +234,69 @@ func checkInvariants(db *DB) error {
 		}
 	}
 
+	// Held records: each found by its key, each holding a reference to its
+	// VTEP and its origin, the free ones cleared.
+	h := &db.held
+	nHeld, origins := 0, make([]int32, len(h.origins.vals))
+	hashes := map[uint64]bool{}
+	for i := range h.recs {
+		r := &h.recs[i]
+		if r.id == "" {
+			continue
+		}
+		nHeld++
+		k := h.key(r)
+		ri, hash, ok := h.find(k)
+		if !ok || ri != int32(i) {
+			return fmt.Errorf("held record %d (%v): found at %d", i, k, ri)
+		}
+		hashes[hash] = true
+		vrefs[r.vtep]++
+		origins[r.origin]++
+	}
+	if nHeld != h.n || nHeld+len(h.free) != len(h.recs) || len(hashes) != h.idx.len() {
+		return fmt.Errorf("held: %d records, n %d, %d free of %d slots, %d hashes, %d indexed", nHeld, h.n, len(h.free), len(h.recs), len(hashes), h.idx.len())
+	}
+	for _, ri := range h.free {
+		if h.recs[ri] != (heldRec{}) {
+			return fmt.Errorf("free held record %d not cleared", ri)
+		}
+	}
+	for i, name := range h.origins.vals {
+		if h.origins.refs[i] != origins[i] {
+			return fmt.Errorf("origin %d %q: %d refs, counted %d", i, name, h.origins.refs[i], origins[i])
+		}
+		if j, ok := h.origins.idx[name]; origins[i] > 0 && (!ok || j != uint32(i)) {
+			return fmt.Errorf("origin %d %q: indexed at %d (%v)", i, name, j, ok)
+		}
+	}
+	if len(h.origins.idx)+len(h.origins.free) != len(h.origins.vals) {
+		return fmt.Errorf("origins: %d indexed, %d free of %d", len(h.origins.idx), len(h.origins.free), len(h.origins.vals))
+	}
+
 	// Interned VTEPs.
 	t := &db.vteps
 	if len(t.zero) != 0 {
 		return fmt.Errorf("VTEPs pending release: %v", t.zero)
 	}
-	if len(t.refs) != len(t.addr) || len(t.idx)+len(t.free) != len(t.addr) {
-		return fmt.Errorf("VTEP table sizes: %d refs, %d addrs, %d indexed, %d free", len(t.refs), len(t.addr), len(t.idx), len(t.free))
+	if len(t.refs) != len(t.vals) || len(t.idx)+len(t.free) != len(t.vals) {
+		return fmt.Errorf("VTEP table sizes: %d refs, %d addrs, %d indexed, %d free", len(t.refs), len(t.vals), len(t.idx), len(t.free))
 	}
 	for a, i := range t.idx {
-		if t.addr[i] != a || !a.IsValid() {
-			return fmt.Errorf("VTEP %s indexed at %d holding %s", a, i, t.addr[i])
+		if t.vals[i] != a || !a.IsValid() {
+			return fmt.Errorf("VTEP %s indexed at %d holding %s", a, i, t.vals[i])
 		}
 		if t.refs[i] != vrefs[i] || vrefs[i] == 0 {
 			return fmt.Errorf("VTEP %s: %d refs, counted %d", a, t.refs[i], vrefs[i])
 		}
 	}
 	for _, i := range t.free {
-		if t.addr[i].IsValid() || t.refs[i] != 0 {
-			return fmt.Errorf("free VTEP slot %d holds %s (%d refs)", i, t.addr[i], t.refs[i])
+		if t.vals[i].IsValid() || t.refs[i] != 0 {
+			return fmt.Errorf("free VTEP slot %d holds %s (%d refs)", i, t.vals[i], t.refs[i])
 		}
 	}
 	for i, c := range t.cache {
-		if c.addr.IsValid() && (vtepSlot(c.addr) != i || int(c.idx) >= len(t.addr) || t.addr[c.idx] != c.addr) {
+		if c.addr.IsValid() && (vtepSlot(c.addr) != i || int(c.idx) >= len(t.vals) || t.vals[c.idx] != c.addr) {
 			return fmt.Errorf("VTEP cache slot %d: %s -> %d is stale", i, c.addr, c.idx)
 		}
 	}

@@ -32,7 +32,7 @@ type Rejection struct {
 // value, the keys beyond the first that hold it (empty but for that rare
 // case, so the common path pays no hashing of whole records).
 type keyed struct {
-	held     map[Key]Peer
+	held     heldTable
 	dups     countmap.Map[Peer]
 	rejected map[Key]Rejection
 	// vnis[i] is the VNI of subnet i, whose records must lie in it; nil
@@ -52,9 +52,6 @@ type keyed struct {
 // every mutation. Cost: proportional to the updates.
 func (db *DB) SetRemotes(ups []Update) (Delta, []Rejection) {
 	db.begin()
-	if db.held == nil && len(ups) >= 64 {
-		db.held = make(map[Key]Peer, len(ups))
-	}
 	if len(ups) > 1 {
 		db.reserve(len(ups), func(yield func(*Peer) bool) {
 			for i := range ups {
@@ -67,6 +64,34 @@ func (db *DB) SetRemotes(ups []Update) (Delta, []Rejection) {
 	var rej []Rejection
 	for i := range ups {
 		if r, ok := db.setRemote(ups[i].Key, ups[i].Peer); !ok {
+			rej = append(rej, r)
+		}
+	}
+	return db.finish(), rej
+}
+
+// Pull is SetRemotes for the keys of vni among keys, each set to what get
+// returns for it (the record in force at the source, or ok false for
+// none); keys of other VNIs are left as they are. It is the pull path's
+// form: the records go from the source into the table without being
+// gathered first. get must not call into the DB.
+func (db *DB) Pull(vni uint32, keys []Key, get func(Key) (p Peer, ok bool)) (Delta, []Rejection) {
+	db.begin()
+	if len(keys) > 1 {
+		db.reserveVNI(vni, len(keys))
+	}
+	var rej []Rejection
+	var p Peer
+	for _, k := range keys {
+		if k.VNI != vni {
+			continue
+		}
+		var next *Peer
+		var ok bool
+		if p, ok = get(k); ok {
+			next = &p
+		}
+		if r, ok := db.setRemote(k, next); !ok {
 			rej = append(rej, r)
 		}
 	}
@@ -88,9 +113,12 @@ func (db *DB) SyncVNI(vni uint32, all map[Key]Peer) (Delta, []Rejection) {
 		vals = append(vals, p)
 		ups = append(ups, Update{Key: k, Peer: &vals[len(vals)-1]})
 	}
-	for k := range db.held {
-		if _, ok := all[k]; !ok && k.VNI == vni {
-			ups = append(ups, Update{Key: k})
+	t := &db.held
+	for i := range t.recs {
+		if r := &t.recs[i]; r.id != "" && r.vni == vni {
+			if k := t.key(r); !hasKey(all, k) {
+				ups = append(ups, Update{Key: k})
+			}
 		}
 	}
 	for k := range db.rejected {
@@ -105,20 +133,26 @@ func (db *DB) SyncVNI(vni uint32, all map[Key]Peer) (Delta, []Rejection) {
 	return d, rej
 }
 
+func hasKey(m map[Key]Peer, k Key) bool {
+	_, ok := m[k]
+	return ok
+}
+
 // setRemote is one update inside a transaction.
 func (db *DB) setRemote(k Key, p *Peer) (Rejection, bool) {
-	cur, had := db.held[k]
+	t := &db.held
+	ri, h, hashed := t.find(k)
 	if p == nil {
 		delete(db.rejected, k)
-		if had {
-			db.dropKey(k, cur)
+		if ri != noRec {
+			db.dropKey(ri, h)
 		}
 		return Rejection{}, true
 	}
 	sub, err := db.validateKeyed(k, p)
 	if err != nil {
-		if had {
-			db.dropKey(k, cur)
+		if ri != noRec {
+			db.dropKey(ri, h)
 		}
 		r := Rejection{Key: k, Peer: *p, Err: err}
 		if db.rejected == nil {
@@ -127,25 +161,30 @@ func (db *DB) setRemote(k Key, p *Peer) (Rejection, bool) {
 		db.rejected[k] = r
 		return r, false
 	}
-	delete(db.rejected, k)
-	if had {
-		if cur == *p {
+	if len(db.rejected) > 0 {
+		delete(db.rejected, k)
+	}
+	if ri != noRec {
+		if db.heldIs(&t.recs[ri], p) {
 			return Rejection{}, true
 		}
-		db.dropKey(k, cur)
+		db.dropKey(ri, h)
+		hashed = false // its origin may have been released and interned anew
 	}
-	if db.held == nil {
-		db.held = make(map[Key]Peer)
-	}
-	db.held[k] = *p
+	r := t.insert(k, h, hashed)
+	r.ip, r.mac, r.vtep = ip4(p.IP), p.MAC, db.vteps.ref(p.VTEP)
 	if !db.addRemote(p, sub) {
 		db.dups.Add(*p, 1) // another key holds an equal record
 	}
 	return Rejection{}, true
 }
 
-func (db *DB) dropKey(k Key, p Peer) {
-	delete(db.held, k)
+// dropKey removes held record ri, whose key has hash h.
+func (db *DB) dropKey(ri int32, h uint64) {
+	t := &db.held
+	p := db.heldPeer(&t.recs[ri])
+	db.vteps.unref(t.recs[ri].vtep)
+	t.remove(ri, h)
 	if db.dups.Len() > 0 && db.dups.Get(p) > 0 {
 		db.dups.Add(p, -1) // another key still holds it
 		return
@@ -182,9 +221,12 @@ func (db *DB) validateKeyed(k Key, p *Peer) (int, error) {
 
 // Held returns the remote records the table holds, by key, as a fresh map.
 func (db *DB) Held() map[Key]Peer {
-	out := make(map[Key]Peer, len(db.held))
-	for k, p := range db.held {
-		out[k] = p
+	t := &db.held
+	out := make(map[Key]Peer, t.n)
+	for i := range t.recs {
+		if r := &t.recs[i]; r.id != "" {
+			out[t.key(r)] = db.heldPeer(r)
+		}
 	}
 	return out
 }

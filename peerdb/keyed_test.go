@@ -178,9 +178,26 @@ func (h *keyedHarness) step(s *byteSource) {
 		for i := range ups {
 			ups[i] = s.update(h.km)
 		}
-		desc = func() string { return fmt.Sprintf("SetRemotes(%d updates)", len(ups)) }
-		d, rej = h.db.SetRemotes(ups)
-		apply(ups)
+		if s.next()%2 == 0 {
+			desc = func() string { return fmt.Sprintf("SetRemotes(%d updates)", len(ups)) }
+			d, rej = h.db.SetRemotes(ups)
+			apply(ups)
+			break
+		}
+		// The pull path: the keys of one VNI take the source's values.
+		vni := pick(s, uKeyVNIs, uBadKeyVNIs)
+		keys := make([]Key, len(ups))
+		for i, u := range ups {
+			keys[i] = u.Key
+			if u.Key.VNI == vni {
+				apply([]Update{u})
+			}
+		}
+		desc = func() string { return fmt.Sprintf("Pull(%d, %d keys)", vni, len(keys)) }
+		d, rej = h.db.Pull(vni, keys, func(k Key) (Peer, bool) {
+			p, ok := h.km.src[k]
+			return p, ok
+		})
 	}
 	for _, r := range rej {
 		if validFor(r.Key, r.Peer) {
@@ -244,6 +261,22 @@ func TestKeyedModelRandom(t *testing.T) {
 		t.Fatalf("only %d steps", steps)
 	}
 	t.Logf("%d steps", steps)
+}
+
+// TestKeyedModelCollidingHashes is TestKeyedModelRandom with the hashes
+// of the held records' keys narrowed to two values, so that nearly every
+// lookup, insert and removal walks a chain of records with equal hashes.
+func TestKeyedModelCollidingHashes(t *testing.T) {
+	heldHashMask = 1
+	defer func() { heldHashMask = ^uint64(0) }()
+	rng := rand.New(rand.NewPCG(5, 6))
+	for run := 0; run < 20; run++ {
+		data := make([]byte, 1500)
+		for i := range data {
+			data[i] = byte(rng.Uint32())
+		}
+		newKeyedHarness(t).run(data)
+	}
 }
 
 // TestSetRemotesReplacesWithoutPrev: an update names only the key; the

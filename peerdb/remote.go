@@ -7,12 +7,10 @@ import (
 
 // reserve makes room for a batch of n changes whose new records nexts
 // yields. Every change touches about one neighbour and one FDB key; a batch
-// loaded into an empty DB also sizes the indexes for its creates, saving
-// their incremental growth.
+// that is large against the DB (a bulk load) also sizes the indexes for its
+// creates, saving their incremental growth.
 func (db *DB) reserve(n int, nexts iter.Seq[*Peer]) {
-	db.tx.neigh = slices.Grow(db.tx.neigh, n)
-	db.tx.fdb = slices.Grow(db.tx.fdb, n)
-	if db.byIP.len() != 0 || n < 64 {
+	if !db.reserveNotes(n) {
 		return
 	}
 	perSubnet := make([]int, len(db.subnets))
@@ -25,20 +23,49 @@ func (db *DB) reserve(n int, nexts iter.Seq[*Peer]) {
 			}
 		}
 	}
+	db.reserveEntries(total)
+	for sub, n := range perSubnet {
+		db.reserveFDB(sub, n)
+	}
+}
+
+// reserveVNI is reserve for a batch of n changes to the records of vni,
+// which all lie in the subnet of vni when the DB knows its VNIs.
+func (db *DB) reserveVNI(vni uint32, n int) {
+	if !db.reserveNotes(n) {
+		return
+	}
+	db.reserveEntries(n)
+	if sub := slices.Index(db.vnis, vni); sub >= 0 {
+		db.reserveFDB(sub, n)
+	}
+}
+
+// reserveNotes makes room for the notes of n changes and reports whether
+// the batch is a bulk load: large, and large against what the DB holds
+// (a periodic resync of what it holds must not double its indexes).
+func (db *DB) reserveNotes(n int) bool {
+	db.tx.neigh = slices.Grow(db.tx.neigh, n)
+	db.tx.fdb = slices.Grow(db.tx.fdb, n)
+	return n >= 64 && db.byIP.len() < n/2
+}
+
+// reserveEntries sizes the claims, the remote records and their indexes
+// for total new entries.
+func (db *DB) reserveEntries(total int) {
 	if total == 0 {
 		return
 	}
-	db.byIP.reserve(total)
-	if len(db.claims) == 0 {
-		db.claims = make([]claim, 0, total)
-	}
-	if len(db.fdbs) == 0 {
-		db.fdbs = make([]fdbRec, 0, total)
-	}
-	for s, n := range perSubnet {
-		if n > 0 {
-			db.fdbIdx[s].reserve(db.fdbIdx[s].len() + n)
-		}
+	db.byIP.reserve(db.byIP.len() + total)
+	db.claims = slices.Grow(db.claims, total)
+	db.fdbs = slices.Grow(db.fdbs, total)
+	db.held.reserve(db.held.n + total)
+}
+
+// reserveFDB sizes the FDB index of subnet sub for n new keys.
+func (db *DB) reserveFDB(sub, n int) {
+	if n > 0 {
+		db.fdbIdx[sub].reserve(db.fdbIdx[sub].len() + n)
 	}
 }
 

@@ -9,15 +9,26 @@ import (
 // RemoveLocal), the desired value of every neighbour and FDB key it touched
 // as it was before the first touch, so the net Delta can be computed at the
 // end in time proportional to the touched keys. A claim or FDB record is
-// noted once per transaction (its mark is the transaction's id). Its slices
-// are scratch space reused by the next transaction.
+// noted once per transaction (its mark is the transaction's id).
 //
 // Claims, FDB records and interned VTEPs that become unused are only freed
 // when the transaction ends, so the indexes noted stay valid throughout.
+//
+// Its slices, and those of the Delta it returns (out), are scratch space
+// reused by the next transaction: bulk changes that come one after another
+// (a host's records arriving, going, coming back) allocate nothing. A
+// transaction that changes nothing (the owner's periodic full pull of a
+// network at rest) releases them, so a network at rest keeps no scratch.
+// Likewise the room of a table that empties is kept for one transaction
+// and released by the next if the table is still empty.
 type txn struct {
 	id    uint32
 	neigh []note
 	fdb   []note
+	out   Delta
+	// emptied: the last transaction left the table empty (its room is
+	// released if the next one does too).
+	emptied bool
 }
 
 // note records a neighbour or FDB key touched by a transaction and its
@@ -94,7 +105,7 @@ func (db *DB) fdbNoteSubnet(n *note) int {
 // builds the Delta.
 func (db *DB) finish() Delta {
 	t := &db.tx
-	// When no entry is left, everything is dropped at once below.
+	// When no entry is left, everything is cleared at once below.
 	keep := db.nRemote != 0 || len(db.local) != 0
 
 	var nSet, nDel int
@@ -156,10 +167,10 @@ func (db *DB) finish() Delta {
 	if nSet+nDel > 0 {
 		sortNotes(t.neigh)
 		if nSet > 0 {
-			d.NeighSet = make([]Neigh, 0, nSet)
+			d.NeighSet = slices.Grow(t.out.NeighSet[:0], nSet)
 		}
 		if nDel > 0 {
-			d.NeighDel = make([]Neigh, 0, nDel)
+			d.NeighDel = slices.Grow(t.out.NeighDel[:0], nDel)
 		}
 		for i := range t.neigh {
 			n := &t.neigh[i]
@@ -180,12 +191,12 @@ func (db *DB) finish() Delta {
 			sortNotes(t.fdb)
 		}
 		if fSet > 0 {
-			d.FDBSet = make([]FDB, 0, fSet)
+			d.FDBSet = slices.Grow(t.out.FDBSet[:0], fSet)
 		}
 		if fDel > 0 {
-			d.FDBDel = make([]FDB, 0, fDel)
+			d.FDBDel = slices.Grow(t.out.FDBDel[:0], fDel)
 		}
-		vt := db.vteps.addr
+		vt := db.vteps.vals
 		for i := range t.fdb {
 			f := &t.fdb[i]
 			e := FDB{Subnet: db.fdbNoteSubnet(f), MAC: f.mac, VTEP: vt[f.vtep]}
@@ -200,40 +211,65 @@ func (db *DB) finish() Delta {
 	if keep {
 		db.vteps.sweep()
 	} else {
-		// Start afresh, returning the memory of large indexes.
-		db.reset()
+		// Clear everything at once; release the room only if the table
+		// was left empty before too.
+		db.reset(t.emptied)
 	}
-	// Drop scratch space much larger than the DB.
-	const small = 1024
-	if cap(t.neigh) > small && cap(t.neigh) > 4*db.byIP.len() {
-		t.neigh = nil
-	}
-	if live := len(db.fdbs) - len(db.freeFDB); cap(t.fdb) > small && cap(t.fdb) > 4*live {
-		t.fdb = nil
+	t.emptied = !keep
+	if nSet+nDel+fSet+fDel == 0 && len(moved) == 0 {
+		t.release()
+	} else {
+		t.out.NeighSet = used(d.NeighSet, t.out.NeighSet)
+		t.out.NeighDel = used(d.NeighDel, t.out.NeighDel)
+		t.out.FDBSet = used(d.FDBSet, t.out.FDBSet)
+		t.out.FDBDel = used(d.FDBDel, t.out.FDBDel)
 	}
 	return d
 }
 
-// reset empties the indexes of a DB that holds no entry.
-func (db *DB) reset() {
-	const small = 256
-	db.byIP.clear()
-	if len(db.claims) > small {
-		db.claims, db.freeClaims = nil, nil
-	} else {
-		clear(db.claims)
-		db.claims, db.freeClaims = db.claims[:0], db.freeClaims[:0]
+// used returns the slice a Delta used, or the one kept before if it used
+// none.
+func used[T any](s, before []T) []T {
+	if s == nil {
+		return before
 	}
+	return s
+}
+
+// release drops the scratch space beyond a few thousand entries.
+func (t *txn) release() {
+	const small = 4096
+	if cap(t.neigh) > small {
+		t.neigh = nil
+	}
+	if cap(t.fdb) > small {
+		t.fdb = nil
+	}
+	if cap(t.out.NeighSet)+cap(t.out.NeighDel)+cap(t.out.FDBSet)+cap(t.out.FDBDel) > small {
+		t.out = Delta{}
+	}
+}
+
+// reset empties the indexes and slabs of a DB that holds no entry,
+// keeping their room unless release.
+func (db *DB) reset(release bool) {
+	db.byIP.reset(release)
 	for s := range db.fdbIdx {
-		db.fdbIdx[s].clear()
+		db.fdbIdx[s].reset(release)
 	}
-	big := len(db.fdbs) > small
-	if big {
+	clear(db.claims)
+	clear(db.fdbs)
+	db.claims, db.freeClaims = db.claims[:0], db.freeClaims[:0]
+	db.fdbs, db.freeFDB = db.fdbs[:0], db.freeFDB[:0]
+	const small = 256
+	if release && cap(db.claims) > small {
+		db.claims, db.freeClaims = nil, nil
+	}
+	if release && cap(db.fdbs) > small {
 		db.fdbs, db.freeFDB = nil, nil
-	} else {
-		db.fdbs, db.freeFDB = db.fdbs[:0], db.freeFDB[:0]
 	}
+	db.held.reset(release)
 	db.fdbMore = nil
-	db.vteps = vtepTable{}
+	db.vteps.reset()
 	db.nNeigh, db.nFDB = 0, 0
 }

@@ -118,7 +118,8 @@ type State struct {
 // A key never appears in both the Set and the Del list of one kind: an entry
 // whose value changes is only Set (the kernel write uses replace semantics).
 // Del entries carry the value that was desired before, because deleting an
-// FDB entry must name its current destination.
+// FDB entry must name its current destination. The Set and Del slices of a
+// Delta returned by a DB are valid until the DB's next mutation.
 type Delta struct {
 	NeighSet []Neigh
 	NeighDel []Neigh

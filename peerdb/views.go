@@ -48,7 +48,7 @@ func (db *DB) Desired() State {
 				continue
 			}
 			if r := &db.fdbs[slot.val-1]; r.ok {
-				s.FDB[FDBKey{Subnet: sub, MAC: macOfKey(slot.key())}] = db.vteps.addr[r.cur]
+				s.FDB[FDBKey{Subnet: sub, MAC: macOfKey(slot.key())}] = db.vteps.vals[r.cur]
 			}
 		}
 	}
@@ -56,7 +56,7 @@ func (db *DB) Desired() State {
 }
 
 func (db *DB) peer(ip uint32, r remote) Peer {
-	return Peer{EndpointID: r.id, IP: addr4(ip), MAC: r.mac, VTEP: db.vteps.addr[r.vtep]}
+	return Peer{EndpointID: r.id, IP: addr4(ip), MAC: r.mac, VTEP: db.vteps.vals[r.vtep]}
 }
 
 // Remote returns all remote entries, sorted by IP, then EndpointID, MAC and

@@ -5,12 +5,11 @@ import (
 )
 
 // vtepTable interns VTEP addresses (there are few hosts and many entries),
-// counting the remote entries using each.
+// counting the remote entries and held records using each. An address
+// whose count drops to zero is released when the transaction ends (sweep),
+// so the indexes noted during it stay valid.
 type vtepTable struct {
-	idx  map[netip.Addr]uint32
-	addr []netip.Addr // by index; the zero Addr for a free index
-	refs []int32
-	free []uint32
+	interned[netip.Addr]
 	zero []uint32 // indexes whose count dropped to zero in this transaction
 
 	// cache is a direct-mapped cache of idx, by the low bits of the
@@ -36,22 +35,7 @@ func (t *vtepTable) ref(a netip.Addr) uint32 {
 		t.refs[slot.idx]++
 		return slot.idx
 	}
-	i, ok := t.idx[a]
-	if !ok {
-		if t.idx == nil {
-			t.idx = make(map[netip.Addr]uint32)
-		}
-		if n := len(t.free); n > 0 {
-			i = t.free[n-1]
-			t.free = t.free[:n-1]
-			t.addr[i] = a
-		} else {
-			i = uint32(len(t.addr))
-			t.addr = append(t.addr, a)
-			t.refs = append(t.refs, 0)
-		}
-		t.idx[a] = i
-	}
+	i := t.intern(a)
 	t.refs[i]++
 	*slot = vtepCached{addr: a, idx: i}
 	return i
@@ -64,19 +48,25 @@ func (t *vtepTable) unref(i uint32) {
 	}
 }
 
+// reset empties the table (no entry uses an address), keeping its room.
+func (t *vtepTable) reset() {
+	clear(t.idx)
+	clear(t.vals)
+	t.vals, t.refs, t.free, t.zero = t.vals[:0], t.refs[:0], t.free[:0], t.zero[:0]
+	t.cache = [vtepCacheSize]vtepCached{}
+}
+
 // sweep frees the addresses that are no longer used.
 func (t *vtepTable) sweep() {
 	for _, i := range t.zero {
-		a := t.addr[i]
+		a := t.vals[i]
 		if t.refs[i] != 0 || !a.IsValid() { // used again, or listed twice
 			continue
 		}
-		delete(t.idx, a)
 		if slot := &t.cache[vtepSlot(a)]; slot.addr == a {
 			*slot = vtepCached{}
 		}
-		t.addr[i] = netip.Addr{}
-		t.free = append(t.free, i)
+		t.release(i)
 	}
 	t.zero = t.zero[:0]
 }

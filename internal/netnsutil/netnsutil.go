@@ -130,6 +130,23 @@ func DoIn(ns netns.NsHandle, fn func() error) error {
 	})
 }
 
+// Socket opens a socket (see socket(2)) in ns: sockets of most families
+// (netlink, packet, raw IP) belong for good to the namespace of the thread
+// that created them, whichever thread uses them afterwards.
+func Socket(ns netns.NsHandle, domain, typ, proto int) (int, error) {
+	fd := -1
+	err := DoIn(ns, func() error {
+		var err error
+		fd, err = unix.Socket(domain, typ, proto)
+		return err
+	})
+	if err != nil && fd >= 0 {
+		unix.Close(fd)
+		fd = -1
+	}
+	return fd, err
+}
+
 // MakeSharedMount makes dir a mount point with shared propagation, binding it
 // onto itself first if it is not one (as iproute2 does for /run/netns). Mount
 // namespaces created later (other engines, services with private mounts)

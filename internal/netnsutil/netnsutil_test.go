@@ -48,3 +48,37 @@ func TestNamedNamespaceLifecycle(t *testing.T) {
 		t.Fatalf("removing a missing namespace: %v", err)
 	}
 }
+
+// TestSocketBelongsToNamespace checks that Socket opens the socket in the
+// namespace given, not the caller's: the kernel names a socket's namespace
+// (SIOCGSKNS).
+func TestSocketBelongsToNamespace(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root")
+	}
+	ns, err := New()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ns.Close()
+	fd, err := Socket(ns, unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.NETLINK_ROUTE)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fd)
+	skns, err := unix.IoctlRetInt(fd, unix.SIOCGSKNS)
+	if err != nil {
+		t.Fatalf("SIOCGSKNS: %v", err)
+	}
+	defer unix.Close(skns)
+	var got, want unix.Stat_t
+	if err := unix.Fstat(skns, &got); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Fstat(int(ns), &want); err != nil {
+		t.Fatal(err)
+	}
+	if got.Ino != want.Ino || got.Dev != want.Dev {
+		t.Fatalf("socket in namespace inode %d, want %d (the one given)", got.Ino, want.Ino)
+	}
+}

@@ -24,6 +24,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+	"unsafe"
 
 	"github.com/overlayd/overlayd/internal/netnsutil"
 	"github.com/vishvananda/netns"
@@ -93,16 +94,8 @@ func Open(ns netns.NsHandle) (*Conn, error) {
 	if !ns.IsOpen() {
 		return nil, errors.New("nlbatch: invalid network namespace handle")
 	}
-	fd := -1
-	err := netnsutil.DoIn(ns, func() error {
-		var err error
-		fd, err = unix.Socket(unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.NETLINK_ROUTE)
-		return err
-	})
+	fd, err := netnsutil.Socket(ns, unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.NETLINK_ROUTE)
 	if err != nil {
-		if fd >= 0 {
-			unix.Close(fd)
-		}
 		return nil, fmt.Errorf("nlbatch: failed to open netlink socket: %w", err)
 	}
 	c := &Conn{
@@ -385,7 +378,7 @@ func (c *Conn) collect(first uint32, n int) error {
 		if draining {
 			flags |= unix.MSG_DONTWAIT
 		}
-		nr, from, err := unix.Recvfrom(c.fd, c.rbuf, flags)
+		nr, fromKernel, err := recvfrom(c.fd, c.rbuf, flags)
 		switch {
 		case err == unix.EINTR:
 			continue
@@ -417,8 +410,8 @@ func (c *Conn) collect(first uint32, n int) error {
 		case err != nil:
 			return fmt.Errorf("%w: netlink recvfrom: %w", ErrResultUnknown, err)
 		}
-		if sa, ok := from.(*unix.SockaddrNetlink); ok && sa.Pid != 0 {
-			continue // not from the kernel
+		if !fromKernel {
+			continue
 		}
 		if nr > len(c.rbuf) {
 			// Truncated datagram: its replies are lost.
@@ -432,6 +425,20 @@ func (c *Conn) collect(first uint32, n int) error {
 			return nil
 		}
 	}
+}
+
+// recvfrom is unix.Recvfrom without its two allocations per call (the
+// sender's address is only checked to be the kernel's): a notification
+// of one peer costs one datagram and one reply.
+func recvfrom(fd int, p []byte, flags int) (n int, fromKernel bool, err error) {
+	var sa unix.RawSockaddrNetlink
+	salen := uint32(unix.SizeofSockaddrNetlink)
+	r, _, e := unix.Syscall6(unix.SYS_RECVFROM, uintptr(fd), uintptr(unsafe.Pointer(&p[0])), uintptr(len(p)),
+		uintptr(flags), uintptr(unsafe.Pointer(&sa)), uintptr(unsafe.Pointer(&salen)))
+	if e != 0 {
+		return 0, false, e
+	}
+	return int(r), sa.Pid == 0, nil
 }
 
 // batchState is what collect knows about the replies to a batch.

@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"math"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -20,7 +21,18 @@ const goneMemory = 60 * time.Second
 
 type goneNeigh struct {
 	mac peerdb.MAC
-	at  time.Time
+	at  time.Duration // since Sandbox.born
+}
+
+// goneKey is the key of an IPv4 neighbour in Sandbox.gone: its subnet and
+// address in one word (a bulk delete records every neighbour it removes).
+// ok is false for what is not IPv4, which is never announced.
+func goneKey(n *peerdb.Neigh) (uint64, bool) {
+	if !n.IP.Is4() || n.Subnet < 0 || n.Subnet > math.MaxUint32 {
+		return 0, false
+	}
+	b := n.IP.As4()
+	return uint64(n.Subnet)<<32 | uint64(binary.BigEndian.Uint32(b[:])), true
 }
 
 // movedNeighs returns the neighbours of d set to a MAC other than the one
@@ -28,36 +40,46 @@ type goneNeigh struct {
 // (d.NeighMoved) and those deleted by an earlier change within goneMemory
 // with another MAC. It records d's deletions for later changes. Called
 // with the network's lock held, as every Sandbox method.
-func (sb *Sandbox) movedNeighs(d peerdb.Delta, now time.Time) []peerdb.Neigh {
+func (sb *Sandbox) movedNeighs(d peerdb.Delta, wall time.Time) []peerdb.Neigh {
 	if sb.fresh {
 		return nil // no container has anything cached
 	}
+	now := wall.Sub(sb.born)
 	moved := d.NeighMoved
 	if len(sb.gone) > 0 {
-		for _, n := range d.NeighSet {
-			k := peerdb.NeighKey{Subnet: n.Subnet, IP: n.IP}
+		for i := range d.NeighSet {
+			n := &d.NeighSet[i]
+			k, ok := goneKey(n)
+			if !ok {
+				continue
+			}
 			if g, ok := sb.gone[k]; ok {
 				delete(sb.gone, k)
-				if g.mac != n.MAC && now.Sub(g.at) < goneMemory {
-					moved = append(moved, n)
+				if g.mac != n.MAC && now-g.at < goneMemory {
+					moved = append(moved[:len(moved):len(moved)], *n)
 				}
 			}
 		}
-		if now.After(sb.pruneAt) {
+		if now >= sb.pruneAt {
 			for k, g := range sb.gone {
-				if now.Sub(g.at) >= goneMemory {
+				if now-g.at >= goneMemory {
 					delete(sb.gone, k)
 				}
 			}
-			sb.pruneAt = now.Add(goneMemory / 2)
+			sb.pruneAt = now + goneMemory/2
+		}
+		if len(sb.gone) == 0 {
+			sb.gone = nil // a map keeps the room of its largest size
 		}
 	}
 	if len(d.NeighDel) > 0 && sb.gone == nil {
-		sb.gone = make(map[peerdb.NeighKey]goneNeigh, len(d.NeighDel))
-		sb.pruneAt = now.Add(goneMemory)
+		sb.gone = make(map[uint64]goneNeigh, len(d.NeighDel))
+		sb.pruneAt = now + goneMemory
 	}
-	for _, n := range d.NeighDel {
-		sb.gone[peerdb.NeighKey{Subnet: n.Subnet, IP: n.IP}] = goneNeigh{mac: n.MAC, at: now}
+	for i := range d.NeighDel {
+		if k, ok := goneKey(&d.NeighDel[i]); ok {
+			sb.gone[k] = goneNeigh{mac: d.NeighDel[i].MAC, at: now}
+		}
 	}
 	return moved
 }
@@ -77,15 +99,11 @@ func (sb *Sandbox) announce(neighs []peerdb.Neigh) error {
 	}
 	if sb.arp < 0 {
 		// Protocol 0: the socket only sends, it never queues what it sees.
-		err := netnsutil.DoIn(sb.ns, func() error {
-			fd, err := unix.Socket(unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, 0)
-			sb.arp = fd
-			return err
-		})
+		fd, err := netnsutil.Socket(sb.ns, unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, 0)
 		if err != nil {
-			sb.arp = -1
 			return fmt.Errorf("failed to open a packet socket in sandbox %s to announce moved addresses: %w", sb.path, err)
 		}
+		sb.arp = fd
 	}
 	var frame [42]byte
 	bcast := [6]byte{0xff, 0xff, 0xff, 0xff, 0xff, 0xff}

@@ -46,7 +46,6 @@ import (
 
 	"github.com/overlayd/overlayd/internal/netnsutil"
 	"github.com/overlayd/overlayd/internal/nlbatch"
-	"github.com/overlayd/overlayd/peerdb"
 )
 
 // Host is the host side the sandboxes of one driver share: the namespace
@@ -108,13 +107,17 @@ type Sandbox struct {
 	// fresh: created by Create and no endpoint added yet, so no container
 	// has anything cached to correct (announce sends nothing).
 	fresh bool
-	// gone remembers the MAC of each neighbour deleted in the last
+	// gone remembers the MAC of each IPv4 neighbour deleted in the last
 	// goneMemory, so that an address deleted in one change and set with
 	// another MAC in a later one (a container moved between hosts) is
-	// announced like one moved in place (see movedNeighs). Pruned by age
-	// from pruneAt on.
-	gone    map[peerdb.NeighKey]goneNeigh
-	pruneAt time.Time
+	// announced like one moved in place (see movedNeighs). Keyed by
+	// goneKey; times are since born (monotonic). Pruned by age from
+	// pruneAt on.
+	gone    map[uint64]goneNeigh
+	born    time.Time
+	pruneAt time.Duration
+	// ops is ApplyDelta's scratch space for the operations it builds.
+	ops []nlbatch.Op
 }
 
 // Path returns where the sandbox namespace of network id is mounted.
@@ -134,7 +137,7 @@ func Create(host *Host, id string, subnets []Subnet) (_ *Sandbox, err error) {
 	if err != nil {
 		return nil, err
 	}
-	sb := &Sandbox{host: host, id: id, path: path, ns: ns, arp: -1, fresh: true}
+	sb := &Sandbox{host: host, id: id, path: path, ns: ns, arp: -1, fresh: true, born: time.Now()}
 	defer func() {
 		if err != nil {
 			sb.Destroy()
@@ -373,7 +376,7 @@ func Adopt(host *Host, id string, subnets []Subnet) (_ *Sandbox, err error) {
 	if err != nil {
 		return nil, err
 	}
-	sb := &Sandbox{host: host, id: id, path: path, ns: ns, arp: -1}
+	sb := &Sandbox{host: host, id: id, path: path, ns: ns, arp: -1, born: time.Now()}
 	defer func() {
 		if err != nil {
 			sb.close()

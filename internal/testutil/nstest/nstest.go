@@ -159,12 +159,7 @@ func Container(t testing.TB, name string, host *NS, srcName string, addr netip.P
 // Ping sends one ICMP echo request from ns to dst and waits up to timeout
 // for the reply.
 func Ping(ns *NS, dst netip.Addr, timeout time.Duration) error {
-	var fd int
-	err := netnsutil.DoIn(ns.Handle, func() error {
-		var err error
-		fd, err = unix.Socket(unix.AF_INET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.IPPROTO_ICMP)
-		return err
-	})
+	fd, err := netnsutil.Socket(ns.Handle, unix.AF_INET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.IPPROTO_ICMP)
 	if err != nil {
 		return fmt.Errorf("icmp socket in %s: %w", ns.Name, err)
 	}
