@@ -122,11 +122,11 @@ type names struct{}
 
 func (names) SetNames(string, string, string) error { return nil }
 
-func (joinInfo) InterfaceName() driverapi.InterfaceNameInfo           { return names{} }
-func (joinInfo) SetGateway(net.IP) error                              { return nil }
-func (joinInfo) SetGatewayIPv6(net.IP) error                          { return nil }
-func (joinInfo) AddStaticRoute(*net.IPNet, int, net.IP) error         { return nil }
-func (joinInfo) DisableGatewayService()                               {}
+func (joinInfo) InterfaceName() driverapi.InterfaceNameInfo            { return names{} }
+func (joinInfo) SetGateway(net.IP) error                               { return nil }
+func (joinInfo) SetGatewayIPv6(net.IP) error                           { return nil }
+func (joinInfo) AddStaticRoute(*net.IPNet, int, net.IP) error          { return nil }
+func (joinInfo) DisableGatewayService()                                {}
 func (joinInfo) AddTableEntry(tableName, key string, val []byte) error { return nil }
 
 // newDriver registers a fresh in-tree overlay driver that knows its own
