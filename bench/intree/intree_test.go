@@ -215,17 +215,7 @@ func leaveDelete(b *testing.B, d driverapi.Driver, nid, eid string) time.Duratio
 func BenchmarkJoinFirst(b *testing.B) {
 	d := newDriver(b)
 	nid := createNetwork(b, d, 100, "198.51.100.0/24")
-	b.ResetTimer()
-	for i := 0; i < b.N; i++ {
-		eid := fmt.Sprintf("e%d", i)
-		b.StopTimer()
-		endpoint(b, d, nid, eid, "198.51.100.2/24")
-		b.StartTimer()
-		join(b, d, nid, eid)
-		b.StopTimer()
-		leaveDelete(b, d, nid, eid)
-		b.StartTimer()
-	}
+	benchJoins(b, d, nid, "198.51.100.2/24")
 }
 
 // BenchmarkJoinLater measures a Join into a network whose sandbox exists.
@@ -234,11 +224,17 @@ func BenchmarkJoinLater(b *testing.B) {
 	nid := createNetwork(b, d, 100, "198.51.100.0/24")
 	endpoint(b, d, nid, "first", "198.51.100.2/24")
 	join(b, d, nid, "first")
+	benchJoins(b, d, nid, "198.51.100.3/24")
+}
+
+// benchJoins times, every round, the Join of a new endpoint of network nid
+// with address addr; its Leave and DeleteEndpoint are done untimed.
+func benchJoins(b *testing.B, d driverapi.Driver, nid, addr string) {
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
 		eid := fmt.Sprintf("e%d", i)
 		b.StopTimer()
-		endpoint(b, d, nid, eid, "198.51.100.3/24")
+		endpoint(b, d, nid, eid, addr)
 		b.StartTimer()
 		join(b, d, nid, eid)
 		b.StopTimer()
@@ -252,17 +248,7 @@ func BenchmarkJoinLater(b *testing.B) {
 func BenchmarkLeaveLast(b *testing.B) {
 	d := newDriver(b)
 	nid := createNetwork(b, d, 100, "198.51.100.0/24")
-	var leave time.Duration
-	b.ResetTimer()
-	for i := 0; i < b.N; i++ {
-		eid := fmt.Sprintf("e%d", i)
-		b.StopTimer()
-		endpoint(b, d, nid, eid, "198.51.100.2/24")
-		join(b, d, nid, eid)
-		b.StartTimer()
-		leave += leaveDelete(b, d, nid, eid)
-	}
-	b.ReportMetric(float64(leave.Nanoseconds())/float64(b.N), "leave-ns/op")
+	benchLeaves(b, d, nid, "198.51.100.2/24")
 }
 
 // BenchmarkLeaveVeth measures a Leave that is not the network's last and
@@ -273,15 +259,45 @@ func BenchmarkLeaveVeth(b *testing.B) {
 	nid := createNetwork(b, d, 100, "198.51.100.0/24")
 	endpoint(b, d, nid, "first", "198.51.100.2/24")
 	join(b, d, nid, "first")
+	benchLeaves(b, d, nid, "198.51.100.3/24")
+}
+
+// benchLeaves times, every round, the Leave and DeleteEndpoint of a new
+// endpoint of network nid with address addr, joined untimed.
+func benchLeaves(b *testing.B, d driverapi.Driver, nid, addr string) {
 	var leave time.Duration
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
 		eid := fmt.Sprintf("e%d", i)
 		b.StopTimer()
-		endpoint(b, d, nid, eid, "198.51.100.3/24")
+		endpoint(b, d, nid, eid, addr)
 		join(b, d, nid, eid)
 		b.StartTimer()
 		leave += leaveDelete(b, d, nid, eid)
 	}
 	b.ReportMetric(float64(leave.Nanoseconds())/float64(b.N), "leave-ns/op")
+}
+
+// BenchmarkLeaveBurst measures 32 containers of one network stopping at
+// once (Leave and DeleteEndpoint of each, the network keeping one joined
+// endpoint); the in-tree driver deletes each veth within DeleteEndpoint.
+func BenchmarkLeaveBurst(b *testing.B) {
+	const burst = 32
+	d := newDriver(b)
+	nid := createNetwork(b, d, 100, "198.51.100.0/24")
+	endpoint(b, d, nid, "first", "198.51.100.2/24")
+	join(b, d, nid, "first")
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		b.StopTimer()
+		for j := 0; j < burst; j++ {
+			eid := fmt.Sprintf("e%d-%d", i, j)
+			endpoint(b, d, nid, eid, fmt.Sprintf("198.51.100.%d/24", 10+j))
+			join(b, d, nid, eid)
+		}
+		b.StartTimer()
+		for j := 0; j < burst; j++ {
+			leaveDelete(b, d, nid, fmt.Sprintf("e%d-%d", i, j))
+		}
+	}
 }

@@ -253,6 +253,11 @@ func (r *Reaper) Close() {
 	r.closed = true
 	r.held = false
 	r.mu.Unlock()
+	r.stopWorkers()
+}
+
+// stopWorkers waits for every pending job, then stops the workers.
+func (r *Reaper) stopWorkers() {
 	r.Wait()
 	close(r.stop)
 	r.workers.Wait()
@@ -285,7 +290,5 @@ func (r *Reaper) Abandon() {
 		}
 		close(j.fin)
 	}
-	r.Wait()
-	close(r.stop)
-	r.workers.Wait()
+	r.stopWorkers()
 }

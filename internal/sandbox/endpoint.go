@@ -4,9 +4,11 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"slices"
 
 	"github.com/vishvananda/netlink"
 
+	"github.com/overlayd/overlayd/internal/netnsutil"
 	"github.com/overlayd/overlayd/peerdb"
 )
 
@@ -75,6 +77,83 @@ func (sb *Sandbox) RemoveEndpoint(sandboxName string) error {
 	}
 	if err := sb.h.LinkDel(l); err != nil && !isNotFound(err) {
 		return fmt.Errorf("failed to delete veth %s in sandbox %s: %w", sandboxName, sb.path, err)
+	}
+	return nil
+}
+
+// RetireEndpoint takes the endpoint's veth out of service at once and
+// leaves its deletion for later (ReapRetired): the sandbox end leaves the
+// bridge (which drops the bridge's entries for the port, the endpoint's
+// static one included), goes down and joins RetiredGroup, which marks it,
+// in the kernel itself, as awaiting deletion; that survives a restart of
+// the daemon. These changes cost the kernel no grace period, the deletion
+// does (see package reaper). The names stay taken until the deletion: a
+// new veth of the same names must wait for it. retired is false when the
+// veth is already gone (its container's namespace was destroyed).
+func (sb *Sandbox) RetireEndpoint(sandboxName string) (retired bool, err error) {
+	l, err := sb.h.LinkByName(sandboxName)
+	if err != nil {
+		if isNotFound(err) {
+			return false, nil
+		}
+		return false, fmt.Errorf("failed to find veth %s in sandbox %s: %w", sandboxName, sb.path, err)
+	}
+	// The group first: whatever happens next, the link is marked for
+	// deletion, never left in the sandbox as an endpoint's.
+	if err := sb.h.LinkSetGroup(l, RetiredGroup); err != nil {
+		if isNotFound(err) {
+			return false, nil
+		}
+		return false, fmt.Errorf("failed to retire veth %s in sandbox %s: %w", sandboxName, sb.path, err)
+	}
+	if err := sb.h.LinkSetNoMaster(l); err != nil && !isNotFound(err) {
+		return true, fmt.Errorf("failed to take retired veth %s off its bridge in sandbox %s: %w", sandboxName, sb.path, err)
+	}
+	if err := sb.h.LinkSetDown(l); err != nil && !isNotFound(err) {
+		return true, fmt.Errorf("failed to bring retired veth %s down in sandbox %s: %w", sandboxName, sb.path, err)
+	}
+	return true, nil
+}
+
+// Retired returns the names of the sandbox's links that await deletion
+// (RetireEndpoint), sorted.
+func (sb *Sandbox) Retired() ([]string, error) {
+	links, err := linkList(sb.h)
+	if err != nil {
+		return nil, fmt.Errorf("failed to list links in sandbox %s: %w", sb.path, err)
+	}
+	var names []string
+	for _, l := range links {
+		if l.Attrs().Group == RetiredGroup {
+			names = append(names, l.Attrs().Name)
+		}
+	}
+	slices.Sort(names)
+	return names, nil
+}
+
+// ReapRetired deletes every link awaiting deletion in the sandbox of
+// network id, in one request (one grace period for all of them, and both
+// ends of each veth). A sandbox that is gone, or holds none, is not an
+// error. It opens the namespace by its path rather than through a Sandbox,
+// so it may run on any goroutine while the sandbox's owner uses it (or
+// after it was destroyed, and another made at the same path: links of
+// RetiredGroup are to be deleted in any sandbox).
+func (hs *Host) ReapRetired(id string) error {
+	path := hs.Path(id)
+	if !netnsutil.IsNamespace(path) {
+		return nil
+	}
+	ns, err := netnsutil.Open(path)
+	if err != nil {
+		if !netnsutil.IsNamespace(path) {
+			return nil // removed meanwhile
+		}
+		return err
+	}
+	defer ns.Close()
+	if err := deleteGroup(ns, RetiredGroup); err != nil {
+		return fmt.Errorf("failed to delete the retired links of sandbox %s: %w", path, err)
 	}
 	return nil
 }
