@@ -222,7 +222,7 @@ func (d *Driver) Join(req *api.JoinRequest) (_ *api.JoinResponse, err error) {
 		if err := d.syncEnc(n, true); err != nil {
 			return nil, fmt.Errorf("Join of endpoint %q: %w", ep.id, err)
 		}
-		if _, err := sb.Reconcile(n.peers.Desired()); err != nil {
+		if err := sb.Populate(n.peers.Desired()); err != nil {
 			return nil, fmt.Errorf("Join of endpoint %q: programming the known peers of network %q: %w", ep.id, n.id, err)
 		}
 	}
@@ -336,7 +336,7 @@ func (d *Driver) Leave(req *api.LeaveRequest) error {
 // claimants of its IP), its veth, and the sandbox when ep was the last joined
 // endpoint. The deletions themselves, which make the kernel wait for grace
 // periods, are handed to the reaper (see retireSandbox and reapRetired):
-// the veth is retired at once (off the bridge, down, marked for deletion)
+// the veth is retired at once (marked for deletion, off the bridge)
 // and the sandbox handed over whole, so the caller does not wait for them.
 // Expects n.mu held.
 func (d *Driver) leave(n *network, ep *endpoint) error {
