@@ -11,6 +11,7 @@ import (
 	"time"
 
 	api "github.com/docker/go-plugins-helpers/network"
+	"golang.org/x/sys/unix"
 
 	"github.com/overlayd/overlayd/internal/testutil/nstest"
 	"github.com/overlayd/overlayd/peerdb"
@@ -312,6 +313,109 @@ func BenchmarkPeersParallel(b *testing.B) {
 	}
 }
 
+// BenchmarkNetworksParallel measures distinct networks proceeding in
+// parallel: 32 networks, each a Join (which builds its sandbox) and 200
+// remote peers added, done by 32 goroutines at once against the same work
+// done network after network by one. Both runs alternate within every
+// round, so they see the same machine; speedup is serial/parallel time.
+// batched: the 200 peers come in one notification; one-by-one: one
+// notification each. Between rounds (untimed) the networks leave, their
+// sandboxes' teardowns finish and the records are removed again.
+func BenchmarkNetworksParallel(b *testing.B) {
+	const nets, per = 32, 200
+	for _, batched := range []bool{true, false} {
+		name := "one-by-one"
+		if batched {
+			name = "batched"
+		}
+		b.Run(name, func(b *testing.B) {
+			d := benchDriver(b)
+			src := source(d)
+			add := make([][]PeerEvent, nets)
+			del := make([][]PeerEvent, nets)
+			for i := 0; i < nets; i++ {
+				pool := netip.PrefixFrom(netip.AddrFrom4([4]byte{198, 18, byte(i * 4), 0}), 22)
+				id, vni := fmt.Sprintf("n%d", i), uint32(100+i)
+				mustCreate(b, d, createReq(id, fmt.Sprint(vni), pool.String()))
+				mustEndpoint(b, d, id, "local", netip.PrefixFrom(pool.Addr().Next().Next(), pool.Bits()).String())
+				peers := remotePeers(pool, per, netip.MustParseAddr("192.0.2.99"))
+				for j := range peers {
+					add[i] = append(add[i], PeerEvent{VNI: vni, Next: &peers[j]})
+					del[i] = append(del[i], PeerEvent{VNI: vni, Prev: &peers[j]})
+				}
+			}
+			// work is one network's timed part: its Join, then its peers
+			// (the source's own bookkeeping is done before, untimed).
+			work := func(i int, keys [][]peerdb.Key) {
+				mustJoin(b, d, fmt.Sprintf("n%d", i), "local")
+				vni := uint32(100 + i)
+				if batched {
+					d.PeersChanged(vni, keys[i])
+					return
+				}
+				for _, k := range keys[i] {
+					d.PeersChanged(vni, []peerdb.Key{k})
+				}
+			}
+			// run returns the wall time of one run and the CPU time the
+			// process used meanwhile, in user space and in the kernel
+			// (system: the kernel's work in the calls, most of it under
+			// its one RTNL lock), which bound what two cores can shorten.
+			run := func(parallel bool) (wall time.Duration, cpu cpuUse) {
+				keys := make([][]peerdb.Key, nets)
+				for i := range keys {
+					_, k := src.apply(add[i])
+					keys[i] = k[uint32(100+i)]
+				}
+				cpu0 := cpuNow()
+				t0 := time.Now()
+				if parallel {
+					var wg sync.WaitGroup
+					for i := 0; i < nets; i++ {
+						wg.Add(1)
+						go func() { defer wg.Done(); work(i, keys) }()
+					}
+					wg.Wait()
+				} else {
+					for i := 0; i < nets; i++ {
+						work(i, keys)
+					}
+				}
+				wall, cpu = time.Since(t0), cpuNow().sub(cpu0)
+				for i := 0; i < nets; i++ {
+					if err := d.Leave(&api.LeaveRequest{NetworkID: fmt.Sprintf("n%d", i), EndpointID: "local"}); err != nil {
+						b.Fatal(err)
+					}
+					applyPeerEvents(d, del[i]...)
+				}
+				d.WaitDeletions()
+				return wall, cpu
+			}
+			var serial, parallel time.Duration
+			var serialCPU, parallelCPU cpuUse
+			b.ResetTimer()
+			for it := 0; it < b.N; it++ {
+				for _, par := range [][2]bool{{false, true}, {true, false}}[it%2] {
+					w, c := run(par)
+					if par {
+						parallel, parallelCPU = parallel+w, parallelCPU.add(c)
+					} else {
+						serial, serialCPU = serial+w, serialCPU.add(c)
+					}
+				}
+			}
+			perRun := func(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 / float64(b.N) }
+			b.ReportMetric(perRun(serial), "serial-ms")
+			b.ReportMetric(perRun(parallel), "parallel-ms")
+			b.ReportMetric(serial.Seconds()/parallel.Seconds(), "speedup")
+			b.ReportMetric(perRun(serialCPU.user), "serial-user-ms")
+			b.ReportMetric(perRun(serialCPU.sys), "serial-sys-ms")
+			b.ReportMetric(perRun(parallelCPU.user), "parallel-user-ms")
+			b.ReportMetric(perRun(parallelCPU.sys), "parallel-sys-ms")
+		})
+	}
+}
+
 func dumpPeersB(b *testing.B, d *Driver, id string) (int, int) {
 	n, unlock, err := d.lockNetwork(id)
 	if err != nil {
@@ -323,6 +427,21 @@ func dumpPeersB(b *testing.B, d *Driver, id string) (int, int) {
 		b.Fatal(err)
 	}
 	return len(k.Neigh), len(k.FDB)
+}
+
+// cpuUse is CPU time spent in user space and in the kernel.
+type cpuUse struct{ user, sys time.Duration }
+
+func (c cpuUse) add(o cpuUse) cpuUse { return cpuUse{c.user + o.user, c.sys + o.sys} }
+func (c cpuUse) sub(o cpuUse) cpuUse { return cpuUse{c.user - o.user, c.sys - o.sys} }
+
+// cpuNow returns the CPU time the process has used so far.
+func cpuNow() cpuUse {
+	var ru unix.Rusage
+	if err := unix.Getrusage(unix.RUSAGE_SELF, &ru); err != nil {
+		return cpuUse{}
+	}
+	return cpuUse{time.Duration(ru.Utime.Nano()), time.Duration(ru.Stime.Nano())}
 }
 
 // peakRSS returns the process's peak resident set size in bytes (VmHWM).
