@@ -367,7 +367,7 @@ func BenchmarkNetworksParallel(b *testing.B) {
 					_, k := src.apply(add[i])
 					keys[i] = k[uint32(100+i)]
 				}
-				cpu0 := cpuNow()
+				cpu0, idle0 := cpuNow(), machineIdle()
 				t0 := time.Now()
 				if parallel {
 					var wg sync.WaitGroup
@@ -382,6 +382,7 @@ func BenchmarkNetworksParallel(b *testing.B) {
 					}
 				}
 				wall, cpu = time.Since(t0), cpuNow().sub(cpu0)
+				cpu.idle = machineIdle().sub(idle0)
 				for i := 0; i < nets; i++ {
 					if err := d.Leave(&api.LeaveRequest{NetworkID: fmt.Sprintf("n%d", i), EndpointID: "local"}); err != nil {
 						b.Fatal(err)
@@ -412,6 +413,10 @@ func BenchmarkNetworksParallel(b *testing.B) {
 			b.ReportMetric(perRun(serialCPU.sys), "serial-sys-ms")
 			b.ReportMetric(perRun(parallelCPU.user), "parallel-user-ms")
 			b.ReportMetric(perRun(parallelCPU.sys), "parallel-sys-ms")
+			// How much of the machine's CPU nobody used meanwhile (0: both
+			// cores busy, with this process's work or others').
+			b.ReportMetric(serialCPU.idle.fraction(), "serial-idle")
+			b.ReportMetric(parallelCPU.idle.fraction(), "parallel-idle")
 		})
 	}
 }
@@ -429,11 +434,47 @@ func dumpPeersB(b *testing.B, d *Driver, id string) (int, int) {
 	return len(k.Neigh), len(k.FDB)
 }
 
-// cpuUse is CPU time spent in user space and in the kernel.
-type cpuUse struct{ user, sys time.Duration }
+// cpuUse is CPU time spent in user space and in the kernel, and the
+// machine's idle time meanwhile.
+type cpuUse struct {
+	user, sys time.Duration
+	idle      idleTicks
+}
 
-func (c cpuUse) add(o cpuUse) cpuUse { return cpuUse{c.user + o.user, c.sys + o.sys} }
-func (c cpuUse) sub(o cpuUse) cpuUse { return cpuUse{c.user - o.user, c.sys - o.sys} }
+func (c cpuUse) add(o cpuUse) cpuUse {
+	return cpuUse{c.user + o.user, c.sys + o.sys, idleTicks{c.idle.idle + o.idle.idle, c.idle.total + o.idle.total}}
+}
+func (c cpuUse) sub(o cpuUse) cpuUse { return cpuUse{user: c.user - o.user, sys: c.sys - o.sys} }
+
+// idleTicks counts the machine's idle and total CPU time (/proc/stat).
+type idleTicks struct{ idle, total uint64 }
+
+func (t idleTicks) sub(o idleTicks) idleTicks { return idleTicks{t.idle - o.idle, t.total - o.total} }
+
+func (t idleTicks) fraction() float64 {
+	if t.total == 0 {
+		return 0
+	}
+	return float64(t.idle) / float64(t.total)
+}
+
+// machineIdle reads the machine's CPU times so far.
+func machineIdle() idleTicks {
+	raw, err := os.ReadFile("/proc/stat")
+	if err != nil {
+		return idleTicks{}
+	}
+	line, _, _ := strings.Cut(string(raw), "\n")
+	var t idleTicks
+	for i, f := range strings.Fields(line)[1:] {
+		v, _ := strconv.ParseUint(f, 10, 64)
+		t.total += v
+		if i == 3 || i == 4 { // idle, iowait
+			t.idle += v
+		}
+	}
+	return t
+}
 
 // cpuNow returns the CPU time the process has used so far.
 func cpuNow() cpuUse {
@@ -441,7 +482,7 @@ func cpuNow() cpuUse {
 	if err := unix.Getrusage(unix.RUSAGE_SELF, &ru); err != nil {
 		return cpuUse{}
 	}
-	return cpuUse{time.Duration(ru.Utime.Nano()), time.Duration(ru.Stime.Nano())}
+	return cpuUse{user: time.Duration(ru.Utime.Nano()), sys: time.Duration(ru.Stime.Nano())}
 }
 
 // peakRSS returns the process's peak resident set size in bytes (VmHWM).
