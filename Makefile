@@ -24,7 +24,7 @@ PKGS      := ./...
 # fetches with apt-get and unpacks into a cache directory) in `engine-26.1`.
 # OVERLAYD_TEST_ENGINE picks the engine; test/docker/engines_test.go.
 
-.PHONY: all build test unit engine-26.1 fuzz lint bench run clean plugin install
+.PHONY: all build test unit engine-26.1 fuzz lint bench bench-intree run clean plugin install
 
 # `make install`: the binary, the systemd unit and (if absent) its settings
 # file. DESTDIR stages the files under another root (packaging, tests): then
@@ -72,6 +72,11 @@ bench:
 	$(GO) test -run '^$$' -bench . -benchmem -benchtime 5x ./driver ./internal/nlbatch
 	$(GO) test -run '^$$' -bench . -benchmem ./peerdb
 	$(GO) test -run '^$$' -tags testhooks -bench . -benchtime 20000x ./test/stress
+
+# Join and Leave side by side with Docker's in-tree overlay driver (moby's,
+# built in bench/intree, a module of its own): interleaved rounds, ratios.
+bench-intree:
+	sh bench/intree/compare.sh
 
 # Serve the plugin on the default socket with the embedded defaults.
 run: build
