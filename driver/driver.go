@@ -38,6 +38,8 @@
 //	Driver.mu      — the driver's maps and the VTEP; never held while
 //	                 calling out of the driver
 //	cluster locks  — the PeerSource's, taken by a pull under network.mu
+//	reaper's lock  — a leaf: a Leave queues its deletions under network.mu,
+//	                 and no deletion takes a network's lock (see leave)
 //
 // A lock may only be taken while holding locks above it, and never two
 // network locks at once. Every lock is made by lockorder.New with its level:
