@@ -25,7 +25,7 @@ PKGS      := ./...
 # fetches with apt-get and unpacks into a cache directory) in `engine-26.1`.
 # OVERLAYD_TEST_ENGINE picks the engine; test/docker/engines_test.go.
 
-.PHONY: all build test unit engine-26.1 fuzz lint bench bench-peers run clean plugin install
+.PHONY: all build test unit engine-26.1 fuzz lint bench bench-peers bench-intree run clean plugin install
 
 # `make install`: the binary, the systemd unit and (if absent) its settings
 # file. DESTDIR stages the files under another root (packaging, tests): then
@@ -83,6 +83,11 @@ bench:
 BENCH_COUNT ?= 3
 bench-peers:
 	$(GO) test -run '^$$' -bench '^BenchmarkPeers(OneByOne)?$$' -benchtime 5x -count $(BENCH_COUNT) ./driver | tee /dev/stderr | sh test/bench/summary.sh
+
+# Join and Leave side by side with Docker's in-tree overlay driver (moby's,
+# built in bench/intree, a module of its own): interleaved rounds, ratios.
+bench-intree:
+	sh bench/intree/compare.sh
 
 # Serve the plugin on the default socket with the embedded defaults.
 run: build

@@ -15,15 +15,19 @@ import (
 // checks every sandbox (links, MTUs, bridge membership, neighbours, FDB
 // entries), that networks without joined endpoints have no sandbox, and that
 // the sandbox directory holds no namespace of a network the driver lacks.
+// What Leaves handed to the reaper (the veths of endpoints that left, the
+// sandbox of a last Leave) is neither missing nor extra while its deletion
+// is queued or under way; once it is over, whatever is left is reported.
 func (d *Driver) Audit() ([]string, error) {
 	var problems []string
 	var errs []error
 	withSandbox := map[string]bool{}
 	d.eachNetwork(func(n *network) {
-		p, err := d.auditNetwork(n)
-		if n.sb != nil {
+		// Before anything is read from the kernel (see sandbox.Audit).
+		if n.sb != nil || n.tearingDown() {
 			withSandbox[n.id] = true
 		}
+		p, err := d.auditNetwork(n)
 		if err != nil {
 			errs = append(errs, err)
 		}
@@ -45,11 +49,15 @@ func (d *Driver) Audit() ([]string, error) {
 		if !withSandbox[e.Name()] {
 			// Re-check under the lock: the network may have joined meanwhile.
 			if n, unlock, err := d.lockNetwork(e.Name()); err == nil {
-				has := n.sb != nil
+				has := n.sb != nil || n.tearingDown()
 				unlock()
 				if has {
 					continue
 				}
+			}
+			// A teardown that ended after the directory was read removed it.
+			if _, err := os.Lstat(d.host.Path(e.Name())); os.IsNotExist(err) {
+				continue
 			}
 			problems = append(problems, fmt.Sprintf("sandbox %s in %s: no network of this host has a sandbox by that name", e.Name(), d.cfg.NetnsDir))
 		}
@@ -64,7 +72,9 @@ func (d *Driver) auditNetwork(n *network) ([]string, error) {
 		if n.joined != 0 {
 			problems = append(problems, fmt.Sprintf("%d endpoints joined but no sandbox", n.joined))
 		}
-		if netnsutil.IsNamespace(d.host.Path(n.id)) {
+		// A sandbox the reaper is destroying is not extra (asked before
+		// the namespace is looked at).
+		if !n.tearingDown() && netnsutil.IsNamespace(d.host.Path(n.id)) {
 			problems = append(problems, fmt.Sprintf("sandbox namespace %s exists but no endpoint is joined", d.host.Path(n.id)))
 		}
 		return problems, nil
@@ -72,7 +82,7 @@ func (d *Driver) auditNetwork(n *network) ([]string, error) {
 	if n.joined == 0 {
 		problems = append(problems, "sandbox exists but no endpoint is joined")
 	}
-	p, err := n.sb.Audit(n.peers.Desired(), n.joinedEndpoints())
+	p, err := n.sb.Audit(n.peers.Desired(), n.joinedEndpoints(), n.reapingRetired())
 	if err != nil {
 		return nil, fmt.Errorf("auditing network %q: %w", n.id, err)
 	}

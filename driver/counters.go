@@ -4,7 +4,7 @@ import "sync/atomic"
 
 // Kinds of difference Reconcile repairs (the metrics' kind label).
 const (
-	RepairSandbox    = "sandbox"     // a sandbox a failed Leave left, removed
+	RepairSandbox    = "sandbox"     // what a failed Leave left: a sandbox, removed, or veths awaiting deletion, queued
 	RepairBridgePort = "bridge_port" // a container link's bridge port restored
 	RepairPeerEntry  = "peer_entry"  // a neighbour or FDB entry added, fixed or removed
 )

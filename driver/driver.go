@@ -38,6 +38,8 @@
 //	Driver.mu      — the driver's maps and the VTEP; never held while
 //	                 calling out of the driver
 //	cluster locks  — the PeerSource's, taken by a pull under network.mu
+//	reaper's lock  — a leaf: a Leave queues its deletions under network.mu,
+//	                 and no deletion takes a network's lock (see leave)
 //
 // A lock may only be taken while holding locks above it, and never two
 // network locks at once. Every lock is made by lockorder.New with its level:
@@ -63,6 +65,7 @@ import (
 
 	"github.com/overlayd/overlayd/encryption"
 	"github.com/overlayd/overlayd/internal/lockorder"
+	"github.com/overlayd/overlayd/internal/reaper"
 	"github.com/overlayd/overlayd/internal/sandbox"
 	"github.com/overlayd/overlayd/internal/statefile"
 	"github.com/overlayd/overlayd/peerdb"
@@ -142,9 +145,13 @@ type Config struct {
 
 // Driver is the overlay network driver.
 type Driver struct {
-	cfg    Config // immutable after New
-	log    *slog.Logger
-	host   *sandbox.Host // immutable after New; its netlink handle is safe for concurrent use
+	cfg  Config // immutable after New
+	log  *slog.Logger
+	host *sandbox.Host // immutable after New; its netlink handle is safe for concurrent use
+	// reaper runs the kernel deletions Leaves hand over (veths, sandboxes)
+	// off the caller's path; immutable after New. The networks keep their
+	// pending Jobs (see leave).
+	reaper *reaper.Reaper
 	ownsNS bool
 	hostNS netns.NsHandle
 	// vtepMu serialises VTEP changes with their notification (OnVTEPChange
@@ -208,6 +215,7 @@ func New(cfg Config) (*Driver, error) {
 	d := &Driver{
 		cfg:      cfg,
 		log:      cfg.Logger,
+		reaper:   reaper.New(0, cfg.Logger),
 		mu:       lockorder.New(lockorder.LevelDriver),
 		allocMu:  lockorder.New(lockorder.LevelAlloc),
 		vtepMu:   lockorder.New(lockorder.LevelVTEP),
@@ -244,10 +252,14 @@ func New(cfg Config) (*Driver, error) {
 	return d, nil
 }
 
-// Close releases the driver's handles. Kernel state is left in place: the
-// sandboxes keep serving running containers.
+// Close finishes the deletions Leaves handed over (veths and sandboxes no
+// container uses any more), then releases the driver's handles. The rest
+// of the kernel state is left in place: the sandboxes keep serving running
+// containers.
 func (d *Driver) Close() error {
+	d.reaper.Close()
 	d.eachNetwork(func(n *network) {
+		d.settleTeardown(n, true)
 		if n.sb != nil {
 			n.sb.Close()
 		}

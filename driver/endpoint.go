@@ -9,6 +9,7 @@ import (
 
 	api "github.com/docker/go-plugins-helpers/network"
 
+	"github.com/overlayd/overlayd/internal/reaper"
 	"github.com/overlayd/overlayd/internal/sandbox"
 	"github.com/overlayd/overlayd/peerdb"
 )
@@ -187,6 +188,10 @@ func (d *Driver) Join(req *api.JoinRequest) (_ *api.JoinResponse, err error) {
 			}
 		}
 	}()
+	// The sandbox the last Leave handed to the reaper goes before a new
+	// one is built: it holds the namespace's path and the VNIs. If its
+	// teardown failed, it is marked for teardown and retried just below.
+	d.settleTeardown(n, true)
 	if n.teardown {
 		// The last Leave could not remove the sandbox: finish that first
 		// rather than joining a half-removed one.
@@ -217,13 +222,20 @@ func (d *Driver) Join(req *api.JoinRequest) (_ *api.JoinResponse, err error) {
 		if err := d.syncEnc(n, true); err != nil {
 			return nil, fmt.Errorf("Join of endpoint %q: %w", ep.id, err)
 		}
-		if _, err := sb.Reconcile(n.peers.Desired()); err != nil {
+		if err := sb.Populate(n.peers.Desired()); err != nil {
 			return nil, fmt.Errorf("Join of endpoint %q: programming the known peers of network %q: %w", ep.id, n.id, err)
 		}
 	}
 	if err := n.sb.AddEndpoint(ep.sandboxEndpoint(n.mtu)); err != nil {
-		// A host end left by an earlier crash blocks the name: remove it and retry once.
-		if rmErr := sandbox.RemoveHostLink(d.host.Handle, ep.hostName); rmErr == nil {
+		// A link holds one of the names (derived from the ids, so a
+		// re-Join reuses them): the veth of this endpoint's previous Join,
+		// retired and awaiting deletion, or a host end left by a crash.
+		// Delete it now and retry once.
+		rmErr := d.finishRetired(n)
+		if rmErr == nil {
+			rmErr = sandbox.RemoveHostLink(d.host.Handle, ep.hostName)
+		}
+		if rmErr == nil {
 			err = n.sb.AddEndpoint(ep.sandboxEndpoint(n.mtu))
 		}
 		if err != nil {
@@ -322,7 +334,11 @@ func (d *Driver) Leave(req *api.LeaveRequest) error {
 
 // leave removes what Join made for ep: its local peer (re-activating remote
 // claimants of its IP), its veth, and the sandbox when ep was the last joined
-// endpoint. Expects n.mu held.
+// endpoint. The deletions themselves, which make the kernel wait for grace
+// periods, are handed to the reaper (see retireSandbox and reapRetired):
+// the veth is retired at once (marked for deletion, off the bridge)
+// and the sandbox handed over whole, so the caller does not wait for them.
+// Expects n.mu held.
 func (d *Driver) leave(n *network, ep *endpoint) error {
 	var delta peerdb.Delta
 	if !faultActive(FaultLeaveKeepsLocal) {
@@ -334,17 +350,19 @@ func (d *Driver) leave(n *network, ep *endpoint) error {
 	d.trace(TraceEvent{Kind: TraceLeave, Network: n.id, Endpoint: ep.id})
 	var errs []error
 	if n.joined == 0 {
-		if err := d.destroySandbox(n); err != nil {
-			errs = append(errs, fmt.Errorf("%w (the sandbox is kept and its removal retried)", err))
-		}
+		d.retireSandbox(n)
 		if err := d.syncEnc(n, false); err != nil {
 			errs = append(errs, err)
 		}
 	} else {
-		if err := n.sb.RemoveEndpoint(ep.sbName); err != nil {
+		retired, err := n.sb.RetireEndpoint(ep.sbName)
+		if err != nil {
 			errs = append(errs, err)
 		}
-		// The bridge's one entry for ep's MAC may have gone with its veth:
+		if retired {
+			d.reapRetired(n)
+		}
+		// The bridge's one entry for ep's MAC may have gone with its port:
 		// give it back to another endpoint with that MAC (dockerd gave
 		// both the same).
 		for _, o := range n.endpoints {
@@ -368,6 +386,93 @@ func (d *Driver) leave(n *network, ep *endpoint) error {
 	}
 	return nil
 }
+
+// dyingSandbox is a sandbox the last Leave handed to the reaper, and the
+// job that destroys it.
+type dyingSandbox struct {
+	sb  *sandbox.Sandbox
+	job *reaper.Job
+}
+
+// retireSandbox hands n's sandbox to the reaper, which destroys it (links,
+// namespace) off the caller's path. Until the teardown is settled, a Join
+// or DeleteNetwork of n finishes it first (settleTeardown): a new sandbox
+// never races the old one for its path or its VNIs. A daemon that dies
+// meanwhile leaves a namespace of a network without joined endpoints,
+// which the next start removes. Expects n.mu held and n.sb set.
+func (d *Driver) retireSandbox(n *network) {
+	sb := n.sb
+	n.sb, n.teardown = nil, false
+	n.reapVeths = nil // the teardown deletes the retired veths too
+	n.dying = &dyingSandbox{sb: sb, job: d.reaper.Submit("sandbox "+sb.Path(), sb.Destroy, sb.Close)}
+}
+
+// settleTeardown ends n's pending teardown, if any: when wait, it runs it
+// (or waits for it); otherwise it only collects one that is over. A
+// teardown that failed gives the sandbox back marked for teardown, so the
+// next Join or the periodic reconcile retries it as a failed Leave's; its
+// error is returned. Expects n.mu held.
+func (d *Driver) settleTeardown(n *network, wait bool) error {
+	if n.dying == nil || (!wait && n.dying.job.Pending()) {
+		return nil
+	}
+	dying := n.dying
+	n.dying = nil
+	if err := dying.job.Finish(); err != nil {
+		n.sb, n.teardown = dying.sb, true
+		return err
+	}
+	return nil
+}
+
+// reapRetired has the reaper delete n's retired veths, unless a deletion
+// nobody has started yet is queued already: that one deletes whatever is
+// retired when it starts, so Leaves in a burst share one deletion (one
+// grace period). Expects n.mu held.
+func (d *Driver) reapRetired(n *network) {
+	if n.reapVeths != nil && n.reapVeths.Queued() {
+		return
+	}
+	id := n.id
+	n.reapVeths = d.reaper.Submit("retired veths of network "+id, func() error { return d.host.ReapRetired(id) }, nil)
+}
+
+// finishRetired deletes n's retired veths now: it runs the queued
+// deletion in the caller or waits for the running one, and deletes them
+// itself if none is pending (or the pending one failed). Expects n.mu
+// held.
+func (d *Driver) finishRetired(n *network) error {
+	if j := n.reapVeths; j != nil {
+		n.reapVeths = nil
+		if j.Finish() == nil {
+			return nil
+		}
+	}
+	return d.host.ReapRetired(n.id)
+}
+
+// reapingRetired reports whether a deletion of n's retired veths is
+// queued or under way. Expects n.mu held.
+func (n *network) reapingRetired() bool {
+	return n.reapVeths != nil && n.reapVeths.Pending()
+}
+
+// tearingDown reports whether the teardown of n's last sandbox is queued
+// or under way. Expects n.mu held.
+func (n *network) tearingDown() bool {
+	return n.dying != nil && n.dying.job.Pending()
+}
+
+// teardownFailed reports whether the reaper's teardown of n's last sandbox
+// ended with an error not yet collected (settleTeardown retries it).
+// Expects n.mu held.
+func (n *network) teardownFailed() bool {
+	return n.dying != nil && !n.dying.job.Pending() && n.dying.job.Err() != nil
+}
+
+// WaitDeletions returns once every deletion Leaves handed over before the
+// call (veths, sandboxes) is done.
+func (d *Driver) WaitDeletions() { d.reaper.Wait() }
 
 // publish tells the control plane that a local endpoint joined or left.
 // The record carries no VTEP (see VTEP).

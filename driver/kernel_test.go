@@ -62,8 +62,10 @@ func TestSingleHostPingAndCleanup(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+	// The last Leave handed the sandbox to the reaper.
+	d.WaitDeletions()
 	if isNS(sbPath) {
-		t.Fatalf("sandbox %s still mounted after the last Leave", sbPath)
+		t.Fatalf("sandbox %s still mounted once the last Leave's deletions are done", sbPath)
 	}
 	if err := d.DeleteNetwork(&api.DeleteNetworkRequest{NetworkID: "net1"}); err != nil {
 		t.Fatal(err)

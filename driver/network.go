@@ -11,6 +11,7 @@ import (
 	"github.com/overlayd/overlayd/internal/lockorder"
 	"github.com/overlayd/overlayd/internal/logkeys"
 	"github.com/overlayd/overlayd/internal/netdef"
+	"github.com/overlayd/overlayd/internal/reaper"
 	"github.com/overlayd/overlayd/internal/sandbox"
 	"github.com/overlayd/overlayd/peerdb"
 )
@@ -36,8 +37,15 @@ type network struct {
 	// teardown: the last Leave could not remove the sandbox; the periodic
 	// reconcile (or the next Join) retries. Guarded by mu.
 	teardown bool
-	joined   int  // endpoints joined; guarded by mu
-	deleted  bool // guarded by mu; set when removed from the driver
+	// dying: the sandbox the last Leave handed to the reaper to destroy,
+	// until its teardown is settled (settleTeardown); n.sb is nil
+	// meanwhile. Guarded by mu.
+	dying *dyingSandbox
+	// reapVeths: the latest deletion of the sandbox's retired veths (the
+	// endpoints that left), queued, running or done. Guarded by mu.
+	reapVeths *reaper.Job
+	joined    int  // endpoints joined; guarded by mu
+	deleted   bool // guarded by mu; set when removed from the driver
 	// lastErr is the last kernel programming error of the network's peers,
 	// for status; cleared by the next success. Guarded by mu.
 	lastErr error
@@ -311,6 +319,14 @@ func (d *Driver) DeleteNetwork(req *api.DeleteNetworkRequest) error {
 		return err
 	}
 	defer unlock()
+	// Deletions handed to the reaper end first: nothing of the network
+	// stays in the kernel once DeleteNetwork has answered.
+	if err := d.settleTeardown(n, true); err != nil {
+		d.log.Warn("the teardown of the network's last sandbox failed; retrying", "network", n.id, "error", err)
+	}
+	if err := d.finishRetired(n); err != nil {
+		d.log.Warn("deleting the veths of endpoints that left", "network", n.id, "error", err)
+	}
 	if n.sb != nil {
 		if err := n.sb.Destroy(); err != nil {
 			// Keep the network registered: a retry can finish the job.

@@ -143,6 +143,13 @@ func (d *Driver) restore() error {
 				d.log.Info("endpoint's veth is gone (its container stopped while overlayd was down); waiting for Leave", "network", n.id, "endpoint", ep.id)
 			}
 		}
+		// The veths of endpoints that left before the restart, whose
+		// deletion the earlier run had not done.
+		if p, err := d.reapLeftRetired(n); err != nil {
+			d.log.Warn("listing the veths of an adopted sandbox that await deletion; the periodic reconcile retries", "network", n.id, "error", err)
+		} else if p != "" {
+			d.log.Info("deleting the veths an earlier run retired", "network", n.id, "first", p)
+		}
 		// A sandbox an earlier version made has bridge ports that let a
 		// remote frame move a local MAC: fix them before serving.
 		if fixed, err := sb.RepairPorts(n.joinedEndpoints()); err != nil {
@@ -292,6 +299,9 @@ func (d *Driver) Reconcile() ([]string, error) {
 			errs = append(errs, err)
 		}
 		d.noteConflicts(n)
+		// A teardown the reaper has ended is collected; one that failed is
+		// retried just below, as a failed Leave's.
+		d.settleTeardown(n, false)
 		if n.teardown {
 			if err := d.destroySandbox(n); err != nil {
 				errs = append(errs, fmt.Errorf("network %q: removing the sandbox of the last Leave: %w", n.id, err))
@@ -303,6 +313,13 @@ func (d *Driver) Reconcile() ([]string, error) {
 		}
 		if n.sb == nil || n.teardown {
 			return
+		}
+		if p, err := d.reapLeftRetired(n); err != nil {
+			errs = append(errs, fmt.Errorf("network %q: %w", n.id, err))
+		} else if p != "" {
+			fixed = append(fixed, fmt.Sprintf("network %s: %s", n.id, p))
+			d.logRepair(n, logkeys.KindSandbox, []string{p})
+			d.counts.repaired(RepairSandbox, 1)
 		}
 		ports, err := n.sb.RepairPorts(n.joinedEndpoints())
 		for _, s := range ports {
@@ -339,6 +356,22 @@ func (d *Driver) Reconcile() ([]string, error) {
 		}
 	})
 	return fixed, errors.Join(errs...)
+}
+
+// reapLeftRetired hands the reaper the retired veths of n's sandbox that
+// nothing is deleting: left by a daemon that stopped before its deletions
+// ran, or by a deletion that failed. It returns what it found ("" for
+// nothing). Expects n.mu held and n.sb set.
+func (d *Driver) reapLeftRetired(n *network) (string, error) {
+	if n.reapingRetired() { // asked before the links are listed
+		return "", nil
+	}
+	names, err := n.sb.Retired()
+	if err != nil || len(names) == 0 {
+		return "", err
+	}
+	d.reapRetired(n)
+	return fmt.Sprintf("veth %s: awaits deletion, but none was queued (%d such veth(s)): deletion queued", names[0], len(names)), nil
 }
 
 // logRepair logs one repair of Reconcile: the kernel held something else

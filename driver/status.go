@@ -134,7 +134,7 @@ func (n *network) status() NetworkStatus {
 		ns.Rejected = append(ns.Rejected, RejectedStatus{VNI: r.Key.VNI, Origin: r.Key.Origin, EndpointID: r.Key.EndpointID, Reason: r.Err.Error()})
 	}
 	switch {
-	case n.teardown:
+	case n.teardown || n.teardownFailed():
 		ns.Error = "the sandbox of the last Leave could not be removed; retrying"
 	case n.lastErr != nil:
 		ns.Error = n.lastErr.Error()

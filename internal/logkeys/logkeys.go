@@ -121,7 +121,7 @@ const (
 // put back; one per repairing reconcile of the encryption owner.
 const (
 	ReconcileRepair = "reconcile_repair"
-	KindSandbox     = "sandbox"    // a sandbox a failed Leave left, removed
+	KindSandbox     = "sandbox"    // what a failed Leave left: a sandbox, removed, or veths awaiting deletion, queued
 	KindPorts       = "ports"      // bridge port flags and static entries of local endpoints
 	KindPeers       = "peers"      // neighbour and FDB entries of remote peers
 	KindEncryption  = "encryption" // xfrm states/policies or nftables rules

@@ -20,7 +20,13 @@ import (
 // unknown-unicast flooding to it, a static entry for its MAC) and nothing
 // else, and exactly the desired neighbour and FDB entries. An empty result
 // means the kernel holds exactly the desired state.
-func (sb *Sandbox) Audit(want peerdb.State, endpoints []Endpoint) ([]string, error) {
+//
+// Links awaiting deletion (RetiredGroup) are neither missing nor extra
+// while reaping says their deletion is queued or under way; otherwise
+// each is reported, as nothing will delete it. The caller must tell
+// reaping as it was before Audit lists the links: a deletion that ends
+// meanwhile then removes them, and one that had ended already cannot.
+func (sb *Sandbox) Audit(want peerdb.State, endpoints []Endpoint, reaping bool) ([]string, error) {
 	var problems []string
 	links, err := linkList(sb.h)
 	if err != nil {
@@ -93,6 +99,10 @@ func (sb *Sandbox) Audit(want peerdb.State, endpoints []Endpoint) ([]string, err
 			problems = append(problems, fmt.Sprintf("veth %s: is a %s", ep.SandboxName, l.Type()))
 			continue
 		}
+		if l.Attrs().Group == RetiredGroup {
+			problems = append(problems, fmt.Sprintf("veth %s: awaits deletion, but its endpoint is joined", ep.SandboxName))
+			continue
+		}
 		problems = append(problems, checkUpMTU(l, ep.MTU)...)
 		if ep.Subnet >= 0 && ep.Subnet < len(sb.subnets) && l.Attrs().MasterIndex != sb.subnets[ep.Subnet].bridge {
 			problems = append(problems, fmt.Sprintf("veth %s: master ifindex %d, want %s", ep.SandboxName, l.Attrs().MasterIndex, BridgeName(sb.subnets[ep.Subnet].VNI)))
@@ -112,7 +122,13 @@ func (sb *Sandbox) Audit(want peerdb.State, endpoints []Endpoint) ([]string, err
 		problems = append(problems, staticProblem(ep))
 	}
 	for name, l := range byName {
-		if !expected[name] {
+		switch {
+		case expected[name]:
+		case l.Attrs().Group == RetiredGroup && reaping:
+			// Its deletion is queued or under way.
+		case l.Attrs().Group == RetiredGroup:
+			problems = append(problems, fmt.Sprintf("%s %s: awaits deletion, but none is queued", l.Type(), name))
+		default:
 			problems = append(problems, fmt.Sprintf("%s %s: not desired", l.Type(), name))
 		}
 	}

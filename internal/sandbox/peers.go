@@ -233,6 +233,29 @@ func (sb *Sandbox) Reconcile(want peerdb.State) ([]string, error) {
 	return problems, sb.ApplyDelta(d)
 }
 
+// Populate programs want into a sandbox that Create has just built and no
+// endpoint has joined yet: it holds no peer entries, so unlike Reconcile
+// nothing is dumped and compared first (two dumps per subnet saved on
+// every first Join; the kernel serves dumps under its RTNL lock, which
+// every network's kernel work shares). On any other sandbox it reconciles.
+func (sb *Sandbox) Populate(want peerdb.State) error {
+	if !sb.fresh {
+		_, err := sb.Reconcile(want)
+		return err
+	}
+	d := peerdb.Delta{
+		NeighSet: make([]peerdb.Neigh, 0, len(want.Neigh)),
+		FDBSet:   make([]peerdb.FDB, 0, len(want.FDB)),
+	}
+	for k, mac := range want.Neigh {
+		d.NeighSet = append(d.NeighSet, peerdb.Neigh{Subnet: k.Subnet, IP: k.IP, MAC: mac})
+	}
+	for k, vtep := range want.FDB {
+		d.FDBSet = append(d.FDBSet, peerdb.FDB{Subnet: k.Subnet, MAC: k.MAC, VTEP: vtep})
+	}
+	return sb.ApplyDelta(d)
+}
+
 // neighList dumps the neighbour (or, for AF_BRIDGE, FDB) entries of a link,
 // retrying when the kernel reports the dump was interrupted by a concurrent
 // change (the partial result would be wrong).

@@ -74,6 +74,10 @@ type Subnet struct {
 // does as one batch (one RCU grace period instead of one per link).
 const LinkGroup = 0x6f766c64 // "ovld"
 
+// RetiredGroup is the interface group of the links that await deletion: the
+// veths of endpoints that left (see RetireEndpoint and ReapRetired).
+const RetiredGroup = 0x6f767270 // "ovrp"
+
 // BridgeName and VXLANName name the links of subnet vni inside a sandbox.
 // Defaults of the settings the sandboxes depend on (the daemon's flags and
 // the driver's zero Config use them).
@@ -273,6 +277,11 @@ func (sb *Sandbox) Destroy() error {
 		if err := deleteGroup(sb.ns, LinkGroup); err != nil {
 			errs = append(errs, fmt.Errorf("failed to delete the links of sandbox %s: %w", sb.path, err))
 		}
+		// The veths of endpoints that left and await deletion: almost
+		// free when there are none (no link, no grace period).
+		if err := deleteGroup(sb.ns, RetiredGroup); err != nil {
+			errs = append(errs, fmt.Errorf("failed to delete the retired links of sandbox %s: %w", sb.path, err))
+		}
 		// Whatever the group delete missed (links made by others, or by an
 		// older version) goes one by one.
 		errs = append(errs, deleteAllLinks(sb.h, sb.path))
@@ -301,15 +310,18 @@ func RemoveLeftover(host *Host, id string) error {
 		if err != nil {
 			return err
 		}
+		// Overlayd's links in two requests (one grace period each), then
+		// whatever else is there one by one.
+		gerr := errors.Join(deleteGroup(ns, LinkGroup), deleteGroup(ns, RetiredGroup))
 		h, err := netlink.NewHandleAt(ns, unix.NETLINK_ROUTE)
 		ns.Close()
 		if err != nil {
-			return fmt.Errorf("failed to open netlink handle in leftover sandbox %s: %w", path, err)
+			return errors.Join(gerr, fmt.Errorf("failed to open netlink handle in leftover sandbox %s: %w", path, err))
 		}
 		err = deleteAllLinks(h, path)
 		h.Close()
 		if err != nil {
-			return err
+			return errors.Join(gerr, err)
 		}
 	}
 	return netnsutil.RemoveNamed(path)

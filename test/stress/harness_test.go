@@ -786,6 +786,19 @@ func (h *harness) check() []string {
 	// The level-triggered contract: with every operation returned, each
 	// network holds what the source has for its VNIs.
 	h.m.syncRemotes(h.e.src.snapshot())
+	// Leaves hand their deletions (veths, sandboxes) to the driver's
+	// reaper: the driver's Audit must find nothing wrong while they are
+	// pending; the model is the state once they are done.
+	if !h.e.kernelOnly {
+		problems, err := h.e.d.Audit()
+		if err != nil {
+			diffs = append(diffs, "driver Audit with deletions pending: "+err.Error())
+		}
+		for _, p := range filterAudit(h.e, "encryption: ", problems, nil) {
+			diffs = append(diffs, "driver Audit with deletions pending: "+p)
+		}
+	}
+	h.e.d.WaitDeletions()
 	diffs = append(diffs, compareAll(h.e, h.m, h.u, &h.enc)...)
 	h.mu.Lock()
 	diffs = append(diffs, h.unexpected...)
