@@ -158,6 +158,7 @@ func Run(ctx context.Context, st *config.Settings, log *slog.Logger) error {
 	})
 	if err != nil {
 		l.Close()
+		os.Remove(st.Socket)
 		return err
 	}
 	defer ctl.Close()
@@ -270,13 +271,26 @@ func listen(path string) (net.Listener, error) {
 	} else if !errors.Is(err, os.ErrNotExist) {
 		return nil, fmt.Errorf("failed to check socket %s: %w", path, err)
 	}
-	l, err := net.Listen("unix", path)
+	// Bind under a temporary name, set the mode, then rename: the socket
+	// appears at path only with mode 0660, so nothing connects to it (or
+	// sees it) while it still has the umask's mode.
+	tmp := fmt.Sprintf("%s.%d.tmp", path, os.Getpid())
+	os.Remove(tmp) // a leftover of a crash of this very pid: never in use
+	l, err := net.Listen("unix", tmp)
 	if err != nil {
-		return nil, fmt.Errorf("failed to listen on %s: %w", path, err)
+		return nil, fmt.Errorf("failed to listen on %s: %w", tmp, err)
 	}
-	if err := os.Chmod(path, 0o660); err != nil {
+	// The listener must not remove tmp when closed: it is renamed.
+	l.(*net.UnixListener).SetUnlinkOnClose(false)
+	if err := os.Chmod(tmp, 0o660); err != nil {
 		l.Close()
-		return nil, fmt.Errorf("failed to set mode of %s: %w", path, err)
+		os.Remove(tmp)
+		return nil, fmt.Errorf("failed to set mode of %s: %w", tmp, err)
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		l.Close()
+		os.Remove(tmp)
+		return nil, fmt.Errorf("failed to move socket %s to %s: %w", tmp, path, err)
 	}
 	return l, nil
 }
