@@ -13,8 +13,9 @@ import (
 // call, reads included, must be made with that network's lock held. Create
 // one with New.
 type DB struct {
-	subnets []netip.Prefix
-	nets    []v4net // subnets in a form cheap to match (see subnet4)
+	segs  []Segment
+	nets  []v4net // the IPv4 prefixes of segs in a form cheap to match (see subnet4)
+	nets6 []v6net // the IPv6 prefixes of segs
 
 	local map[string]Peer // local entries by EndpointID
 
@@ -49,11 +50,24 @@ type DB struct {
 	tx txn
 }
 
-// v4net is a subnet as an IPv4 base and mask; ok is false for a prefix that
-// contains no plain IPv4 address (invalid or IPv6).
+// v4net is an IPv4 prefix of segment seg as a base and mask.
 type v4net struct {
 	base, mask uint32
-	ok         bool
+	seg        int
+}
+
+// v6net is an IPv6 prefix of segment seg.
+type v6net struct {
+	prefix netip.Prefix
+	seg    int
+}
+
+// Segment is one L2 segment of a network (one VNI, one VXLAN link): the
+// prefixes whose addresses live on it, of either family, and its VNI (0
+// when the DB checks no VNIs).
+type Segment struct {
+	Prefixes []netip.Prefix
+	VNI      uint32
 }
 
 // claim is the set of entries claiming one IP.
@@ -137,44 +151,89 @@ type Conflict struct {
 	Shadowed []Peer
 }
 
-// New returns an empty DB for a network with these IPv4 subnets (index =
-// subnet index used in Neigh/FDB). Subnets are disjoint (the caller
-// validates); New keeps its own copy of the slice. With vnis (one per
+// New returns an empty DB for a network with these IPv4 subnets, one segment
+// each (index = segment index used in Neigh/FDB). Subnets are disjoint (the
+// caller validates); New keeps its own copy of the slice. With vnis (one per
 // subnet, in the same order), a record set through SetRemotes must lie in
 // the subnet of its key's VNI; New panics if the counts differ.
 func New(subnets []netip.Prefix, vnis ...uint32) *DB {
-	db := &DB{
-		subnets: append([]netip.Prefix(nil), subnets...),
-		nets:    make([]v4net, len(subnets)),
-		local:   make(map[string]Peer),
-		fdbIdx:  make([]index, len(subnets)),
-
-		wideSubnets: len(subnets) > 1<<16,
+	if len(vnis) > 0 && len(vnis) != len(subnets) {
+		panic(fmt.Sprintf("peerdb.New: %d VNIs for %d subnets", len(vnis), len(subnets)))
 	}
-	if len(vnis) > 0 {
-		if len(vnis) != len(subnets) {
-			panic(fmt.Sprintf("peerdb.New: %d VNIs for %d subnets", len(vnis), len(subnets)))
-		}
-		db.vnis = append([]uint32(nil), vnis...)
-	}
+	segs := make([]Segment, len(subnets))
 	for i, p := range subnets {
-		if !p.IsValid() || !p.Addr().Is4() {
-			continue
+		segs[i].Prefixes = []netip.Prefix{p}
+		if len(vnis) > 0 {
+			segs[i].VNI = vnis[i]
 		}
-		var mask uint32
-		if b := p.Bits(); b > 0 {
-			mask = ^uint32(0) << (32 - b)
+	}
+	return newTable(segs, len(vnis) > 0)
+}
+
+// NewSegments returns an empty DB for a network made of these segments
+// (index = segment index used in Neigh/FDB). Prefixes are disjoint (the
+// caller validates); a segment may hold prefixes of both families. When
+// any segment has a non-zero VNI, a record set through SetRemotes must lie
+// in a prefix of the segment of its key's VNI; with VNI 0 for all, any
+// segment will do. NewSegments keeps its own copy of segs.
+func NewSegments(segs []Segment) *DB {
+	own := make([]Segment, len(segs))
+	checkVNI := false
+	for i, s := range segs {
+		own[i] = Segment{Prefixes: append([]netip.Prefix(nil), s.Prefixes...), VNI: s.VNI}
+		checkVNI = checkVNI || s.VNI != 0
+	}
+	return newTable(own, checkVNI)
+}
+
+// newTable returns an empty DB for segs, which it keeps.
+func newTable(segs []Segment, checkVNI bool) *DB {
+	db := &DB{
+		segs:   segs,
+		local:  make(map[string]Peer),
+		fdbIdx: make([]index, len(segs)),
+
+		wideSubnets: len(segs) > 1<<16,
+	}
+	if checkVNI {
+		db.vnis = make([]uint32, len(segs))
+		for i, s := range segs {
+			db.vnis[i] = s.VNI
 		}
-		db.nets[i] = v4net{base: ip4(p.Addr()) & mask, mask: mask, ok: true}
+	}
+	for i, s := range segs {
+		for _, p := range s.Prefixes {
+			switch {
+			case !p.IsValid():
+			case p.Addr().Is4():
+				var mask uint32
+				if b := p.Bits(); b > 0 {
+					mask = ^uint32(0) << (32 - b)
+				}
+				db.nets = append(db.nets, v4net{base: ip4(p.Addr()) & mask, mask: mask, seg: i})
+			case !p.Addr().Is4In6():
+				db.nets6 = append(db.nets6, v6net{prefix: p.Masked(), seg: i})
+			}
+		}
 	}
 	return db
 }
 
 // subnet4 is SubnetOf for an IPv4 address given as a uint32.
 func (db *DB) subnet4(ip uint32) (int, bool) {
-	for i, n := range db.nets {
-		if n.ok && ip&n.mask == n.base {
-			return i, true
+	for _, n := range db.nets {
+		if ip&n.mask == n.base {
+			return n.seg, true
+		}
+	}
+	return 0, false
+}
+
+// subnet6 is SubnetOf for an IPv6 address (not IPv4-mapped).
+func (db *DB) subnet6(ip netip.Addr) (int, bool) {
+	for _, n := range db.nets6 {
+		if n.prefix.Contains(ip) {
+			return n.seg, true
 		}
 	}
 	return 0, false

@@ -213,7 +213,7 @@ func (db *DB) validateKeyed(k Key, p *Peer) (int, error) {
 				Reason: fmt.Sprintf("VNI %d is not a VNI of this network", k.VNI)}
 		case want != sub:
 			return 0, &InvalidPeerError{EndpointID: p.EndpointID, Field: "IP",
-				Reason: fmt.Sprintf("IP %s is in subnet %s, but VNI %d carries subnet %s", p.IP, db.subnets[sub], k.VNI, db.subnets[want])}
+				Reason: fmt.Sprintf("IP %s is in subnet %s, but VNI %d carries subnet %s", p.IP, db.segString(sub), k.VNI, db.segString(want))}
 		}
 	}
 	return sub, nil

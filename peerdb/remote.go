@@ -13,7 +13,7 @@ func (db *DB) reserve(n int, nexts iter.Seq[*Peer]) {
 	if !db.reserveNotes(n) {
 		return
 	}
-	perSubnet := make([]int, len(db.subnets))
+	perSubnet := make([]int, len(db.segs))
 	total := 0
 	for p := range nexts {
 		if p.IP.Is4() {

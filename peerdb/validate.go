@@ -32,18 +32,38 @@ func shortID(id string) string {
 	return id[:max] + "..."
 }
 
-// Subnets returns a copy of the network's subnets; the index of a subnet is
-// the Subnet of the kernel entries derived from addresses inside it.
+// Subnets returns the first prefix of each segment (for a DB made by New,
+// its subnets); the index of a subnet is the Subnet of the kernel entries
+// derived from addresses inside it. See Segments for all prefixes.
 func (db *DB) Subnets() []netip.Prefix {
-	return append([]netip.Prefix(nil), db.subnets...)
+	out := make([]netip.Prefix, len(db.segs))
+	for i, s := range db.segs {
+		if len(s.Prefixes) > 0 {
+			out[i] = s.Prefixes[0]
+		}
+	}
+	return out
 }
 
-// SubnetOf returns the index of the subnet that contains ip.
+// Segments returns a copy of the network's segments; the index of a
+// segment is the Subnet of the kernel entries derived from addresses
+// inside its prefixes.
+func (db *DB) Segments() []Segment {
+	out := make([]Segment, len(db.segs))
+	for i, s := range db.segs {
+		out[i] = Segment{Prefixes: append([]netip.Prefix(nil), s.Prefixes...), VNI: s.VNI}
+	}
+	return out
+}
+
+// SubnetOf returns the index of the segment with a prefix that contains ip,
+// an IPv4 or IPv6 address (IPv4-mapped IPv6 addresses are in none).
 func (db *DB) SubnetOf(ip netip.Addr) (int, bool) {
-	for i, p := range db.subnets {
-		if p.Contains(ip) {
-			return i, true
-		}
+	switch {
+	case ip.Is4():
+		return db.subnet4(ip4(ip))
+	case ip.Is6() && !ip.Is4In6():
+		return db.subnet6(ip)
 	}
 	return 0, false
 }
@@ -93,6 +113,10 @@ func (db *DB) validate(p *Peer, checkVTEP bool) (int, error) {
 		bad("IP", "IP %s is not an IPv4 address; an IPv4 address in a subnet of this network (%s) is required", p.IP, db.subnetList())
 	}
 
+	if p.IPv6.IsValid() { // skeleton: claims of IPv6 addresses come next
+		bad("IPv6", "IPv6 %s: IPv6 peers are not supported yet", p.IPv6)
+	}
+
 	if !p.MAC.IsUnicast() {
 		if p.MAC.IsZero() {
 			bad("MAC", "MAC %s is the zero address; a non-zero unicast MAC is required", p.MAC)
@@ -124,12 +148,23 @@ func (db *DB) validate(p *Peer, checkVTEP bool) (int, error) {
 }
 
 func (db *DB) subnetList() string {
-	if len(db.subnets) == 0 {
+	var s []string
+	for _, seg := range db.segs {
+		for _, p := range seg.Prefixes {
+			s = append(s, p.String())
+		}
+	}
+	if len(s) == 0 {
 		return "none"
 	}
-	s := make([]string, len(db.subnets))
-	for i, p := range db.subnets {
-		s[i] = p.String()
-	}
 	return strings.Join(s, ", ")
+}
+
+// segString names segment i by its prefixes.
+func (db *DB) segString(i int) string {
+	s := make([]string, len(db.segs[i].Prefixes))
+	for j, p := range db.segs[i].Prefixes {
+		s[j] = p.String()
+	}
+	return strings.Join(s, " + ")
 }
