@@ -110,14 +110,20 @@ func dumpSandbox(id, path string) ([]string, error) {
 		}
 		lines = append(lines, line)
 	}
-	addrs, err := retry(func() ([]netlink.Addr, error) { return h.AddrList(nil, unix.AF_INET) })
+	// Addresses of both families; the kernel's own IPv6 ones (link-local,
+	// and ::1 on lo) are not the driver's.
+	addrs, err := retry(func() ([]netlink.Addr, error) { return h.AddrList(nil, unix.AF_UNSPEC) })
 	if err != nil {
 		return nil, fmt.Errorf("sandbox %s: addresses: %w", path, err)
 	}
 	for _, a := range addrs {
 		ones, _ := a.Mask.Size()
 		ip, _ := netip.AddrFromSlice(a.IP)
-		lines = append(lines, fmt.Sprintf("%s addr %s %s", id, names[a.LinkIndex], netip.PrefixFrom(ip.Unmap(), ones)))
+		ip = ip.Unmap()
+		if ip.Is6() && (ip.IsLinkLocalUnicast() || ip.IsLoopback()) {
+			continue
+		}
+		lines = append(lines, fmt.Sprintf("%s addr %s %s", id, names[a.LinkIndex], netip.PrefixFrom(ip, ones)))
 	}
 	// IPv4 forwarding on each bridge (routing between the subnets of a
 	// multi-subnet network), read in the sandbox's namespace.
@@ -137,16 +143,20 @@ func dumpSandbox(id, path string) ([]string, error) {
 		return nil, fmt.Errorf("sandbox %s: forwarding: %w", path, err)
 	}
 
-	// Neighbours: every IPv4 entry in the namespace (only the VXLANs should
-	// have any). FDB: the VXLANs' own ("self") entries.
+	// Neighbours: every IPv4 and IPv6 entry in the namespace (only the
+	// VXLANs should have any). FDB: the VXLANs' own ("self") entries.
 	neighs, err := retry(func() ([]netlink.Neigh, error) { return h.NeighList(0, unix.AF_INET) })
 	if err != nil {
 		return nil, fmt.Errorf("sandbox %s: neighbours: %w", path, err)
 	}
-	for _, n := range neighs {
+	neighs6, err := retry(func() ([]netlink.Neigh, error) { return h.NeighList(0, unix.AF_INET6) })
+	if err != nil {
+		return nil, fmt.Errorf("sandbox %s: IPv6 neighbours: %w", path, err)
+	}
+	for _, n := range append(neighs, neighs6...) {
 		ip, _ := netip.AddrFromSlice(n.IP)
 		if ip.IsMulticast() {
-			continue // the kernel's own (IGMP from the bridge's gateway address)
+			continue // the kernel's own (IGMP and MLD from the bridge's gateway addresses)
 		}
 		lines = append(lines, fmt.Sprintf("%s neigh %s %s lladdr %s %s", id, names[n.LinkIndex], ip.Unmap(), n.HardwareAddr, nudState(n.State)))
 	}

@@ -40,9 +40,13 @@ import (
 //   - For each IP with claimants: a local claimant wins (no neighbour);
 //     otherwise the smallest remote by (EndpointID, MAC bytes, VTEP) is active
 //     and yields neighbour IP -> MAC on the VXLAN of the IP's subnet.
+//     IPv6 (issue 12): every address is a claim of its own, the same rule
+//     for both families; an endpoint or record with both addresses claims
+//     both, and may be active for one and shadowed for the other.
 //   - Each active remote proposes FDB (subnet, MAC) -> VTEP; the proposal of
-//     the smallest IP wins; no FDB entry for a (subnet, MAC) that a joined
-//     endpoint of that subnet has.
+//     the smallest IP (netip order: every IPv4 address before every IPv6
+//     one) wins; no FDB entry for a (subnet, MAC) that a joined endpoint of
+//     that subnet has.
 type model struct {
 	nets map[string]*mNetwork
 
@@ -67,26 +71,38 @@ type modelStats struct {
 	quietPoints                            int
 	held, heldMax, rejected, rejectedMax   int // records held/refused by the networks, summed over quiet points, and the peak
 	inferredDeletes                        int
+	joins6                                 int // joins of endpoints with an IPv6 address
+	held6                                  int // records with an IPv6 address held, summed over quiet points
+	neigh6                                 int // IPv6 neighbours the model required, summed over checks
 }
 
 func (s modelStats) String() string {
 	return fmt.Sprintf("networks created %d (encrypted %d) deleted %d; endpoints created %d deleted %d; joins %d (sandboxes built %d) leaves %d; "+
 		"pulls %d (%d of a whole VNI, %d on a network with a sandbox, %d records read); records found by a new network: %d taken, %d refused; "+
-		"records held per quiet point %.1f (max %d), refused %.1f (max %d); inferred deletes %d",
+		"records held per quiet point %.1f (max %d), refused %.1f (max %d); inferred deletes %d; "+
+		"IPv6: joins %d, records held %d, neighbours required %d (summed over quiet points)",
 		s.creates, s.encryptedCreates, s.deletes, s.epCreates, s.epDeletes, s.joins, s.sandboxesBuilt, s.leaves,
 		s.pulls, s.fullPulls, s.pullsOnSandbox, s.readsPulled, s.takenAtCreate, s.refusedAtCreate,
-		float64(s.held)/float64(max(1, s.quietPoints)), s.heldMax, float64(s.rejected)/float64(max(1, s.quietPoints)), s.rejectedMax, s.inferredDeletes)
+		float64(s.held)/float64(max(1, s.quietPoints)), s.heldMax, float64(s.rejected)/float64(max(1, s.quietPoints)), s.rejectedMax, s.inferredDeletes,
+		s.joins6, s.held6, s.neigh6)
 }
 
 type mSubnet struct {
 	vni  uint32
-	pool netip.Prefix
+	pool netip.Prefix // IPv4; invalid for an IPv6-only segment
 	gw   netip.Prefix // invalid when the network was created without a gateway
+	// pools6 and gws6: the IPv6 subnets of the segment and their gateways
+	// (invalid without), from the workload's request (see enrich).
+	pools6, gws6 []netip.Prefix
 }
 
 type mEndpoint struct {
-	id     string
-	addr   netip.Prefix
+	id    string
+	addr  netip.Prefix // IPv4; invalid for an endpoint of an IPv6-only network
+	addr6 netip.Prefix // IPv6; invalid for an endpoint without
+	// traced is the address the trace gives (IPv4, or for an IPv6-only
+	// endpoint none or its IPv6 one): Join must trace the same.
+	traced netip.Prefix
 	mac    peerdb.MAC
 	subnet int
 	joined bool
@@ -107,6 +123,7 @@ type mNetwork struct {
 	// pulled: the network has pulled since its CreateNetwork (the first
 	// pulls of its VNIs count what it found at the source).
 	pulled map[uint32]bool
+	neigh6 int // IPv6 neighbours desiredPeers required (counted into stats by desired)
 }
 
 func newModel() *model {
@@ -116,13 +133,29 @@ func newModel() *model {
 	}
 }
 
+// subnetOf returns the segment of an address of either family.
 func (n *mNetwork) subnetOf(ip netip.Addr) (int, bool) {
 	for i, s := range n.subnets {
-		if s.pool.Contains(ip) {
+		if s.pool.IsValid() && s.pool.Contains(ip) {
 			return i, true
+		}
+		for _, p := range s.pools6 {
+			if p.Contains(ip) {
+				return i, true
+			}
 		}
 	}
 	return 0, false
+}
+
+// has6 reports whether the network has IPv6 subnets.
+func (n *mNetwork) has6() bool {
+	for _, s := range n.subnets {
+		if len(s.pools6) > 0 {
+			return true
+		}
+	}
+	return false
 }
 
 func (n *mNetwork) joined() int {
@@ -157,15 +190,24 @@ func (m *model) owner(vni uint32) *mNetwork {
 
 // validFor is what the network's peer table accepts as the record of key
 // k (peerdb's Validate, then its keyed rules): a non-empty EndpointID of at
-// most MaxEndpointIDLen bytes that is k's, a plain IPv4 address in the
-// subnet of k's VNI, a non-zero unicast MAC and a VTEP that is neither
-// unspecified nor multicast.
+// most MaxEndpointIDLen bytes that is k's; an IPv4 address, an IPv6 address
+// or both, each (if given) of its family — a plain IPv4 address, an IPv6
+// one that is not IPv4-mapped — and in a subnet of the segment of k's VNI;
+// a non-zero unicast MAC and a VTEP that is neither unspecified nor
+// multicast.
 func (n *mNetwork) validFor(k peerdb.Key, p peerdb.Peer) bool {
 	if p.EndpointID == "" || len(p.EndpointID) > peerdb.MaxEndpointIDLen || p.EndpointID != k.EndpointID {
 		return false
 	}
 	sub, ok := n.hasVNI(k.VNI)
-	if !ok || !p.IP.Is4() || !n.subnets[sub].pool.Contains(p.IP) {
+	if !ok || !p.IP.IsValid() && !p.IPv6.IsValid() {
+		return false
+	}
+	s := n.subnets[sub]
+	if p.IP.IsValid() && (!p.IP.Is4() || !s.pool.IsValid() || !s.pool.Contains(p.IP)) {
+		return false
+	}
+	if p.IPv6.IsValid() && (!p.IPv6.Is6() || p.IPv6.Is4In6() || !slices.ContainsFunc(s.pools6, func(q netip.Prefix) bool { return q.Contains(p.IPv6) })) {
 		return false
 	}
 	if p.MAC == (peerdb.MAC{}) || p.MAC[0]&1 != 0 {
@@ -190,6 +232,9 @@ func (m *model) syncRemotes(recs map[peerdb.Key]peerdb.Peer) {
 		}
 		if n.validFor(k, p) {
 			n.remote[p] = struct{}{}
+			if p.IPv6.IsValid() {
+				m.stats.held6++
+			}
 		} else {
 			n.rejected = append(n.rejected, k)
 		}
@@ -251,7 +296,16 @@ func (m *model) apply(ev tev) error {
 		n := &mNetwork{id: ev.Network, mtu: ev.MTU, internal: ev.Internal, encrypted: ev.Encrypted, eps: map[string]*mEndpoint{},
 			remote: map[peerdb.Peer]struct{}{}, pulled: map[uint32]bool{}}
 		for i := range ev.VNIs {
-			n.subnets = append(n.subnets, mSubnet{vni: ev.VNIs[i], pool: ev.Pools[i], gw: ev.Gateways[i]})
+			sub := mSubnet{vni: ev.VNIs[i], pool: ev.Pools[i], gw: ev.Gateways[i]}
+			if !sub.pool.Addr().Is4() {
+				// An IPv6-only segment: the trace names no pool or its
+				// first IPv6 subnet (checkCreate).
+				sub.pool, sub.gw = netip.Prefix{}, netip.Prefix{}
+			}
+			if i == 0 {
+				sub.pools6, sub.gws6 = slices.Clone(ev.SpecPools6), slices.Clone(ev.SpecGateways6)
+			}
+			n.subnets = append(n.subnets, sub)
 		}
 		m.nets[n.id] = n
 		m.stats.creates++
@@ -281,14 +335,40 @@ func (m *model) apply(ev tev) error {
 		if n.eps[ev.Endpoint] != nil {
 			return fmt.Errorf("CreateEndpoint %s/%s: endpoint exists", ev.Network, ev.Endpoint)
 		}
-		sub, ok := n.subnetOf(ev.Addr.Addr())
-		if !ok || !ev.Addr.Addr().Is4() {
-			return fmt.Errorf("CreateEndpoint %s/%s: address %s in no subnet", ev.Network, ev.Endpoint, ev.Addr)
+		ep := &mEndpoint{id: ev.Endpoint, addr: ev.Addr, addr6: ev.SpecAddr6, traced: ev.Addr, mac: ev.MAC}
+		if !ev.Addr.Addr().Is4() {
+			// An IPv6-only endpoint: the trace names no address or its
+			// IPv6 one.
+			if ev.Addr.IsValid() && ev.Addr != ev.SpecAddr6 {
+				return fmt.Errorf("CreateEndpoint %s/%s: traced address %s, the workload gave IPv6 %s and no IPv4", ev.Network, ev.Endpoint, ev.Addr, ev.SpecAddr6)
+			}
+			ep.addr = netip.Prefix{}
+		}
+		var sub int
+		var ok bool
+		if ep.addr.IsValid() {
+			sub, ok = n.subnetOf(ep.addr.Addr())
+			ok = ok && n.subnets[sub].pool.Contains(ep.addr.Addr())
+		} else if ep.addr6.IsValid() {
+			sub, ok = n.subnetOf(ep.addr6.Addr())
+			ok = ok && !n.subnets[sub].pool.IsValid()
+		}
+		if !ok {
+			return fmt.Errorf("CreateEndpoint %s/%s: address %s (IPv6 %s) in no subnet", ev.Network, ev.Endpoint, ev.Addr, ev.SpecAddr6)
+		}
+		if has6 := len(n.subnets[sub].pools6) > 0; has6 != ep.addr6.IsValid() {
+			return fmt.Errorf("CreateEndpoint %s/%s: IPv6 %s on a network with IPv6 subnets %v (the workload gives every endpoint of one an IPv6 address of them, others none)", ev.Network, ev.Endpoint, ep.addr6, n.subnets[sub].pools6)
+		}
+		if ep.addr6.IsValid() {
+			if s6, ok := n.subnetOf(ep.addr6.Addr()); !ok || s6 != sub {
+				return fmt.Errorf("CreateEndpoint %s/%s: IPv6 %s is not in the segment of %s", ev.Network, ev.Endpoint, ep.addr6, ev.Addr)
+			}
 		}
 		if ev.MAC == (peerdb.MAC{}) || ev.MAC[0]&1 != 0 {
 			return fmt.Errorf("CreateEndpoint %s/%s: MAC %s is not unicast", ev.Network, ev.Endpoint, ev.MAC)
 		}
-		n.eps[ev.Endpoint] = &mEndpoint{id: ev.Endpoint, addr: ev.Addr, mac: ev.MAC, subnet: sub}
+		ep.subnet = sub
+		n.eps[ev.Endpoint] = ep
 		m.stats.epCreates++
 	case driver.TraceDeleteEndpoint:
 		n := m.nets[ev.Network]
@@ -309,14 +389,17 @@ func (m *model) apply(ev tev) error {
 		if ep.joined {
 			return fmt.Errorf("Join %s/%s: already joined", ev.Network, ev.Endpoint)
 		}
-		if ev.Addr != ep.addr || ev.MAC != ep.mac {
-			return fmt.Errorf("Join %s/%s: traced %s %s, endpoint was created with %s %s", ev.Network, ev.Endpoint, ev.Addr, ev.MAC, ep.addr, ep.mac)
+		if ev.Addr != ep.traced || ev.MAC != ep.mac {
+			return fmt.Errorf("Join %s/%s: traced %s %s, endpoint was created with %s %s", ev.Network, ev.Endpoint, ev.Addr, ev.MAC, ep.traced, ep.mac)
 		}
 		if n.joined() == 0 {
 			m.stats.sandboxesBuilt++
 		}
 		ep.joined = true
 		m.stats.joins++
+		if ep.addr6.IsValid() {
+			m.stats.joins6++
+		}
 	case driver.TraceLeave:
 		n := m.nets[ev.Network]
 		if n == nil || n.eps[ev.Endpoint] == nil || !n.eps[ev.Endpoint].joined {
@@ -371,11 +454,11 @@ func (m *model) describe(id string) []string {
 	}
 	var out []string
 	for i, s := range n.subnets {
-		out = append(out, fmt.Sprintf("subnet %d: vni %d pool %s gateway %v", i, s.vni, s.pool, s.gw))
+		out = append(out, fmt.Sprintf("subnet %d: vni %d pool %s gateway %v ipv6 %v gateways %v", i, s.vni, s.pool, s.gw, s.pools6, s.gws6))
 	}
 	var eps, remotes []string
 	for _, ep := range n.eps {
-		eps = append(eps, fmt.Sprintf("endpoint %s %s %s joined=%v", ep.id, ep.addr, ep.mac, ep.joined))
+		eps = append(eps, fmt.Sprintf("endpoint %s %s %s %s joined=%v", ep.id, ep.addr, ep.addr6, ep.mac, ep.joined))
 	}
 	for p := range n.remote {
 		remotes = append(remotes, "remote "+fmtPeer(&p))
@@ -437,15 +520,23 @@ func (n *mNetwork) desiredPeers() []string {
 		if !ep.joined {
 			continue
 		}
-		get(ep.addr.Addr()).local = true
+		for _, a := range []netip.Prefix{ep.addr, ep.addr6} {
+			if a.IsValid() {
+				get(a.Addr()).local = true
+			}
+		}
 		if localMAC[ep.subnet] == nil {
 			localMAC[ep.subnet] = map[peerdb.MAC]bool{}
 		}
 		localMAC[ep.subnet][ep.mac] = true
 	}
 	for p := range n.remote {
-		c := get(p.IP)
-		c.remotes = append(c.remotes, p)
+		for _, a := range []netip.Addr{p.IP, p.IPv6} {
+			if a.IsValid() {
+				c := get(a)
+				c.remotes = append(c.remotes, p)
+			}
+		}
 	}
 	type fdbKey struct {
 		subnet int
@@ -471,6 +562,9 @@ func (n *mNetwork) desiredPeers() []string {
 		}
 		vx := vxlanName(n.subnets[sub].vni)
 		lines = append(lines, fmt.Sprintf("%s neigh %s %s lladdr %s permanent", n.id, vx, ip, best.MAC))
+		if ip.Is6() {
+			n.neigh6++
+		}
 		k := fdbKey{sub, best.MAC}
 		if cur, ok := fdb[k]; !ok || ip.Less(cur.ip) {
 			fdb[k] = proposal{ip, best.VTEP}
@@ -520,6 +614,11 @@ func (m *model) desired(underlay []string) []string {
 			if s.gw.IsValid() {
 				lines = append(lines, fmt.Sprintf("%s addr %s %s", n.id, br, s.gw))
 			}
+			for _, gw := range s.gws6 {
+				if gw.IsValid() {
+					lines = append(lines, fmt.Sprintf("%s addr %s %s", n.id, br, gw))
+				}
+			}
 		}
 		for _, ep := range n.eps {
 			if !ep.joined {
@@ -531,6 +630,8 @@ func (m *model) desired(underlay []string) []string {
 				fmt.Sprintf("%s link %s veth up mtu=%d master=%s", n.id, sb, n.mtu, bridgeName(n.subnets[ep.subnet].vni)))
 		}
 		lines = append(lines, n.desiredPeers()...)
+		m.stats.neigh6 += n.neigh6
+		n.neigh6 = 0
 	}
 	sort.Strings(lines)
 	return lines
@@ -565,6 +666,9 @@ func fmtPeer(p *peerdb.Peer) string {
 	if p == nil {
 		return "-"
 	}
+	if p.IPv6.IsValid() {
+		return fmt.Sprintf("{%s %s ipv6=%s %s %s}", p.EndpointID, p.IP, p.IPv6, p.MAC, p.VTEP)
+	}
 	return fmt.Sprintf("{%s %s %s %s}", p.EndpointID, p.IP, p.MAC, p.VTEP)
 }
 
@@ -580,10 +684,17 @@ func fmtTrace(ev tev) string {
 				gws[i] = g.String()
 			}
 		}
-		return fmt.Sprintf("CreateNetwork %s vnis=%v pools=%v gw=%v mtu=%d internal=%v encrypted=%v", ev.Network, ev.VNIs, ev.Pools, gws, ev.MTU, ev.Internal, ev.Encrypted)
+		s := fmt.Sprintf("CreateNetwork %s vnis=%v pools=%v gw=%v mtu=%d internal=%v encrypted=%v", ev.Network, ev.VNIs, ev.Pools, gws, ev.MTU, ev.Internal, ev.Encrypted)
+		if len(ev.SpecPools6) > 0 {
+			s += fmt.Sprintf(" ipv6=%v gw6=%v", ev.SpecPools6, ev.SpecGateways6)
+		}
+		return s
 	case driver.TraceDeleteNetwork:
 		return "DeleteNetwork " + ev.Network
 	case driver.TraceCreateEndpoint:
+		if ev.SpecAddr6.IsValid() {
+			return fmt.Sprintf("CreateEndpoint %s/%s %s ipv6=%s %s", ev.Network, ev.Endpoint, ev.Addr, ev.SpecAddr6, ev.MAC)
+		}
 		return fmt.Sprintf("CreateEndpoint %s/%s %s %s", ev.Network, ev.Endpoint, ev.Addr, ev.MAC)
 	case driver.TraceDeleteEndpoint:
 		return fmt.Sprintf("DeleteEndpoint %s/%s", ev.Network, ev.Endpoint)
@@ -619,8 +730,18 @@ func copyTrace(ev driver.TraceEvent) driver.TraceEvent {
 // trace file): a Pull comes with the records it read from the source
 // (Full: every record of the VNI; otherwise the keys it asked for, each
 // found or not), which the sequential replay re-creates.
+//
+// The trace names a segment's IPv4 pool and an endpoint's IPv4 address
+// only; the harness adds the IPv6 side from the workload's request
+// (enrich): SpecPools6 and SpecGateways6 on a CreateNetwork of a network
+// with IPv6 (its one segment's IPv6 subnets and gateways), SpecAddr6 on a
+// CreateEndpoint of such a network (the IPv6 address addr6For gave it).
 type tev struct {
 	driver.TraceEvent
 	Full bool      `json:",omitempty"`
 	Read []srcRead `json:",omitempty"`
+
+	SpecPools6    []netip.Prefix `json:",omitempty"`
+	SpecGateways6 []netip.Prefix `json:",omitempty"`
+	SpecAddr6     netip.Prefix   `json:",omitzero"`
 }

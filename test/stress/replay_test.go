@@ -193,18 +193,37 @@ func issue(e *env, ev tev) error {
 			driver.OptInternal: ev.Internal,
 		}}
 		for i, p := range ev.Pools {
+			if !p.Addr().Is4() {
+				continue // an IPv6-only segment (its IPv6 subnets follow)
+			}
 			data := &api.IPAMData{AddressSpace: "GlobalDefault", Pool: p.String()}
 			if i < len(ev.Gateways) && ev.Gateways[i].IsValid() {
 				data.Gateway = ev.Gateways[i].String()
 			}
 			req.IPv4Data = append(req.IPv4Data, data)
 		}
+		if len(ev.SpecPools6) > 0 {
+			req.Options[driver.OptEnableV6] = true
+		}
+		for j, p := range ev.SpecPools6 {
+			data := &api.IPAMData{AddressSpace: "GlobalDefault", Pool: p.String()}
+			if j < len(ev.SpecGateways6) && ev.SpecGateways6[j].IsValid() {
+				data.Gateway = ev.SpecGateways6[j].String()
+			}
+			req.IPv6Data = append(req.IPv6Data, data)
+		}
 		return d.CreateNetwork(req)
 	case driver.TraceDeleteNetwork:
 		return d.DeleteNetwork(&api.DeleteNetworkRequest{NetworkID: ev.Network})
 	case driver.TraceCreateEndpoint:
-		_, err := d.CreateEndpoint(&api.CreateEndpointRequest{NetworkID: ev.Network, EndpointID: ev.Endpoint,
-			Interface: &api.EndpointInterface{Address: ev.Addr.String(), MacAddress: ev.MAC.String()}})
+		iface := &api.EndpointInterface{MacAddress: ev.MAC.String()}
+		if ev.Addr.Addr().Is4() {
+			iface.Address = ev.Addr.String()
+		}
+		if ev.SpecAddr6.IsValid() {
+			iface.AddressIPv6 = ev.SpecAddr6.String()
+		}
+		_, err := d.CreateEndpoint(&api.CreateEndpointRequest{NetworkID: ev.Network, EndpointID: ev.Endpoint, Interface: iface})
 		return err
 	case driver.TraceDeleteEndpoint:
 		return d.DeleteEndpoint(&api.DeleteEndpointRequest{NetworkID: ev.Network, EndpointID: ev.Endpoint})

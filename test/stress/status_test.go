@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"slices"
 	"sort"
+	"strings"
 
 	"github.com/overlayd/overlayd/driver"
 	"github.com/overlayd/overlayd/peerdb"
@@ -120,9 +121,19 @@ func (m *model) desiredStatus(netnsDir string) []string {
 	return lines
 }
 
+// compareStatus compares Status with the model, except for the networks
+// with IPv6: how Status shows their IPv6 subnets, addresses and claims is
+// not settled yet (issue 12), and the harness does not guess it; their
+// kernel state and published records are compared in full.
 func compareStatus(e *env, m *model) []string {
 	var diffs []string
-	for _, l := range diffLines(m.desiredStatus(e.netnsDir), statusLines(e.d.Status(), e.netnsDir)) {
+	skip := func(lines []string) []string {
+		return slices.DeleteFunc(lines, func(l string) bool {
+			f := strings.Fields(l)
+			return len(f) > 1 && f[0] == "network" && m.nets[f[1]] != nil && m.nets[f[1]].has6()
+		})
+	}
+	for _, l := range diffLines(skip(m.desiredStatus(e.netnsDir)), skip(statusLines(e.d.Status(), e.netnsDir))) {
 		diffs = append(diffs, "driver status vs model: "+l)
 	}
 	return diffs

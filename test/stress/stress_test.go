@@ -104,6 +104,11 @@ func TestStress(t *testing.T) {
 			{"spurious notifications", w["spurious notification"], 200},
 			{"concurrent Reconciles", w["reconcile"], 50},
 			{"changes not notified", w["change not notified"], 50},
+			// IPv6 (issue 12): endpoints with an IPv6 address joined,
+			// records with one held, IPv6 neighbours in the kernel.
+			{"joins of endpoints with IPv6", s.joins6, 20},
+			{"records with IPv6 held, summed over quiet points", s.held6, 50},
+			{"IPv6 neighbours required, summed over quiet points", s.neigh6, 20},
 		}
 		if cfg.fixedAdv {
 			// With keys on this kernel the SAs of remotes cannot be
@@ -374,6 +379,112 @@ func TestModelRules(t *testing.T) {
 	}
 	if err := m.apply(tev{TraceEvent: driver.TraceEvent{Kind: driver.TraceJoin, Network: "n", Endpoint: "e"}}); err == nil {
 		t.Fatal("a Join of an endpoint the network does not have was accepted")
+	}
+}
+
+// The model's IPv6 rules (issue 12) on hand-made cases: a dual-stack
+// network (one segment: one VNI, an IPv4 and two IPv6 subnets) and an
+// IPv6-only one; each address is a claim of its own.
+func TestModelRulesIPv6(t *testing.T) {
+	m := newModel()
+	apply := func(ev tev) {
+		t.Helper()
+		if err := m.apply(ev); err != nil {
+			t.Fatal(err)
+		}
+	}
+	a := netip.MustParseAddr
+	vtep1, vtep2 := a("192.0.2.51"), a("192.0.2.52")
+	key := func(vni uint32, host, ep string) peerdb.Key {
+		return peerdb.Key{VNI: vni, Origin: "host-" + host, EndpointID: ep}
+	}
+	s := &netSpec{vnis: []uint32{7}, pools: []netip.Prefix{pfx("198.51.100.0/24")}, pools6: []netip.Prefix{pfx("2001:db8:1::/64"), pfx("2001:db8:2::/64")}}
+	create := tev{TraceEvent: driver.TraceEvent{Kind: driver.TraceCreateNetwork, Network: "d", VNIs: []uint32{7}, Pools: s.pools, Gateways: []netip.Prefix{s.gateway(0)}, MTU: 1450},
+		SpecPools6: s.pools6, SpecGateways6: []netip.Prefix{s.gateway6(0), s.gateway6(1)}}
+	apply(create)
+	lmac := peerdb.MAC{2, 0xbb, 0, 0, 0, 1}
+	v4 := a("198.51.100.9")
+	ep6 := addr6For(s, v4, "e")
+	if ep6 != pfx("2001:db8:2::9/64") {
+		t.Fatalf("addr6For(%s) = %s, want the host number 9 in the second IPv6 subnet (9 mod 2)", v4, ep6)
+	}
+	apply(tev{TraceEvent: driver.TraceEvent{Kind: driver.TraceCreateEndpoint, Network: "d", Endpoint: "e", Addr: pfx("198.51.100.9/24"), MAC: lmac}, SpecAddr6: ep6})
+	apply(tev{TraceEvent: driver.TraceEvent{Kind: driver.TraceJoin, Network: "d", Endpoint: "e", Addr: pfx("198.51.100.9/24"), MAC: lmac}})
+	// An endpoint of a network with IPv6 without an IPv6 address is not a
+	// request of the workload.
+	if err := m.apply(tev{TraceEvent: driver.TraceEvent{Kind: driver.TraceCreateEndpoint, Network: "d", Endpoint: "x", Addr: pfx("198.51.100.8/24"), MAC: lmac}}); err == nil {
+		t.Error("an endpoint without IPv6 on a dual-stack network was accepted")
+	}
+	recs := map[peerdb.Key]peerdb.Peer{
+		// Dual-stack, both addresses free: two neighbours, one FDB entry
+		// (the proposal of its IPv4 address, the smaller).
+		key(7, "a", "r1"): {EndpointID: "r1", IP: a("198.51.100.5"), IPv6: a("2001:db8:1::5"), MAC: peerdb.MAC{2, 0x42, 0, 0, 0, 5}, VTEP: vtep1},
+		// IPv6 only.
+		key(7, "a", "r2"): {EndpointID: "r2", IPv6: a("2001:db8:2::6"), MAC: peerdb.MAC{2, 0x42, 0, 0, 0, 6}, VTEP: vtep1},
+		// Claims the local endpoint's IPv6 address (shadowed there) and a
+		// free IPv4 one (active): one neighbour, its FDB entry.
+		key(7, "b", "r3"): {EndpointID: "r3", IP: a("198.51.100.7"), IPv6: ep6.Addr(), MAC: peerdb.MAC{2, 0x42, 0, 0, 0, 7}, VTEP: vtep2},
+		// Claims r1's IPv6 address with a larger EndpointID: shadowed,
+		// and r2's... no: its own IPv4 address is free.
+		key(7, "b", "s1"): {EndpointID: "s1", IP: a("198.51.100.11"), IPv6: a("2001:db8:1::5"), MAC: peerdb.MAC{2, 0x42, 0, 0, 0, 8}, VTEP: vtep2},
+		// Refused: IPv6 outside the segment; IPv4-mapped; the IPv4
+		// address in the IPv6 field; none.
+		key(7, "b", "z1"): {EndpointID: "z1", IPv6: a("2001:db8:3::1"), MAC: peerdb.MAC{2, 0x42, 0, 0, 0, 9}, VTEP: vtep2},
+		key(7, "b", "z2"): {EndpointID: "z2", IPv6: netip.AddrFrom16(a("198.51.100.12").As16()), MAC: peerdb.MAC{2, 0x42, 0, 0, 0, 9}, VTEP: vtep2},
+		key(7, "b", "z3"): {EndpointID: "z3", IPv6: a("198.51.100.13"), MAC: peerdb.MAC{2, 0x42, 0, 0, 0, 9}, VTEP: vtep2},
+		key(7, "b", "z4"): {EndpointID: "z4", MAC: peerdb.MAC{2, 0x42, 0, 0, 0, 9}, VTEP: vtep2},
+	}
+	m.syncRemotes(recs)
+	n := m.nets["d"]
+	if len(n.remote) != 4 || len(n.rejected) != 4 {
+		t.Fatalf("remote %v refused %v: want 4 and 4", n.remote, n.rejected)
+	}
+	got := n.desiredPeers()
+	slices.Sort(got)
+	want := []string{
+		"d fdb ovvx-7 02:42:00:00:00:05 dst 192.0.2.51 self permanent",
+		"d fdb ovvx-7 02:42:00:00:00:06 dst 192.0.2.51 self permanent",
+		"d fdb ovvx-7 02:42:00:00:00:07 dst 192.0.2.52 self permanent",
+		"d fdb ovvx-7 02:42:00:00:00:08 dst 192.0.2.52 self permanent",
+		"d neigh ovvx-7 198.51.100.11 lladdr 02:42:00:00:00:08 permanent",
+		"d neigh ovvx-7 198.51.100.5 lladdr 02:42:00:00:00:05 permanent",
+		"d neigh ovvx-7 198.51.100.7 lladdr 02:42:00:00:00:07 permanent",
+		"d neigh ovvx-7 2001:db8:1::5 lladdr 02:42:00:00:00:05 permanent",
+		"d neigh ovvx-7 2001:db8:2::6 lladdr 02:42:00:00:00:06 permanent",
+	}
+	if !slices.Equal(got, want) {
+		t.Errorf("desired peers:\n%s\nwant:\n%s", strings.Join(got, "\n"), strings.Join(want, "\n"))
+	}
+	// The sandbox has the IPv4 and both IPv6 gateways on the one bridge.
+	all := strings.Join(m.desired(nil), "\n")
+	for _, w := range []string{"d addr ovbr-7 198.51.100.1/24", "d addr ovbr-7 2001:db8:1::1/64", "d addr ovbr-7 2001:db8:2::1/64"} {
+		if !strings.Contains(all, w) {
+			t.Errorf("desired state lacks %q:\n%s", w, all)
+		}
+	}
+
+	// IPv6-only: the trace names no IPv4 pool; an endpoint without IPv4.
+	s6 := &netSpec{vnis: []uint32{8}, pools: []netip.Prefix{{}}, pools6: []netip.Prefix{pfx("2001:db8:7::/64")}}
+	apply(tev{TraceEvent: driver.TraceEvent{Kind: driver.TraceCreateNetwork, Network: "o", VNIs: []uint32{8}, Pools: []netip.Prefix{{}}, Gateways: []netip.Prefix{{}}, MTU: 1450},
+		SpecPools6: s6.pools6, SpecGateways6: []netip.Prefix{s6.gateway6(0)}})
+	o6 := addr6For(s6, netip.Addr{}, "f")
+	apply(tev{TraceEvent: driver.TraceEvent{Kind: driver.TraceCreateEndpoint, Network: "o", Endpoint: "f", MAC: lmac}, SpecAddr6: o6})
+	apply(tev{TraceEvent: driver.TraceEvent{Kind: driver.TraceJoin, Network: "o", Endpoint: "f", MAC: lmac}})
+	recs[key(8, "a", "r1")] = peerdb.Peer{EndpointID: "r1", IPv6: o6.Addr(), MAC: peerdb.MAC{2, 0x42, 0, 0, 0, 5}, VTEP: vtep1}
+	recs[key(8, "a", "r2")] = peerdb.Peer{EndpointID: "r2", IPv6: a("2001:db8:7::77"), MAC: lmac, VTEP: vtep1}
+	recs[key(8, "a", "r3")] = peerdb.Peer{EndpointID: "r3", IP: a("198.51.100.20"), IPv6: a("2001:db8:7::78"), MAC: lmac, VTEP: vtep1}
+	m.syncRemotes(recs)
+	o := m.nets["o"]
+	if len(o.remote) != 2 || len(o.rejected) != 1 {
+		t.Fatalf("IPv6-only network: remote %v refused %v: want 2 and the record with an IPv4 address", o.remote, o.rejected)
+	}
+	// r1 is shadowed by the local endpoint; r2 has the local MAC: its
+	// neighbour, no FDB entry.
+	if got := o.desiredPeers(); !slices.Equal(got, []string{"o neigh ovvx-8 2001:db8:7::77 lladdr 02:bb:00:00:00:01 permanent"}) {
+		t.Errorf("IPv6-only network's desired peers: %v", got)
+	}
+	if m.stats.joins6 != 2 || m.stats.held6 < 5 {
+		t.Errorf("IPv6 statistics %+v", m.stats)
 	}
 }
 

@@ -4,6 +4,7 @@ package stress
 
 import (
 	"fmt"
+	"hash/crc32"
 	"maps"
 	"math/rand"
 	"net/netip"
@@ -24,8 +25,11 @@ import (
 // the network that has it now (it refuses them; they stay at the source and
 // fit a network created later with another spec).
 type netSpec struct {
-	vnis     []uint32
-	pools    []netip.Prefix
+	vnis  []uint32
+	pools []netip.Prefix // IPv4; the invalid Prefix for an IPv6-only segment
+	// pools6 are the IPv6 subnets of a network with IPv6: it has one
+	// segment (one VNI) carrying its IPv4 subnet, if any, and these.
+	pools6   []netip.Prefix
 	noGW     bool // no gateway (pools get one otherwise: the pool's first address)
 	mtu      int  // 0: from the underlay
 	internal bool
@@ -41,9 +45,21 @@ func (s *netSpec) gateway(i int) netip.Prefix {
 	return netip.PrefixFrom(s.pools[i].Addr().Next(), s.pools[i].Bits())
 }
 
+// gateway6 is the gateway of IPv6 subnet j (its first address after the
+// subnet-router anycast one), or none.
+func (s *netSpec) gateway6(j int) netip.Prefix {
+	if s.noGW {
+		return netip.Prefix{}
+	}
+	return netip.PrefixFrom(s.pools6[j].Addr().Next(), s.pools6[j].Bits())
+}
+
 func (s *netSpec) String() string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "vni=%v pools=%v", s.vnis, s.pools)
+	if len(s.pools6) > 0 {
+		fmt.Fprintf(&b, " pools6=%v", s.pools6)
+	}
 	if s.noGW {
 		b.WriteString(" nogw")
 	}
@@ -76,7 +92,6 @@ type universe struct {
 	vnis      []uint32 // every VNI of every spec, and orphans no spec has
 	vniPools  map[uint32][]netip.Prefix
 	pools     []netip.Prefix
-	netPools  map[string][]netip.Prefix
 	endpoints []string // local endpoint ids, per network
 	remotes   []string // remote endpoint ids
 	vteps     []netip.Addr
@@ -96,11 +111,15 @@ var defaultMix = opMix{peer: 46, epCreate: 12, epDelete: 4, join: 12, leave: 5, 
 
 func pfx(s string) netip.Prefix { return netip.MustParsePrefix(s) }
 
-// stressUniverse: six network ids over seven specs, single- and
-// multi-subnet, sharing VNIs (100 and 103) and a pool, one without gateway
-// and internal, two with explicit MTUs, two encrypted (s0 of n0 and s6 of
-// n2, sharing VNIs 100 and 103 with plain specs); VNI 999 belongs to no
-// spec.
+// stressUniverse: eight network ids over eleven specs, single- and
+// multi-subnet, sharing VNIs (100, 101 and 103) and a pool, two without
+// gateway and internal, three with explicit MTUs, three encrypted (s0 of
+// n0, s6 of n2 and s9 of n7, sharing VNIs 100 and 103 with plain specs);
+// four with IPv6 (issue 12): dual-stack with two IPv6 subnets (s7),
+// IPv6-only (s8), dual-stack on VNI 100 of n0's specs (s9) and IPv6-only,
+// internal, on VNI 101 of n1's and n5's (s10), so that records of one VNI
+// carry addresses of either family that fit one network and not another;
+// VNI 999 belongs to no spec.
 func stressUniverse(localVTEP netip.Addr) *universe {
 	s0 := &netSpec{vnis: []uint32{100}, pools: []netip.Prefix{pfx("198.51.100.0/26")}, encrypted: true}
 	s1 := &netSpec{vnis: []uint32{101}, pools: []netip.Prefix{pfx("198.51.100.64/26")}, mtu: 1400}
@@ -109,6 +128,10 @@ func stressUniverse(localVTEP netip.Addr) *universe {
 	s4 := &netSpec{vnis: []uint32{105, 106, 107}, pools: []netip.Prefix{pfx("203.0.113.128/26"), pfx("198.18.0.0/24"), pfx("198.18.1.0/24")}, mtu: 1300}
 	s5 := &netSpec{vnis: []uint32{100}, pools: []netip.Prefix{pfx("198.18.2.0/24")}}
 	s6 := &netSpec{vnis: []uint32{108, 103}, pools: []netip.Prefix{pfx("198.18.3.0/24"), pfx("198.51.100.192/26")}, encrypted: true}
+	s7 := &netSpec{vnis: []uint32{110}, pools: []netip.Prefix{pfx("198.18.4.0/24")}, pools6: []netip.Prefix{pfx("2001:db8:6::/64"), pfx("2001:db8:6:1::/64")}}
+	s8 := &netSpec{vnis: []uint32{111}, pools: []netip.Prefix{{}}, pools6: []netip.Prefix{pfx("2001:db8:7::/64")}}
+	s9 := &netSpec{vnis: []uint32{100}, pools: []netip.Prefix{pfx("198.18.5.0/24")}, pools6: []netip.Prefix{pfx("2001:db8:9::/64")}, mtu: 1400, encrypted: true}
+	s10 := &netSpec{vnis: []uint32{101}, pools: []netip.Prefix{{}}, pools6: []netip.Prefix{pfx("2001:db8:a::/120")}, noGW: true, internal: true}
 	specs := map[string][]*netSpec{
 		"n0": {s0, s5},
 		"n1": {s1},
@@ -116,9 +139,11 @@ func stressUniverse(localVTEP netip.Addr) *universe {
 		"n3": {s3},
 		"n4": {s4},
 		"n5": {s5, s1},
+		"n6": {s7, s8},
+		"n7": {s9, s10},
 	}
 	u := &universe{
-		nets:      []string{"n0", "n1", "n2", "n3", "n4", "n5"},
+		nets:      []string{"n0", "n1", "n2", "n3", "n4", "n5", "n6", "n7"},
 		specs:     specs,
 		endpoints: []string{"e0", "e1", "e2", "e3", "e4", "e5"},
 		remotes:   []string{"e1", "r0", "r1", "r2", "r3", "r4", "r5", "r6"},
@@ -162,18 +187,23 @@ func (u *universe) index(orphans []uint32) {
 		u.origins = append(u.origins, originOf(v))
 	}
 	u.vniPools = map[uint32][]netip.Prefix{}
-	u.netPools = map[string][]netip.Prefix{}
 	for _, id := range u.nets {
 		for _, s := range u.specs[id] {
 			for i, v := range s.vnis {
-				if !slices.Contains(u.vniPools[v], s.pools[i]) {
-					u.vniPools[v] = append(u.vniPools[v], s.pools[i])
+				pools := []netip.Prefix{s.pools[i]}
+				if i == 0 {
+					pools = append(pools, s.pools6...) // a network with IPv6 has one segment
 				}
-				if !slices.Contains(u.netPools[id], s.pools[i]) {
-					u.netPools[id] = append(u.netPools[id], s.pools[i])
-				}
-				if !slices.Contains(u.pools, s.pools[i]) {
-					u.pools = append(u.pools, s.pools[i])
+				for _, p := range pools {
+					if !p.IsValid() {
+						continue // an IPv6-only segment
+					}
+					if !slices.Contains(u.vniPools[v], p) {
+						u.vniPools[v] = append(u.vniPools[v], p)
+					}
+					if !slices.Contains(u.pools, p) {
+						u.pools = append(u.pools, p)
+					}
 				}
 				if !slices.Contains(u.vnis, v) {
 					u.vnis = append(u.vnis, v)
@@ -206,17 +236,25 @@ var encryptedMTU = encryption.InnerMTU(1500, false)
 // checkCreate verifies that a traced CreateNetwork matches a request the
 // workload could have made for that id (VNIs, pools, gateways, internal,
 // encrypted), and that the MTU is the requested one or the underlay's minus
-// the VXLAN (and, encrypted, ESP) overhead.
-func (u *universe) checkCreate(ev driver.TraceEvent) error {
+// the VXLAN (and, encrypted, ESP) overhead; it returns that request's spec.
+// The trace carries a segment's IPv4 pool and gateway: for an IPv6-only
+// segment either none or its first IPv6 subnet's (the driver's choice).
+func (u *universe) checkCreate(ev driver.TraceEvent) (*netSpec, error) {
 	for _, s := range u.specs[ev.Network] {
-		if !slices.Equal(s.vnis, ev.VNIs) || !slices.Equal(s.pools, ev.Pools) || s.internal != ev.Internal || s.encrypted != ev.Encrypted {
+		if !slices.Equal(s.vnis, ev.VNIs) || len(ev.Pools) != len(s.pools) || s.internal != ev.Internal || s.encrypted != ev.Encrypted {
 			continue
 		}
-		gwOK := len(ev.Gateways) == len(s.pools)
-		for i := 0; gwOK && i < len(s.pools); i++ {
-			gwOK = ev.Gateways[i] == s.gateway(i)
+		ok := len(ev.Gateways) == len(s.pools)
+		for i := 0; ok && i < len(s.pools); i++ {
+			pool, gw := s.pools[i], s.gateway(i)
+			if !pool.IsValid() {
+				ok = (!ev.Pools[i].IsValid() && !ev.Gateways[i].IsValid()) ||
+					(ev.Pools[i] == s.pools6[0] && ev.Gateways[i] == s.gateway6(0))
+				continue
+			}
+			ok = ev.Pools[i] == pool && ev.Gateways[i] == gw
 		}
-		if !gwOK {
+		if !ok {
 			continue
 		}
 		want := s.mtu
@@ -227,11 +265,31 @@ func (u *universe) checkCreate(ev driver.TraceEvent) error {
 			}
 		}
 		if ev.MTU != want {
-			return fmt.Errorf("%s: MTU %d, want %d", fmtTrace(tev{TraceEvent: ev}), ev.MTU, want)
+			return s, fmt.Errorf("%s: MTU %d, want %d", fmtTrace(tev{TraceEvent: ev}), ev.MTU, want)
 		}
-		return nil
+		return s, nil
 	}
-	return fmt.Errorf("%s: no CreateNetwork request of the workload had these settings", fmtTrace(tev{TraceEvent: ev}))
+	return nil, fmt.Errorf("%s: no CreateNetwork request of the workload had these settings", fmtTrace(tev{TraceEvent: ev}))
+}
+
+// addr6For is the IPv6 address the workload gives an endpoint of a network
+// of spec s that has IPv6 (dockerd gives every endpoint of a dual-stack
+// network both): with an IPv4 address, the same host number in the IPv6
+// subnet that number picks; without (an IPv6-only network), a host number
+// of the endpoint id's. The trace carries the IPv4 address only, so the
+// harness recomputes the IPv6 one from it (enrich). Endpoints of one
+// network may share either address, as they may share the IPv4 one.
+func addr6For(s *netSpec, v4 netip.Addr, ep string) netip.Prefix {
+	var host byte
+	if v4.Is4() {
+		host = v4.As4()[3]
+	} else {
+		host = byte(2 + crc32.ChecksumIEEE([]byte(ep))%8)
+	}
+	p := s.pools6[int(host)%len(s.pools6)]
+	a := p.Addr().As16()
+	a[15] += host
+	return netip.PrefixFrom(netip.AddrFrom16(a), p.Bits())
 }
 
 // createRequest is the request dockerd would send for s.
@@ -252,11 +310,24 @@ func createRequest(id string, s *netSpec) *api.CreateNetworkRequest {
 		req.Options[driver.OptInternal] = true
 	}
 	for i, p := range s.pools {
+		if !p.IsValid() {
+			continue // IPv6-only
+		}
 		d := &api.IPAMData{AddressSpace: "GlobalDefault", Pool: p.String()}
 		if gw := s.gateway(i); gw.IsValid() {
 			d.Gateway = gw.String()
 		}
 		req.IPv4Data = append(req.IPv4Data, d)
+	}
+	if len(s.pools6) > 0 {
+		req.Options[driver.OptEnableV6] = true
+	}
+	for j, p := range s.pools6 {
+		d := &api.IPAMData{AddressSpace: "GlobalDefault", Pool: p.String()}
+		if gw := s.gateway6(j); gw.IsValid() {
+			d.Gateway = gw.String()
+		}
+		req.IPv6Data = append(req.IPv6Data, d)
 	}
 	return req
 }
@@ -308,6 +379,11 @@ func noError(err error) bool  { return err == nil }
 func (g *gen) pick(n int) int { return g.rng.Intn(n) }
 
 func (g *gen) hostAddr(p netip.Prefix, max int) netip.Addr {
+	if p.Addr().Is6() {
+		a := p.Addr().As16()
+		a[15] += byte(2 + g.pick(max-1))
+		return netip.AddrFrom16(a)
+	}
 	a := p.Addr().As4()
 	a[3] += byte(2 + g.pick(max-1))
 	return netip.AddrFrom4(a)
@@ -400,12 +476,33 @@ func (g *gen) next() op {
 	}
 }
 
+// createEndpoint draws a request that fits one of the specs of id (the
+// network may have another one now: then it is refused): an IPv4 address
+// of a segment, and on a network with IPv6 the IPv6 address addr6For
+// gives (only that on an IPv6-only network).
 func (g *gen) createEndpoint(id, ep string) op {
-	pools := g.u.netPools[id]
-	pool := pools[g.pick(len(pools))]
-	addr := netip.PrefixFrom(g.hostAddr(pool, g.u.localMax), pool.Bits())
-	iface := &api.EndpointInterface{Address: addr.String()}
-	desc := fmt.Sprintf("CreateEndpoint %s/%s %s", id, ep, addr)
+	specs := g.u.specs[id]
+	s := specs[g.pick(len(specs))]
+	seg := g.pick(len(s.vnis))
+	iface := &api.EndpointInterface{}
+	desc := fmt.Sprintf("CreateEndpoint %s/%s", id, ep)
+	var v4 netip.Addr
+	if pool := s.pools[seg]; pool.IsValid() {
+		v4 = g.hostAddr(pool, g.u.localMax)
+		iface.Address = netip.PrefixFrom(v4, pool.Bits()).String()
+		desc += " " + iface.Address
+	}
+	if seg == 0 && len(s.pools6) > 0 {
+		iface.AddressIPv6 = addr6For(s, v4, ep).String()
+		desc += " " + iface.AddressIPv6
+		g.count["endpoint requests with IPv6"]++
+	}
+	refusals := []string{"not found", "already exists in network", "is not in any subnet"}
+	if iface.AddressIPv6 != "" {
+		// A request for another spec of the id than the network's: the
+		// driver names the field it refuses.
+		refusals = append(refusals, "Address")
+	}
 	switch r := g.pick(100); {
 	case r < 20: // a MAC given by dockerd, shared among endpoints and remotes
 		iface.MacAddress = fmt.Sprintf("02:bb:00:00:00:%02x", g.pick(4))
@@ -416,16 +513,16 @@ func (g *gen) createEndpoint(id, ep string) op {
 			_, err := d.CreateEndpoint(&api.CreateEndpointRequest{NetworkID: id, EndpointID: ep, Interface: iface})
 			return err
 		}}
-	case r < 24: // invalid: IPv6 address given
+	case r < 24: // invalid: an IPv6 address in no IPv6 subnet of any spec
 		iface.AddressIPv6 = "2001:db8::5/64"
-		return op{desc: desc + " (ipv6)", ok: mustFail, run: func(d *driver.Driver) error {
+		return op{desc: desc + " (ipv6 outside the subnets)", ok: mustFail, run: func(d *driver.Driver) error {
 			_, err := d.CreateEndpoint(&api.CreateEndpointRequest{NetworkID: id, EndpointID: ep, Interface: iface})
 			return err
 		}}
 	}
 	return op{desc: desc,
 		ok: func(err error) bool {
-			return errHas(err, "not found", "already exists in network", "is not in any subnet")
+			return errHas(err, refusals...)
 		},
 		run: func(d *driver.Driver) error {
 			resp, err := d.CreateEndpoint(&api.CreateEndpointRequest{NetworkID: id, EndpointID: ep, Interface: iface})
@@ -546,28 +643,61 @@ func (g *gen) randomKey(vni uint32) peerdb.Key {
 	return peerdb.Key{VNI: vni, Origin: g.origin().name, EndpointID: g.u.remotes[g.pick(len(g.u.remotes))]}
 }
 
-// randomIP draws an address for a record of vni: usually in a pool of that
-// VNI, sometimes in another pool (the record does not fit the network that
-// has the VNI now, and may fit one created later).
-func (g *gen) randomIP(vni uint32) netip.Addr {
+// randomIPs draws the addresses of a record of vni: usually in the pools
+// of that VNI, sometimes in any pool (the record does not fit the network
+// that has the VNI now, and may fit one created later). Where the pools
+// have both families, a record has an IPv4 address, an IPv6 one or both
+// (a dual-stack endpoint); never neither.
+func (g *gen) randomIPs(vni uint32) (v4, v6 netip.Addr) {
 	pools := g.u.vniPools[vni]
 	if g.pick(10) == 0 {
 		pools = g.u.pools
 	}
-	return g.hostAddr(pools[g.pick(len(pools))], g.u.remoteMax)
+	var p4, p6 []netip.Prefix
+	for _, p := range pools {
+		if p.Addr().Is4() {
+			p4 = append(p4, p)
+		} else {
+			p6 = append(p6, p)
+		}
+	}
+	want4, want6 := len(p4) > 0, len(p6) > 0
+	if want4 && want6 {
+		switch g.pick(3) {
+		case 0:
+			want6 = false
+		case 1:
+			want4 = false
+		}
+	}
+	if want4 {
+		v4 = g.hostAddr(p4[g.pick(len(p4))], g.u.remoteMax)
+	}
+	if want6 {
+		v6 = g.hostAddr(p6[g.pick(len(p6))], g.u.remoteMax)
+	}
+	return v4, v6
 }
 
-func (g *gen) randomMAC(ip netip.Addr) peerdb.MAC {
+// randomMAC draws a record's MAC: derived from one of its addresses, or
+// one shared among records and local endpoints.
+func (g *gen) randomMAC(v4, v6 netip.Addr) peerdb.MAC {
 	if g.pick(10) < 6 {
-		return peerdb.MACFromIP(ip)
+		if !v4.IsValid() {
+			return peerdb.MACFromIP(v6)
+		}
+		return peerdb.MACFromIP(v4)
 	}
-	return peerdb.MAC{0x02, 0xbb, 0, 0, 0, byte(g.pick(4))} // shared among records and local endpoints
+	return peerdb.MAC{0x02, 0xbb, 0, 0, 0, byte(g.pick(4))}
 }
 
 // record draws the record of k: its origin's VTEP, its endpoint id.
 func (g *gen) record(k peerdb.Key) peerdb.Peer {
-	ip := g.randomIP(k.VNI)
-	return peerdb.Peer{EndpointID: k.EndpointID, IP: ip, MAC: g.randomMAC(ip), VTEP: g.originNamed(k.Origin).vtep}
+	v4, v6 := g.randomIPs(k.VNI)
+	if v6.IsValid() {
+		g.count["records with IPv6 drawn"]++
+	}
+	return peerdb.Peer{EndpointID: k.EndpointID, IP: v4, IPv6: v6, MAC: g.randomMAC(v4, v6), VTEP: g.originNamed(k.Origin).vtep}
 }
 
 // variant is an update of p under the same key: another MAC, or the
@@ -578,10 +708,10 @@ func (g *gen) variant(k peerdb.Key, p peerdb.Peer) peerdb.Peer {
 	case 0:
 		q.MAC = peerdb.MAC{0x02, 0xbb, 0, 0, 0, byte(g.pick(4))}
 	case 1:
-		q.IP = g.randomIP(k.VNI)
+		q.IP, q.IPv6 = g.randomIPs(k.VNI)
 	default:
-		q.IP = g.randomIP(k.VNI)
-		q.MAC = peerdb.MACFromIP(q.IP)
+		q.IP, q.IPv6 = g.randomIPs(k.VNI)
+		q.MAC = g.randomMAC(q.IP, q.IPv6)
 	}
 	return q
 }
@@ -663,7 +793,7 @@ func (g *gen) invalidLocked(vni uint32, b *strings.Builder) []peerdb.Key {
 	k := g.randomKey(vni)
 	p := g.record(k)
 	var why string
-	switch g.pick(10) {
+	switch g.pick(14) {
 	case 0:
 		p.MAC, why = peerdb.MAC{}, "zero MAC"
 	case 1:
@@ -679,9 +809,17 @@ func (g *gen) invalidLocked(vni uint32, b *strings.Builder) []peerdb.Key {
 	case 6:
 		p.IP, why = netip.MustParseAddr("2001:db8::1"), "IPv6 address"
 	case 7:
-		p.IP, why = netip.AddrFrom16(p.IP.As16()), "IPv4-mapped IPv6 address"
+		p.IP, why = netip.AddrFrom16(netip.MustParseAddr("198.51.100.7").As16()), "IPv4-mapped IPv6 address"
 	case 8:
-		p.IP, why = netip.Addr{}, "no IP"
+		p.IP, p.IPv6, why = netip.Addr{}, netip.Addr{}, "no address"
+	case 9:
+		p.IPv6, why = netip.MustParseAddr("198.51.100.7"), "IPv4 address as IPv6"
+	case 10:
+		p.IPv6, why = netip.AddrFrom16(netip.MustParseAddr("198.51.100.7").As16()), "IPv4-mapped address as IPv6"
+	case 11:
+		p.IPv6, why = netip.MustParseAddr("ff02::1"), "multicast IPv6"
+	case 12:
+		p.IPv6, why = netip.MustParseAddr("fe80::5"), "link-local IPv6"
 	default:
 		k.EndpointID = strings.Repeat("x", peerdb.MaxEndpointIDLen+1)
 		p.EndpointID, why = k.EndpointID, "EndpointID too long"
