@@ -26,7 +26,7 @@ var guestPackages = []struct{ name, pkg, run string }{
 }
 
 // mustPass are guest tests that must have passed (not skipped) in the VM.
-var mustPass = []string{"TestDaemonEncryptedFlushesVM", "TestEncryptedNetworkRealPath", "TestEncryptedOverlay", "TestOwnerFlushesVM", "TestOwnerGenerationsVM", "TestOwnerRepairsOnNotification", "TestOwnerRotation"}
+var mustPass = []string{"TestDaemonEncryptedDualStackVM", "TestDaemonEncryptedFlushesVM", "TestEncryptedNetworkRealPath", "TestEncryptedOverlay", "TestOwnerFlushesVM", "TestOwnerGenerationsVM", "TestOwnerRepairsOnNotification", "TestOwnerRotation"}
 
 func moduleRoot(t *testing.T) string {
 	out, err := exec.Command("go", "env", "GOMOD").Output()
