@@ -19,11 +19,21 @@ type DB struct {
 
 	local map[string]Peer // local entries by EndpointID
 
-	// byIP maps every claimed IP (IPv4 as a big-endian uint32) to its claim
-	// in claims. Slots of freed claims are listed in freeClaims.
+	// byIP maps every claimed IPv4 address (as a big-endian uint32) to its
+	// claim in claims. Slots of freed claims are listed in freeClaims.
 	byIP       index
 	claims     []claim
 	freeClaims []int32
+
+	// byIP6 maps every claimed IPv6 address to its claim. IPv6 claims are
+	// kept apart so the IPv4 path stays as it was: a claim of an IPv6
+	// address has v6 set and, as its ip, its address's slot in addr6
+	// (slots of freed claims are listed in free6; a freed slot keeps its
+	// address until the next transaction reuses it, so the Delta of the
+	// transaction that freed it can still name it).
+	byIP6 map[netip.Addr]int32
+	addr6 []netip.Addr
+	free6 []uint32
 
 	// fdbIdx[s] maps a MAC (see macKey) to the FDB record of (subnet s,
 	// MAC) in fdbs. A record exists while the key has an FDB proposal or a
@@ -76,14 +86,23 @@ type Segment struct {
 // see compareRemote) inline as the head; the others and the local claimants
 // live in x, which is nil when there are none. A claim is empty when it has
 // no head and no x.
+//
+// A dual-stack entry claims its IPv4 and its IPv6 address: each claim
+// names, for each remote claimant, the claim of the claimant's other
+// address (other, when hasOther), which tells apart records that differ
+// only there and gives back the whole record. Both claims live as long as
+// the entry, so the index stays valid.
 type claim struct {
-	id   string // EndpointID of the head; "" when there is no remote claimant
-	mac  MAC    // of the head
-	vtep uint32 // of the head, interned in DB.vteps
-	ip   uint32
-	sub  int32  // index of the subnet of ip
-	mark uint32 // txn.id of the last transaction that noted this claim
-	x    *claimExtra
+	id       string // EndpointID of the head; "" when there is no remote claimant
+	mac      MAC    // of the head
+	v6       bool   // ip is a slot of DB.addr6, not an IPv4 address
+	hasOther bool   // of the head
+	vtep     uint32 // of the head, interned in DB.vteps
+	ip       uint32
+	sub      int32  // index of the segment of ip
+	mark     uint32 // txn.id of the last transaction that noted this claim
+	other    int32  // of the head: the claim of its other address, when hasOther
+	x        *claimExtra
 }
 
 type claimExtra struct {
@@ -93,9 +112,11 @@ type claimExtra struct {
 
 // remote is a remote claimant of a known IP.
 type remote struct {
-	id   string
-	mac  MAC
-	vtep uint32
+	id       string
+	mac      MAC
+	hasOther bool
+	vtep     uint32
+	other    int32 // the claim of the claimant's other address, when hasOther
 }
 
 // contrib is what a claim contributes to the desired state: when ok, its
@@ -257,7 +278,8 @@ func macOfKey(k uint64) MAC {
 	return MAC{byte(k >> 40), byte(k >> 32), byte(k >> 24), byte(k >> 16), byte(k >> 8), byte(k)}
 }
 
-// claimFor returns the claim of ip, creating an empty one if there is none.
+// claimFor returns the claim of the IPv4 address ip, creating an empty one
+// if there is none.
 func (db *DB) claimFor(ip uint32, sub int) int32 {
 	slot, ok := db.byIP.slot(uint64(ip))
 	if ok {
@@ -266,6 +288,57 @@ func (db *DB) claimFor(ip uint32, sub int) int32 {
 	ci := db.newClaim(ip, sub)
 	db.byIP.set(slot, uint64(ip), ci)
 	return ci
+}
+
+// claimFor6 returns the claim of the IPv6 address a, creating an empty one
+// if there is none.
+func (db *DB) claimFor6(a netip.Addr, sub int) int32 {
+	if ci, ok := db.byIP6[a]; ok {
+		return ci
+	}
+	var slot uint32
+	if n := len(db.free6); n > 0 {
+		slot = db.free6[n-1]
+		db.free6 = db.free6[:n-1]
+		db.addr6[slot] = a
+	} else {
+		slot = uint32(len(db.addr6))
+		db.addr6 = append(db.addr6, a)
+	}
+	ci := db.newClaim(slot, sub)
+	db.claims[ci].v6 = true
+	if db.byIP6 == nil {
+		db.byIP6 = make(map[netip.Addr]int32)
+	}
+	db.byIP6[a] = ci
+	return ci
+}
+
+// addr returns the address claim c claims.
+func (db *DB) addr(c *claim) netip.Addr {
+	if c.v6 {
+		return db.addr6[c.ip]
+	}
+	return addr4(c.ip)
+}
+
+// compareClaims orders claims by address (netip.Addr order: IPv4 first).
+func (db *DB) compareClaims(a, b int32) int {
+	ca, cb := &db.claims[a], &db.claims[b]
+	switch {
+	case ca.v6 != cb.v6:
+		if ca.v6 {
+			return 1
+		}
+		return -1
+	case ca.v6:
+		return db.addr6[ca.ip].Compare(db.addr6[cb.ip])
+	case ca.ip < cb.ip:
+		return -1
+	case ca.ip > cb.ip:
+		return 1
+	}
+	return 0
 }
 
 // newClaim allocates an empty claim, to be indexed by the caller.
@@ -285,18 +358,31 @@ func (db *DB) newClaim(ip uint32, sub int) int32 {
 // findRemote returns where p is among the remote claimants of c: headPos,
 // an index into c.x.remotes, or notFound.
 func (db *DB) findRemote(c *claim, p *Peer) int {
-	if c.id == p.EndpointID && c.mac == p.MAC && db.vteps.vals[c.vtep] == p.VTEP {
+	if c.id == p.EndpointID && c.mac == p.MAC && db.vteps.vals[c.vtep] == p.VTEP && db.otherIs(c, c.hasOther, c.other, p) {
 		return headPos
 	}
 	if c.x != nil {
 		for i := range c.x.remotes {
 			r := &c.x.remotes[i]
-			if r.id == p.EndpointID && r.mac == p.MAC && db.vteps.vals[r.vtep] == p.VTEP {
+			if r.id == p.EndpointID && r.mac == p.MAC && db.vteps.vals[r.vtep] == p.VTEP && db.otherIs(c, r.hasOther, r.other, p) {
 				return i
 			}
 		}
 	}
 	return notFound
+}
+
+// otherIs reports whether a claimant of c whose other address is (hasOther,
+// other) has the other address of p.
+func (db *DB) otherIs(c *claim, hasOther bool, other int32, p *Peer) bool {
+	want := p.IPv6
+	if c.v6 {
+		want = p.IP
+	}
+	if !hasOther || !want.IsValid() {
+		return hasOther == want.IsValid()
+	}
+	return db.addr(&db.claims[other]) == want
 }
 
 const (
@@ -312,12 +398,22 @@ func (db *DB) lessRemote(a, b *remote) bool {
 	if a.mac != b.mac {
 		return macKey(a.mac) < macKey(b.mac)
 	}
-	return db.vteps.vals[a.vtep].Less(db.vteps.vals[b.vtep])
+	if a.vtep != b.vtep {
+		return db.vteps.vals[a.vtep].Less(db.vteps.vals[b.vtep])
+	}
+	if a.hasOther != b.hasOther || !a.hasOther { // no other address first
+		return !a.hasOther && b.hasOther
+	}
+	return db.compareClaims(a.other, b.other) < 0
 }
 
-func (c *claim) head() remote { return remote{id: c.id, mac: c.mac, vtep: c.vtep} }
+func (c *claim) head() remote {
+	return remote{id: c.id, mac: c.mac, vtep: c.vtep, hasOther: c.hasOther, other: c.other}
+}
 
-func (c *claim) setHead(r remote) { c.id, c.mac, c.vtep = r.id, r.mac, r.vtep }
+func (c *claim) setHead(r remote) {
+	c.id, c.mac, c.vtep, c.hasOther, c.other = r.id, r.mac, r.vtep, r.hasOther, r.other
+}
 
 // swapRemove removes s[i], not keeping order, and clears the freed slot.
 func swapRemove[T any](s []T, i int) []T {

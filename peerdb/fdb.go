@@ -2,6 +2,7 @@ package peerdb
 
 import (
 	"bytes"
+	"cmp"
 	"fmt"
 	"slices"
 	"strings"
@@ -20,7 +21,7 @@ func (db *DB) refreshClaim(ci int32, old contrib) {
 	if old.ok {
 		fi, ok := db.fdbIdx[sub].get(macKey(old.mac))
 		if !ok {
-			panic(fmt.Sprintf("peerdb: internal error: no FDB record for the proposal of %s", addr4(c.ip)))
+			panic(fmt.Sprintf("peerdb: internal error: no FDB record for the proposal of %s", db.addr(c)))
 		}
 		db.noteFDB(fi, sub, old.mac)
 		if cur.ok && cur.mac == old.mac {
@@ -87,7 +88,7 @@ func (db *DB) removeProposer(fi, ci int32) {
 	} else {
 		i := slices.Index(more, ci)
 		if i < 0 {
-			panic(fmt.Sprintf("peerdb: internal error: no FDB proposal of %s", addr4(db.claims[ci].ip)))
+			panic(fmt.Sprintf("peerdb: internal error: no FDB proposal of %s", db.addr(&db.claims[ci])))
 		}
 		more = swapRemove(more, i)
 	}
@@ -100,7 +101,8 @@ func (db *DB) removeProposer(fi, ci int32) {
 }
 
 // recomputeFDB recomputes the desired value of FDB record fi: the VTEP of the
-// proposer with the smallest IP, unless a local entry has the MAC.
+// proposer with the smallest IP (IPv4 before IPv6), unless a local entry has
+// the MAC.
 func (db *DB) recomputeFDB(fi int32) {
 	r := &db.fdbs[fi]
 	if r.local > 0 || r.one < 0 {
@@ -110,7 +112,7 @@ func (db *DB) recomputeFDB(fi int32) {
 	best := r.one
 	if r.multi {
 		for _, ci := range db.fdbMore[fi] {
-			if db.claims[ci].ip < db.claims[best].ip {
+			if db.compareClaims(ci, best) < 0 {
 				best = ci
 			}
 		}
@@ -119,7 +121,8 @@ func (db *DB) recomputeFDB(fi int32) {
 }
 
 // compareRemote orders remote claimants of one IP: EndpointID, MAC, VTEP
-// (IP last, so the order is total even across IPs).
+// (then IP and IPv6, so the order is total even across IPs; of two
+// claimants of one address, the one without another address comes first).
 func compareRemote(a, b Peer) int {
 	if c := strings.Compare(a.EndpointID, b.EndpointID); c != 0 {
 		return c
@@ -130,5 +133,5 @@ func compareRemote(a, b Peer) int {
 	if c := a.VTEP.Compare(b.VTEP); c != 0 {
 		return c
 	}
-	return a.IP.Compare(b.IP)
+	return cmp.Or(a.IP.Compare(b.IP), a.IPv6.Compare(b.IPv6))
 }

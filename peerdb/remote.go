@@ -21,6 +21,9 @@ func (db *DB) reserve(n int, nexts iter.Seq[*Peer]) {
 				perSubnet[s]++
 				total++
 			}
+		} else if s, ok := db.SubnetOf(p.IPv6); ok {
+			perSubnet[s]++
+			total++
 		}
 	}
 	db.reserveEntries(total)
@@ -69,26 +72,50 @@ func (db *DB) reserveFDB(sub, n int) {
 	}
 }
 
-// addRemote inserts p as a remote claimant of its IP; it returns false if
-// p is there already (set semantics).
+// addRemote inserts p as a remote claimant of its addresses; it returns
+// false if p is there already (set semantics).
 func (db *DB) addRemote(p *Peer, sub int) bool {
-	ip := ip4(p.IP)
-	slot, ok := db.byIP.slot(uint64(ip))
-	var ci int32
-	if ok {
-		ci = db.byIP.at(slot)
-		if db.findRemote(&db.claims[ci], p) != notFound {
+	c4, c6 := int32(-1), int32(-1)
+	if p.IP.IsValid() {
+		ip := ip4(p.IP)
+		slot, ok := db.byIP.slot(uint64(ip))
+		if ok {
+			c4 = db.byIP.at(slot)
+			if db.findRemote(&db.claims[c4], p) != notFound {
+				return false
+			}
+		} else {
+			c4 = db.newClaim(ip, sub)
+			db.byIP.set(slot, uint64(ip), c4)
+		}
+	}
+	if p.IPv6.IsValid() {
+		c6 = db.claimFor6(p.IPv6, sub)
+		// A record in a claim is in all its claims: the IPv4 one
+		// answered already if there is one.
+		if c4 < 0 && db.findRemote(&db.claims[c6], p) != notFound {
 			return false
 		}
-	} else {
-		ci = db.newClaim(ip, sub)
-		db.byIP.set(slot, uint64(ip), ci)
 	}
 	db.nRemote++
+	vtep := db.vteps.ref(p.VTEP)
+	if c4 >= 0 {
+		db.addClaimant(c4, remote{id: p.EndpointID, mac: p.MAC, vtep: vtep, hasOther: c6 >= 0, other: c6})
+	}
+	if c6 >= 0 {
+		if c4 >= 0 {
+			db.vteps.refs[vtep]++ // each claim holds a reference
+		}
+		db.addClaimant(c6, remote{id: p.EndpointID, mac: p.MAC, vtep: vtep, hasOther: c4 >= 0, other: c4})
+	}
+	return true
+}
+
+// addClaimant adds remote claimant r to claim ci.
+func (db *DB) addClaimant(ci int32, r remote) {
 	db.noteNeigh(ci)
 	c := &db.claims[ci]
 	old := c.contrib()
-	r := remote{id: p.EndpointID, mac: p.MAC, vtep: db.vteps.ref(p.VTEP)}
 	switch {
 	case c.id == "":
 		c.setHead(r)
@@ -104,20 +131,32 @@ func (db *DB) addRemote(p *Peer, sub int) bool {
 		}
 	}
 	db.refreshClaim(ci, old)
-	return true
 }
 
 func (db *DB) removeRemote(p *Peer) {
-	ci, ok := db.byIP.get(uint64(ip4(p.IP)))
-	if !ok {
-		return
+	found := false
+	if p.IP.IsValid() {
+		if ci, ok := db.byIP.get(uint64(ip4(p.IP))); ok {
+			found = db.removeClaimant(ci, p)
+		}
 	}
+	if p.IPv6.IsValid() {
+		if ci, ok := db.byIP6[p.IPv6]; ok {
+			found = db.removeClaimant(ci, p) || found
+		}
+	}
+	if found {
+		db.nRemote--
+	}
+}
+
+// removeClaimant removes remote p from claim ci, if it is there.
+func (db *DB) removeClaimant(ci int32, p *Peer) bool {
 	c := &db.claims[ci]
 	pos := db.findRemote(c, p)
 	if pos == notFound {
-		return
+		return false
 	}
-	db.nRemote--
 	db.noteNeigh(ci)
 	old := c.contrib()
 	var gone uint32
@@ -144,4 +183,5 @@ func (db *DB) removeRemote(p *Peer) {
 	c.tidy()
 	db.vteps.unref(gone)
 	db.refreshClaim(ci, old)
+	return true
 }
