@@ -929,10 +929,12 @@ func compareAll(e *env, m *model, u *universe, es *encStats) []string {
 			default:
 				host, _ := vethNames(id, ep)
 				want := map[string]string{"address": mep.addr.String(), "mac": mep.mac.String(), "vni": fmt.Sprint(n.subnets[mep.subnet].vni), "veth": host}
-				if !mep.addr.IsValid() {
-					// An IPv6-only endpoint: how EndpointInfo shows
-					// its address is the driver's choice.
-					delete(want, "address")
+				// With IPv6: "v4,v6", or "v6" for an IPv6-only endpoint.
+				switch {
+				case !mep.addr.IsValid():
+					want["address"] = mep.addr6.String()
+				case mep.addr6.IsValid():
+					want["address"] = mep.addr.String() + "," + mep.addr6.String()
 				}
 				for k, v := range want {
 					if resp.Value[k] != v {

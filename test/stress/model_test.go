@@ -282,8 +282,23 @@ func (m *model) note(s string) {
 func (m *model) apply(ev tev) error {
 	switch ev.Kind {
 	case driver.TraceCreateNetwork:
-		if len(ev.VNIs) == 0 || len(ev.VNIs) != len(ev.Pools) || len(ev.Gateways) != len(ev.Pools) {
-			return fmt.Errorf("CreateNetwork %s: %d VNIs, %d pools, %d gateways", ev.Network, len(ev.VNIs), len(ev.Pools), len(ev.Gateways))
+		// Per segment its IPv4 subnet, if any, then its IPv6 ones; a
+		// network with IPv6 has one segment.
+		var pools4, pools6 []netip.Prefix
+		for _, p := range ev.Pools {
+			if p.Addr().Is4() {
+				pools4 = append(pools4, p)
+			} else {
+				pools6 = append(pools6, p)
+			}
+		}
+		switch {
+		case len(ev.VNIs) == 0 || len(ev.Gateways) != len(ev.VNIs):
+			return fmt.Errorf("CreateNetwork %s: %d VNIs, %d gateways", ev.Network, len(ev.VNIs), len(ev.Gateways))
+		case len(pools6) > 0 && (len(ev.VNIs) != 1 || len(pools4) > 1 || len(pools4) == 1 && ev.Pools[0] != pools4[0]):
+			return fmt.Errorf("CreateNetwork %s: VNIs %v pools %v: a network with IPv6 has one segment, its IPv4 subnet (if any) first", ev.Network, ev.VNIs, ev.Pools)
+		case len(pools6) == 0 && len(pools4) != len(ev.VNIs):
+			return fmt.Errorf("CreateNetwork %s: %d VNIs, %d pools", ev.Network, len(ev.VNIs), len(pools4))
 		}
 		if old := m.nets[ev.Network]; old != nil {
 			m.inferDelete(old, ev.TraceEvent)
@@ -296,14 +311,17 @@ func (m *model) apply(ev tev) error {
 		n := &mNetwork{id: ev.Network, mtu: ev.MTU, internal: ev.Internal, encrypted: ev.Encrypted, eps: map[string]*mEndpoint{},
 			remote: map[peerdb.Peer]struct{}{}, pulled: map[uint32]bool{}}
 		for i := range ev.VNIs {
-			sub := mSubnet{vni: ev.VNIs[i], pool: ev.Pools[i], gw: ev.Gateways[i]}
-			if !sub.pool.Addr().Is4() {
-				// An IPv6-only segment: the trace names no pool or its
-				// first IPv6 subnet (checkCreate).
-				sub.pool, sub.gw = netip.Prefix{}, netip.Prefix{}
+			sub := mSubnet{vni: ev.VNIs[i], gw: ev.Gateways[i]}
+			if i < len(pools4) {
+				sub.pool = pools4[i]
 			}
-			if i == 0 {
-				sub.pools6, sub.gws6 = slices.Clone(ev.SpecPools6), slices.Clone(ev.SpecGateways6)
+			if i == 0 && len(pools6) > 0 {
+				// The IPv6 gateways are the workload's (enrich): the
+				// trace has none.
+				sub.pools6, sub.gws6 = pools6, slices.Clone(ev.SpecGateways6)
+				if len(sub.gws6) != len(pools6) {
+					return fmt.Errorf("CreateNetwork %s: IPv6 subnets %v, gateways %v from the workload's request", ev.Network, pools6, sub.gws6)
+				}
 			}
 			n.subnets = append(n.subnets, sub)
 		}

@@ -39,7 +39,7 @@ type netSpec struct {
 }
 
 func (s *netSpec) gateway(i int) netip.Prefix {
-	if s.noGW {
+	if s.noGW || !s.pools[i].IsValid() {
 		return netip.Prefix{}
 	}
 	return netip.PrefixFrom(s.pools[i].Addr().Next(), s.pools[i].Bits())
@@ -237,22 +237,17 @@ var encryptedMTU = encryption.InnerMTU(1500, false)
 // workload could have made for that id (VNIs, pools, gateways, internal,
 // encrypted), and that the MTU is the requested one or the underlay's minus
 // the VXLAN (and, encrypted, ESP) overhead; it returns that request's spec.
-// The trace carries a segment's IPv4 pool and gateway: for an IPv6-only
-// segment either none or its first IPv6 subnet's (the driver's choice).
+// The trace lists every subnet of each segment (its IPv4 one first, then
+// its IPv6 ones) and each segment's IPv4 gateway (none for an IPv6-only
+// segment); it has no IPv6 gateways (enrich adds the spec's).
 func (u *universe) checkCreate(ev driver.TraceEvent) (*netSpec, error) {
 	for _, s := range u.specs[ev.Network] {
-		if !slices.Equal(s.vnis, ev.VNIs) || len(ev.Pools) != len(s.pools) || s.internal != ev.Internal || s.encrypted != ev.Encrypted {
+		if !slices.Equal(s.vnis, ev.VNIs) || !slices.Equal(s.tracedPools(), ev.Pools) || s.internal != ev.Internal || s.encrypted != ev.Encrypted {
 			continue
 		}
 		ok := len(ev.Gateways) == len(s.pools)
 		for i := 0; ok && i < len(s.pools); i++ {
-			pool, gw := s.pools[i], s.gateway(i)
-			if !pool.IsValid() {
-				ok = (!ev.Pools[i].IsValid() && !ev.Gateways[i].IsValid()) ||
-					(ev.Pools[i] == s.pools6[0] && ev.Gateways[i] == s.gateway6(0))
-				continue
-			}
-			ok = ev.Pools[i] == pool && ev.Gateways[i] == gw
+			ok = ev.Gateways[i] == s.gateway(i)
 		}
 		if !ok {
 			continue
@@ -270,6 +265,21 @@ func (u *universe) checkCreate(ev driver.TraceEvent) (*netSpec, error) {
 		return s, nil
 	}
 	return nil, fmt.Errorf("%s: no CreateNetwork request of the workload had these settings", fmtTrace(tev{TraceEvent: ev}))
+}
+
+// tracedPools are the subnets of the spec as the driver's trace lists them:
+// per segment its IPv4 subnet, if any, then its IPv6 ones.
+func (s *netSpec) tracedPools() []netip.Prefix {
+	var out []netip.Prefix
+	for i, p := range s.pools {
+		if p.IsValid() {
+			out = append(out, p)
+		}
+		if i == 0 {
+			out = append(out, s.pools6...)
+		}
+	}
+	return out
 }
 
 // addr6For is the IPv6 address the workload gives an endpoint of a network
