@@ -148,16 +148,6 @@ func (n *mNetwork) subnetOf(ip netip.Addr) (int, bool) {
 	return 0, false
 }
 
-// has6 reports whether the network has IPv6 subnets.
-func (n *mNetwork) has6() bool {
-	for _, s := range n.subnets {
-		if len(s.pools6) > 0 {
-			return true
-		}
-	}
-	return false
-}
-
 func (n *mNetwork) joined() int {
 	c := 0
 	for _, ep := range n.eps {

@@ -8,7 +8,6 @@ import (
 	"path/filepath"
 	"slices"
 	"sort"
-	"strings"
 
 	"github.com/overlayd/overlayd/driver"
 	"github.com/overlayd/overlayd/peerdb"
@@ -25,10 +24,14 @@ func statusLines(st driver.Status, netnsDir string) []string {
 	for _, n := range st.Networks {
 		lines = append(lines, fmt.Sprintf("network %s vnis=%v subnets=%v mtu=%d internal=%v sandbox=%q", n.ID, n.VNIs, n.Subnets, n.MTU, n.Internal, n.Sandbox))
 		for _, ep := range n.Endpoints {
-			lines = append(lines, fmt.Sprintf("network %s endpoint %s %s %s joined=%v veth=%s", n.ID, ep.ID, ep.Address, ep.MAC, ep.Joined, ep.Veth))
+			lines = append(lines, fmt.Sprintf("network %s endpoint %s %s%s %s joined=%v veth=%s", n.ID, ep.ID, ep.Address, v6Part(ep.AddressIPv6), ep.MAC, ep.Joined, ep.Veth))
 		}
 		for _, p := range n.RemotePeers {
-			lines = append(lines, fmt.Sprintf("network %s remote {%s %s %s %s} active=%v", n.ID, p.EndpointID, p.IP, p.MAC, p.VTEP, p.Active))
+			line := fmt.Sprintf("network %s remote {%s %s %s %s} active=%v", n.ID, p.EndpointID, p.IP, p.MAC, p.VTEP, p.Active)
+			if p.IPv6 != "" {
+				line += fmt.Sprintf(" ipv6=%s active6=%v", p.IPv6, p.ActiveIPv6)
+			}
+			lines = append(lines, line)
 		}
 		for _, c := range n.Conflicts {
 			lines = append(lines, fmt.Sprintf("network %s conflict %s active=%s local=%v shadowed=%v", n.ID, c.IP, c.Active, c.Local, c.Shadowed))
@@ -51,14 +54,46 @@ func statusLines(st driver.Status, netnsDir string) []string {
 	return lines
 }
 
-// desiredStatus is what the model says Status must show.
+// v6Part renders an IPv6 address after an endpoint's IPv4 one ("" if none).
+func v6Part(a string) string {
+	if a == "" {
+		return ""
+	}
+	return " ipv6=" + a
+}
+
+// prefixString is a prefix as Status shows it: "" when invalid.
+func prefixString(p netip.Prefix) string {
+	if !p.IsValid() {
+		return ""
+	}
+	return p.String()
+}
+
+// addrString is an address as Status shows it: "" when invalid.
+func addrString(a netip.Addr) string {
+	if !a.IsValid() {
+		return ""
+	}
+	return a.String()
+}
+
+// desiredStatus is what the model says Status must show. Each address is
+// a claim of its own: a remote record shows, per address it has, whether
+// it is that address's active claimant.
 func (m *model) desiredStatus(netnsDir string) []string {
 	var lines []string
 	for _, n := range m.nets {
 		vnis := make([]uint32, len(n.subnets))
-		pools := make([]string, len(n.subnets))
+		var pools []string
 		for i, s := range n.subnets {
-			vnis[i], pools[i] = s.vni, s.pool.String()
+			vnis[i] = s.vni
+			if s.pool.IsValid() {
+				pools = append(pools, s.pool.String())
+			}
+			for _, p := range s.pools6 {
+				pools = append(pools, p.String())
+			}
 		}
 		sb := ""
 		if n.joined() > 0 {
@@ -67,20 +102,32 @@ func (m *model) desiredStatus(netnsDir string) []string {
 		lines = append(lines, fmt.Sprintf("network %s vnis=%v subnets=%v mtu=%d internal=%v sandbox=%q", n.id, vnis, pools, n.mtu, n.internal, sb))
 		for _, ep := range n.eps {
 			host, _ := vethNames(n.id, ep.id)
-			lines = append(lines, fmt.Sprintf("network %s endpoint %s %s %s joined=%v veth=%s", n.id, ep.id, ep.addr, ep.mac, ep.joined, host))
+			lines = append(lines, fmt.Sprintf("network %s endpoint %s %s%s %s joined=%v veth=%s", n.id, ep.id, prefixString(ep.addr), v6Part(prefixString(ep.addr6)), ep.mac, ep.joined, host))
 		}
 		// Claimants per IP: joined endpoints (by id), then remotes in
 		// precedence order.
 		locals := map[netip.Addr][]string{}
 		remotes := map[netip.Addr][]peerdb.Peer{}
 		for _, ep := range n.eps {
-			if ep.joined {
-				locals[ep.addr.Addr()] = append(locals[ep.addr.Addr()], ep.id)
+			if !ep.joined {
+				continue
+			}
+			for _, a := range []netip.Prefix{ep.addr, ep.addr6} {
+				if a.IsValid() {
+					locals[a.Addr()] = append(locals[a.Addr()], ep.id)
+				}
 			}
 		}
 		for p := range n.remote {
-			remotes[p.IP] = append(remotes[p.IP], p)
+			for _, a := range []netip.Addr{p.IP, p.IPv6} {
+				if a.IsValid() {
+					remotes[a] = append(remotes[a], p)
+				}
+			}
 		}
+		// active[ip] is the remote record active for ip (none where a
+		// joined endpoint claims it).
+		active := map[netip.Addr]peerdb.Peer{}
 		ips := map[netip.Addr]bool{}
 		for ip := range locals {
 			ips[ip] = true
@@ -100,8 +147,8 @@ func (m *model) desiredStatus(netnsDir string) []string {
 				}
 				return 0
 			})
-			for i, p := range rs {
-				lines = append(lines, fmt.Sprintf("network %s remote {%s %s %s %s} active=%v", n.id, p.EndpointID, p.IP, p.MAC, p.VTEP, len(ls) == 0 && i == 0))
+			if len(ls) == 0 && len(rs) > 0 {
+				active[ip] = rs[0]
 			}
 			if len(ls)+len(rs) < 2 {
 				continue
@@ -113,6 +160,14 @@ func (m *model) desiredStatus(netnsDir string) []string {
 			}
 			lines = append(lines, fmt.Sprintf("network %s conflict %s active=%s local=%v shadowed=%v", n.id, ip, ids[0], len(ls) > 0, ids[1:]))
 		}
+		for p := range n.remote {
+			act := func(a netip.Addr) bool { q, ok := active[a]; return a.IsValid() && ok && q == p }
+			line := fmt.Sprintf("network %s remote {%s %s %s %s} active=%v", n.id, p.EndpointID, addrString(p.IP), p.MAC, p.VTEP, act(p.IP))
+			if p.IPv6.IsValid() {
+				line += fmt.Sprintf(" ipv6=%s active6=%v", p.IPv6, act(p.IPv6))
+			}
+			lines = append(lines, line)
+		}
 		for _, k := range n.rejected {
 			lines = append(lines, fmt.Sprintf("network %s refused %s", n.id, fmtKey(k)))
 		}
@@ -121,19 +176,9 @@ func (m *model) desiredStatus(netnsDir string) []string {
 	return lines
 }
 
-// compareStatus compares Status with the model, except for the networks
-// with IPv6: how Status shows their IPv6 subnets, addresses and claims is
-// not settled yet (issue 12), and the harness does not guess it; their
-// kernel state and published records are compared in full.
 func compareStatus(e *env, m *model) []string {
 	var diffs []string
-	skip := func(lines []string) []string {
-		return slices.DeleteFunc(lines, func(l string) bool {
-			f := strings.Fields(l)
-			return len(f) > 1 && f[0] == "network" && m.nets[f[1]] != nil && m.nets[f[1]].has6()
-		})
-	}
-	for _, l := range diffLines(skip(m.desiredStatus(e.netnsDir)), skip(statusLines(e.d.Status(), e.netnsDir))) {
+	for _, l := range diffLines(m.desiredStatus(e.netnsDir), statusLines(e.d.Status(), e.netnsDir)) {
 		diffs = append(diffs, "driver status vs model: "+l)
 	}
 	return diffs

@@ -152,25 +152,13 @@ func TestStressBeforeKeys(t *testing.T) {
 	cfg := stressConfig(t)
 	cfg.fixedAdv, cfg.noKeys, cfg.phaseOps = true, true, ciPhaseOps/2
 	t.Logf("seed %d, %d workers, %s, encryption owner without keys (replay: OVERLAYD_SEED=%d -run '^TestStressBeforeKeys$')", cfg.seed, cfg.workers, budget(cfg), cfg.seed)
-	res := runStress(t, cfg)
-	if res.failed {
-		t.Fatal(res.report)
-	}
-	t.Logf("%d operations in %v (%.0f ops/s), %d quiet points, all clean", res.ops, res.elapsed.Round(time.Millisecond), float64(res.ops)/res.elapsed.Seconds(), res.phases)
-	logStats(t, res)
+	res := runClean(t, cfg)
 	if res.ops >= ciOps {
-		for _, c := range []struct {
-			what      string
-			got, want int
-		}{
+		requireExercised(t, []exercised{
 			{"encrypted network creations", res.stats.encryptedCreates, 10},
 			{"quiet points with encrypted VNIs", res.enc.withTable, 10},
 			{"remote VTEP policies checked", res.enc.remotes, 10},
-		} {
-			if c.got < c.want {
-				t.Errorf("the workload exercised too few %s: %d, want at least %d", c.what, c.got, c.want)
-			}
-		}
+		})
 	}
 	if res.enc.espUnsupported != 0 {
 		t.Errorf("without keys no SA is attempted, yet the owner reported ESPUnsupported: %s", res.enc)
@@ -197,6 +185,62 @@ func TestNetworkChurn(t *testing.T) {
 	}
 	t.Logf("%d operations in %v (%.0f ops/s), %d quiet points, all clean", res.ops, res.elapsed.Round(time.Millisecond), float64(res.ops)/res.elapsed.Seconds(), res.phases)
 	logStats(t, res)
+}
+
+// TestStressIPv6 (issue 12) runs the workload in a world where nearly
+// every network has IPv6 (ipv6Universe): dual-stack and IPv6-only networks
+// sharing VNIs with each other and with IPv4-only ones, records with
+// IPv4, IPv6 or both addresses. The same checks as TestStress (kernel
+// addresses and IPv6 neighbours, Status per address, published records),
+// and it must have exercised IPv6 much more than TestStress can.
+func TestStressIPv6(t *testing.T) {
+	cfg := stressConfig(t)
+	if os.Getenv("OVERLAYD_STRESS_OPS") == "" && os.Getenv("OVERLAYD_SOAK") == "" {
+		cfg.ops = 10240
+		if testing.Short() {
+			cfg.ops = 2048
+		}
+	}
+	// Quiet points twice as often as TestStress's: each checks every
+	// IPv6 neighbour and claim.
+	cfg.universe, cfg.phaseOps = ipv6Universe, ciPhaseOps/2
+	t.Logf("seed %d, %d workers, %s (replay: OVERLAYD_SEED=%d -run '^TestStressIPv6$')", cfg.seed, cfg.workers, budget(cfg), cfg.seed)
+	res := runClean(t, cfg)
+	if res.ops >= 10240 {
+		requireExercised(t, []exercised{
+			{"joins of endpoints with IPv6", res.stats.joins6, 100},
+			{"records with IPv6 held, summed over quiet points", res.stats.held6, 120},
+			{"IPv6 neighbours required, summed over quiet points", res.stats.neigh6, 50},
+		})
+	}
+}
+
+// runClean runs the workload, fails t with the report of any divergence,
+// and logs what the clean run did.
+func runClean(t *testing.T, cfg runConfig) *runResult {
+	t.Helper()
+	res := runStress(t, cfg)
+	if res.failed {
+		t.Fatal(res.report)
+	}
+	t.Logf("%d operations in %v (%.0f ops/s), %d quiet points, all clean", res.ops, res.elapsed.Round(time.Millisecond), float64(res.ops)/res.elapsed.Seconds(), res.phases)
+	logStats(t, res)
+	return res
+}
+
+// exercised is a count a run must reach to have tested what it claims.
+type exercised struct {
+	what      string
+	got, want int
+}
+
+func requireExercised(t *testing.T, checks []exercised) {
+	t.Helper()
+	for _, c := range checks {
+		if c.got < c.want {
+			t.Errorf("the workload exercised too few %s: %d, want at least %d", c.what, c.got, c.want)
+		}
+	}
 }
 
 // logInferred reports where the driver traced a DeleteNetwork after events

@@ -111,14 +111,15 @@ var defaultMix = opMix{peer: 46, epCreate: 12, epDelete: 4, join: 12, leave: 5, 
 
 func pfx(s string) netip.Prefix { return netip.MustParsePrefix(s) }
 
-// stressUniverse: eight network ids over eleven specs, single- and
+// stressUniverse: eight network ids over thirteen specs, single- and
 // multi-subnet, sharing VNIs (100, 101 and 103) and a pool, two without
 // gateway and internal, three with explicit MTUs, three encrypted (s0 of
 // n0, s6 of n2 and s9 of n7, sharing VNIs 100 and 103 with plain specs);
-// four with IPv6 (issue 12): dual-stack with two IPv6 subnets (s7),
-// IPv6-only (s8), dual-stack on VNI 100 of n0's specs (s9) and IPv6-only,
+// six with IPv6 (issue 12): dual-stack with two IPv6 subnets (s7),
+// IPv6-only (s8), dual-stack on VNI 100 of n0's specs (s9), IPv6-only,
 // internal, on VNI 101 of n1's and n5's (s10), so that records of one VNI
-// carry addresses of either family that fit one network and not another;
+// carry addresses of either family that fit one network and not another,
+// and the second specs of n3 (dual-stack, s11) and n4 (IPv6-only, s12);
 // VNI 999 belongs to no spec.
 func stressUniverse(localVTEP netip.Addr) *universe {
 	s0 := &netSpec{vnis: []uint32{100}, pools: []netip.Prefix{pfx("198.51.100.0/26")}, encrypted: true}
@@ -132,18 +133,25 @@ func stressUniverse(localVTEP netip.Addr) *universe {
 	s8 := &netSpec{vnis: []uint32{111}, pools: []netip.Prefix{{}}, pools6: []netip.Prefix{pfx("2001:db8:7::/64")}}
 	s9 := &netSpec{vnis: []uint32{100}, pools: []netip.Prefix{pfx("198.18.5.0/24")}, pools6: []netip.Prefix{pfx("2001:db8:9::/64")}, mtu: 1400, encrypted: true}
 	s10 := &netSpec{vnis: []uint32{101}, pools: []netip.Prefix{{}}, pools6: []netip.Prefix{pfx("2001:db8:a::/120")}, noGW: true, internal: true}
-	specs := map[string][]*netSpec{
+	s11 := &netSpec{vnis: []uint32{112}, pools: []netip.Prefix{pfx("198.18.6.0/24")}, pools6: []netip.Prefix{pfx("2001:db8:b::/64")}}
+	s12 := &netSpec{vnis: []uint32{113}, pools: []netip.Prefix{{}}, pools6: []netip.Prefix{pfx("2001:db8:c::/64")}, mtu: 1280}
+	return newUniverse(localVTEP, map[string][]*netSpec{
 		"n0": {s0, s5},
 		"n1": {s1},
 		"n2": {s2, s6},
-		"n3": {s3},
-		"n4": {s4},
+		"n3": {s3, s11},
+		"n4": {s4, s12},
 		"n5": {s5, s1},
 		"n6": {s7, s8},
 		"n7": {s9, s10},
-	}
+	})
+}
+
+// newUniverse is the world of specs (network ids in sorted order), with
+// the usual endpoints, remotes and hosts, and VNI 999 that no spec has.
+func newUniverse(localVTEP netip.Addr, specs map[string][]*netSpec) *universe {
 	u := &universe{
-		nets:      []string{"n0", "n1", "n2", "n3", "n4", "n5", "n6", "n7"},
+		nets:      slices.Sorted(maps.Keys(specs)),
 		specs:     specs,
 		endpoints: []string{"e0", "e1", "e2", "e3", "e4", "e5"},
 		remotes:   []string{"e1", "r0", "r1", "r2", "r3", "r4", "r5", "r6"},
@@ -155,6 +163,25 @@ func stressUniverse(localVTEP netip.Addr) *universe {
 	}
 	u.index([]uint32{999})
 	return u
+}
+
+// ipv6Universe: the world of TestStressIPv6, where nearly every network
+// has IPv6: six ids over nine specs, dual-stack (one with two IPv6
+// subnets, one encrypted) and IPv6-only (one internal without gateway, a
+// /120), sharing VNIs with each other and with IPv4-only specs (n2's and
+// n4's second ones), and an IPv6 pool shared by n2 and n5; VNI 999
+// belongs to no spec.
+func ipv6Universe(localVTEP netip.Addr) *universe {
+	s0 := &netSpec{vnis: []uint32{100}, pools: []netip.Prefix{pfx("198.51.100.0/26")}, pools6: []netip.Prefix{pfx("2001:db8:10::/64")}}
+	s0b := &netSpec{vnis: []uint32{100}, pools: []netip.Prefix{{}}, pools6: []netip.Prefix{pfx("2001:db8:11::/64")}}
+	s1 := &netSpec{vnis: []uint32{101}, pools: []netip.Prefix{{}}, pools6: []netip.Prefix{pfx("2001:db8:12::/64")}, mtu: 1400}
+	s2 := &netSpec{vnis: []uint32{102}, pools: []netip.Prefix{pfx("198.51.100.64/26")}, pools6: []netip.Prefix{pfx("2001:db8:13::/64"), pfx("2001:db8:14::/64")}}
+	s2b := &netSpec{vnis: []uint32{102, 103}, pools: []netip.Prefix{pfx("198.51.100.128/26"), pfx("198.51.100.192/26")}}
+	s3 := &netSpec{vnis: []uint32{104}, pools: []netip.Prefix{{}}, pools6: []netip.Prefix{pfx("2001:db8:15::/120")}, noGW: true, internal: true}
+	s4 := &netSpec{vnis: []uint32{105}, pools: []netip.Prefix{pfx("203.0.113.128/26")}, pools6: []netip.Prefix{pfx("2001:db8:16::/64")}, encrypted: true}
+	s4b := &netSpec{vnis: []uint32{105}, pools: []netip.Prefix{pfx("203.0.113.192/26")}}
+	s5 := &netSpec{vnis: []uint32{106}, pools: []netip.Prefix{pfx("203.0.113.0/25")}, pools6: []netip.Prefix{pfx("2001:db8:13::/64")}, mtu: 1300}
+	return newUniverse(localVTEP, map[string][]*netSpec{"n0": {s0, s0b}, "n1": {s1}, "n2": {s2, s2b}, "n3": {s3}, "n4": {s4, s4b}, "n5": {s5}})
 }
 
 // remoteVTEPs are the hosts the source's records come from.
@@ -507,12 +534,9 @@ func (g *gen) createEndpoint(id, ep string) op {
 		desc += " " + iface.AddressIPv6
 		g.count["endpoint requests with IPv6"]++
 	}
-	refusals := []string{"not found", "already exists in network", "is not in any subnet"}
-	if iface.AddressIPv6 != "" {
-		// A request for another spec of the id than the network's: the
-		// driver names the field it refuses.
-		refusals = append(refusals, "Address")
-	}
+	// A request for another spec of the id than the network's is refused;
+	// the driver names the field (Interface.Address, .AddressIPv6).
+	refusals := []string{"not found", "already exists in network", "is not in any subnet", "Interface.Address"}
 	switch r := g.pick(100); {
 	case r < 20: // a MAC given by dockerd, shared among endpoints and remotes
 		iface.MacAddress = fmt.Sprintf("02:bb:00:00:00:%02x", g.pick(4))
