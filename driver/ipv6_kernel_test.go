@@ -192,15 +192,7 @@ func TestReconcileRepairsIPv6Neighbour(t *testing.T) {
 // eth0.
 func flushNeighbours(t *testing.T, c *nstest.NS) {
 	t.Helper()
-	eth0, err := c.NL.LinkByName("eth0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	neighs, err := c.NL.NeighList(eth0.Attrs().Index, unix.AF_INET6)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, n := range neighs {
+	for _, n := range containerNeighbours(t, c) {
 		if ip, _ := netip.AddrFromSlice(n.IP); ip.IsMulticast() {
 			continue
 		}
@@ -306,6 +298,17 @@ func settledIPv6(c *nstest.NS) error {
 // containerNeighbour returns the MAC c's eth0 holds for ip ("" if none).
 func containerNeighbour(t *testing.T, c *nstest.NS, ip netip.Addr) string {
 	t.Helper()
+	for _, n := range containerNeighbours(t, c) {
+		if a, _ := netip.AddrFromSlice(n.IP); a == ip {
+			return n.HardwareAddr.String()
+		}
+	}
+	return ""
+}
+
+// containerNeighbours lists the IPv6 neighbour entries of c's eth0.
+func containerNeighbours(t *testing.T, c *nstest.NS) []netlink.Neigh {
+	t.Helper()
 	eth0, err := c.NL.LinkByName("eth0")
 	if err != nil {
 		t.Fatal(err)
@@ -314,10 +317,5 @@ func containerNeighbour(t *testing.T, c *nstest.NS, ip netip.Addr) string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, n := range neighs {
-		if a, _ := netip.AddrFromSlice(n.IP); a == ip {
-			return n.HardwareAddr.String()
-		}
-	}
-	return ""
+	return neighs
 }

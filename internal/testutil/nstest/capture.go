@@ -19,8 +19,8 @@ import (
 // flooded ones (to a multicast or broadcast inner MAC).
 type Capture struct {
 	esp, clear, flood atomic.Int64
-	mu         sync.Mutex
-	byVNI      map[uint32]int
+	mu                sync.Mutex
+	byVNI             map[uint32]int
 }
 
 // ESP returns the number of ESP packets seen.
