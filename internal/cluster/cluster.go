@@ -544,6 +544,7 @@ func (c *Cluster) memberAlive(n *memberlist.Node) {
 		m := c.replica.members[n.Name]
 		d.mu.Lock()
 		d.defsOK = m != nil && m.metaErr == nil && m.meta.ProtoMax >= protoDefs
+		d.defs6 = d.defsOK && m.meta.ProtoMax >= protoDefs6
 		d.defs = d.defs || fresh != nil
 		d.mu.Unlock()
 	}

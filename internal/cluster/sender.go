@@ -30,6 +30,8 @@ type dest struct {
 	// defs: send our definitions (defs.go); defsOK: the member speaks
 	// protocolDefs (it would drop them otherwise).
 	defs, defsOK bool
+	// defs6: the member speaks protoDefs6 (definitions with IPv6).
+	defs6 bool
 }
 
 // maxQueued bounds a sender's queue; beyond it the queue is replaced by
@@ -93,7 +95,7 @@ func (c *Cluster) sendLoop(d *dest) {
 			d.mu.Lock()
 			node := d.node
 			syncReq, snap, queue, digest := d.syncReq, d.snapshot, d.queue, d.digest
-			defs := d.defs && d.defsOK
+			defs, defs6 := d.defs && d.defsOK, d.defs6
 			d.syncReq, d.snapshot, d.queue, d.queued, d.digest, d.defs = false, false, nil, 0, nil, false
 			d.mu.Unlock()
 			if !syncReq && !snap && len(queue) == 0 && digest == nil && !defs {
@@ -112,7 +114,7 @@ func (c *Cluster) sendLoop(d *dest) {
 			// Definitions before records: a receiver holds back our
 			// records of a VNI until it has our definition of it.
 			if defs && !failed {
-				b, err := encodeMessage(c.local.defsMessage())
+				b, err := encodeMessage(c.local.defsMessage(defs6))
 				if err != nil {
 					c.logLimited(slog.LevelError, "defs", "cannot encode the network definitions", "error", err)
 				} else {
