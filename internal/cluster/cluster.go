@@ -545,6 +545,7 @@ func (c *Cluster) memberAlive(n *memberlist.Node) {
 		d.mu.Lock()
 		d.defsOK = m != nil && m.metaErr == nil && m.meta.ProtoMax >= protoDefs
 		d.ipv6OK = m != nil && m.metaErr == nil && m.meta.ProtoMax >= ProtocolIPv6
+		d.defs6 = d.defsOK && m.meta.ProtoMax >= protoDefs6
 		d.defs = d.defs || fresh != nil
 		d.mu.Unlock()
 	}

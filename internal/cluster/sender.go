@@ -35,6 +35,8 @@ type dest struct {
 	// ipv6OK: the member speaks ProtocolIPv6. It is never sent a record
 	// with an IPv6 address otherwise (it would drop the whole message).
 	ipv6OK bool
+	// defs6: the member speaks protoDefs6 (definitions with IPv6).
+	defs6 bool
 }
 
 // maxQueued bounds a sender's queue; beyond it the queue is replaced by
@@ -104,7 +106,7 @@ func (c *Cluster) sendLoop(d *dest) {
 			d.mu.Lock()
 			node := d.node
 			syncReq, snap, queue, digest, ipv6OK := d.syncReq, d.snapshot, d.queue, d.digest, d.ipv6OK
-			defs := d.defs && d.defsOK
+			defs, defs6 := d.defs && d.defsOK, d.defs6
 			d.syncReq, d.snapshot, d.queue, d.queued, d.digest, d.defs = false, false, nil, 0, nil, false
 			d.mu.Unlock()
 			if !syncReq && !snap && len(queue) == 0 && digest == nil && !defs {
@@ -123,7 +125,7 @@ func (c *Cluster) sendLoop(d *dest) {
 			// Definitions before records: a receiver holds back our
 			// records of a VNI until it has our definition of it.
 			if defs && !failed {
-				b, err := encodeMessage(c.local.defsMessage())
+				b, err := encodeMessage(c.local.defsMessage(defs6))
 				if err != nil {
 					c.logLimited(slog.LevelError, "defs", "cannot encode the network definitions", "error", err)
 				} else {
