@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	api "github.com/docker/go-plugins-helpers/network"
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
@@ -388,5 +389,42 @@ func TestRestartKeepsIPv6(t *testing.T) {
 	mustAudit(t, d)
 	if err := nstest.Ping(s.ctrs[0], s.peers[1].IPv6, time.Second); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// An IPv6 address that moves to another endpoint (another MAC) is
+// reachable again at once from a container that had the old MAC cached as
+// reachable: the sandbox sends an unsolicited Neighbour Advertisement with
+// the override flag. Without it the container would keep sending to the
+// old MAC for its reachable time (15 to 45 s) and the probes after it.
+func TestMovedIPv6AddressIsAnnounced(t *testing.T) {
+	s := setupV6Hosts(t, true, nil)
+	s.exchange(t)
+	s.pingBoth(t, func(p peerdb.Peer) netip.Addr { return p.IPv6 })
+	if err := s.d[1].Leave(&api.LeaveRequest{NetworkID: "net1", EndpointID: "ep-host1"}); err != nil {
+		t.Fatal(err)
+	}
+	addr6 := netip.PrefixFrom(s.peers[1].IPv6, 64)
+	resp, err := s.d[1].CreateEndpoint(endpointReq6("net1", "ep-host1-new", "", addr6.String()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	mac, _ := peerdb.ParseMAC(resp.Interface.MacAddress)
+	join := mustJoin(t, s.d[1], "net1", "ep-host1-new")
+	c := nstest.Container(t, "c1-new", s.hosts[1], join.InterfaceName.SrcName, addr6, nil)
+	if err := nstest.Eventually(10*time.Second, 50*time.Millisecond, func() error { return settledIPv6(c) }); err != nil {
+		t.Fatal(err)
+	}
+	moved := peerdb.Peer{EndpointID: "ep-host1-new", IPv6: addr6.Addr(), MAC: mac, VTEP: s.peers[1].VTEP}
+	if err := applyPeerEvents(s.d[0], PeerEvent{VNI: v6VNI, Prev: &s.peers[1]}, PeerEvent{VNI: v6VNI, Next: &moved}); err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	if err := nstest.PingEventually(s.ctrs[0], addr6.Addr(), 2*time.Second); err != nil {
+		t.Fatalf("the moved IPv6 address is not reachable within 2 s (the container still sends to the old MAC): %v", err)
+	}
+	t.Logf("moved IPv6 address reachable again after %v", time.Since(start).Round(time.Millisecond))
+	if got := containerNeighbour(t, s.ctrs[0], addr6.Addr()); got != mac.String() {
+		t.Errorf("container 0 has %s at %q, want %s", addr6.Addr(), got, mac)
 	}
 }
