@@ -241,3 +241,29 @@ func TestIPv6Record(t *testing.T) {
 }
 
 func equalDefs(a, b *netdef.Definition) bool { return netdef.Equal(a, b) }
+
+// The swarm leader allocates one VNI for a network with IPv6 (one
+// segment), and refuses a given list with more.
+func TestAllocateNetworkIPv6OneVNI(t *testing.T) {
+	d := newOfflineDriver(t)
+	v4 := []api.IPAMData{{Pool: "198.51.100.0/24"}, {Pool: "203.0.113.0/24"}}
+	v6 := []api.IPAMData{{Pool: "2001:db8:1::/64"}, {Pool: "2001:db8:2::/64"}}
+	resp, err := d.AllocateNetwork(&api.AllocateNetworkRequest{NetworkID: "dual", IPv4Data: v4[:1], IPv6Data: v6})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if vnis := resp.Options[OptVNI]; strings.Contains(vnis, ",") || vnis == "" {
+		t.Errorf("a dual-stack network got VNIs %q, want one", vnis)
+	}
+	resp, err = d.AllocateNetwork(&api.AllocateNetworkRequest{NetworkID: "v6only", IPv6Data: v6})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if vnis := resp.Options[OptVNI]; strings.Contains(vnis, ",") || vnis == "" {
+		t.Errorf("an IPv6-only network got VNIs %q, want one", vnis)
+	}
+	_, err = d.AllocateNetwork(&api.AllocateNetworkRequest{NetworkID: "given", IPv4Data: v4[:1], IPv6Data: v6, Options: map[string]string{OptVNI: "900,901"}})
+	if err == nil || !strings.Contains(err.Error(), "2 VNI(s) for 1 segment(s)") {
+		t.Errorf("two VNIs given for a network with IPv6: %v", err)
+	}
+}

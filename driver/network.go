@@ -407,7 +407,8 @@ func (d *Driver) unregisterLocked(n *network) {
 }
 
 // AllocateNetwork (swarm leader) echoes the options and adds a VNI per IPv4
-// subnet unless they carry VNIs already — the leader re-sends its previous
+// subnet (one for a network with IPv6, whose subnets share one segment)
+// unless they carry VNIs already — the leader re-sends its previous
 // output after a restart, so allocation is idempotent: given VNIs are kept
 // and marked used. It also adds the gossip seeds (OptSeeds, see
 // allocSeeds), refreshed on every call, and warns once per network that
@@ -419,8 +420,8 @@ func (d *Driver) AllocateNetwork(req *api.AllocateNetworkRequest) (*api.Allocate
 	if err := checkID("NetworkID", req.NetworkID); err != nil {
 		return nil, err
 	}
-	if len(req.IPv4Data) == 0 {
-		return nil, fmt.Errorf("IPv4Data is empty: an overlayd network needs at least one IPv4 subnet (--subnet)")
+	if len(req.IPv4Data) == 0 && len(req.IPv6Data) == 0 {
+		return nil, fmt.Errorf("IPv4Data and IPv6Data are empty: an overlayd network needs at least one subnet (--subnet)")
 	}
 	out := map[string]string{}
 	for k, v := range req.Options {
@@ -474,9 +475,15 @@ func (d *Driver) allocate(req *api.AllocateNetworkRequest, out map[string]string
 	defer d.allocMu.Unlock()
 	_, known := d.allocNet[req.NetworkID]
 	first = !known
+	// One segment per IPv4 subnet, or one for all subnets with IPv6 (see
+	// netdef.Subnet).
+	segments := len(req.IPv4Data)
+	if len(req.IPv6Data) > 0 {
+		segments = 1
+	}
 	if given {
-		if len(vnis) != len(req.IPv4Data) {
-			return nil, false, fmt.Errorf("option %s=%s gives %d VNI(s) for %d IPv4 subnet(s): give exactly one VNI per subnet", OptVNI, formatVNIs(vnis), len(vnis), len(req.IPv4Data))
+		if len(vnis) != segments {
+			return nil, false, fmt.Errorf("option %s=%s gives %d VNI(s) for %d segment(s) (one per IPv4 subnet, or one for a network with IPv6): give exactly one VNI per segment", OptVNI, formatVNIs(vnis), len(vnis), segments)
 		}
 		for _, v := range vnis {
 			if owner, ok := d.allocs[v]; ok && owner != req.NetworkID {
@@ -497,11 +504,11 @@ func (d *Driver) allocate(req *api.AllocateNetworkRequest, out map[string]string
 	}
 	// Re-allocation for a network that already holds VNIs returns them.
 	mine := d.allocNet[req.NetworkID]
-	if len(mine) != len(req.IPv4Data) {
+	if len(mine) != segments {
 		old := mine
 		mine = nil
 		d.mu.Lock() // to skip VNIs that local networks use
-		for v := d.cfg.VNIStart; len(mine) < len(req.IPv4Data); v++ {
+		for v := d.cfg.VNIStart; len(mine) < segments; v++ {
 			if owner, used := d.allocs[v]; (!used || owner == req.NetworkID) && d.byVNI[v] == nil {
 				mine = append(mine, v)
 			}
@@ -510,7 +517,7 @@ func (d *Driver) allocate(req *api.AllocateNetworkRequest, out map[string]string
 			}
 		}
 		d.mu.Unlock()
-		if len(mine) != len(req.IPv4Data) {
+		if len(mine) != segments {
 			return nil, false, fmt.Errorf("no free VNI left in the allocation range %d..%d", d.cfg.VNIStart, d.cfg.VNIEnd)
 		}
 		if err := d.saveAllocation(req.NetworkID, mine); err != nil {

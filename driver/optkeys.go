@@ -22,13 +22,13 @@ type option struct {
 
 var knownOptions = []option{
 	{name: OptVNI, values: "N, or N,M,… (1..16777215)",
-		meaning: "the network's VXLAN id, one per IPv4 subnet in their order; required outside swarm and the same on every host (in swarm the leader allocates it)"},
+		meaning: "the network's VXLAN id, one per IPv4 subnet in their order, or one for a network with IPv6 (all its subnets share one segment); required outside swarm and the same on every host (in swarm the leader allocates it)"},
 	{name: OptVXLANList, values: "as vni",
 		meaning: "the built-in overlay driver's name for vni (give one of the two)"},
 	{name: OptEncrypted, values: "no value, true or false",
 		meaning: "encrypt the network's traffic between hosts (IPsec ESP)"},
 	{name: OptMTUAlias, values: "576..9000",
-		meaning: "the MTU of the network's links; at most the underlay device's MTU minus the VXLAN overhead (50 bytes over IPv4, 70 over IPv6) and, when encrypted, the ESP overhead (1416 on a 1500-byte IPv4 underlay); default: that maximum"},
+		meaning: "the MTU of the network's links; at most the underlay device's MTU minus the VXLAN overhead (50 bytes over IPv4, 70 over IPv6) and, when encrypted, the ESP overhead (1416 on a 1500-byte IPv4 underlay); at least 1280 on a network with IPv6; default: that maximum"},
 	{name: OptMTU, values: "576..9000",
 		meaning: "Docker's name for mtu (give one of the two)"},
 	{name: OptExplicitSubnet, values: "no value, true or false",

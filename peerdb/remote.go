@@ -2,6 +2,7 @@ package peerdb
 
 import (
 	"iter"
+	"net/netip"
 	"slices"
 )
 
@@ -14,19 +15,24 @@ func (db *DB) reserve(n int, nexts iter.Seq[*Peer]) {
 		return
 	}
 	perSubnet := make([]int, len(db.segs))
-	total := 0
+	total, n4, n6 := 0, 0, 0
 	for p := range nexts {
 		if p.IP.Is4() {
 			if s, ok := db.subnet4(ip4(p.IP)); ok {
 				perSubnet[s]++
 				total++
+				n4++
+				if p.IPv6.IsValid() {
+					n6++
+				}
 			}
 		} else if s, ok := db.SubnetOf(p.IPv6); ok {
 			perSubnet[s]++
 			total++
+			n6++
 		}
 	}
-	db.reserveEntries(total)
+	db.reserveEntries(total, n4, n6)
 	for sub, n := range perSubnet {
 		db.reserveFDB(sub, n)
 	}
@@ -38,10 +44,25 @@ func (db *DB) reserveVNI(vni uint32, n int) {
 	if !db.reserveNotes(n) {
 		return
 	}
-	db.reserveEntries(n)
-	if sub := slices.Index(db.vnis, vni); sub >= 0 {
+	sub := slices.Index(db.vnis, vni)
+	n4, n6 := n, 0
+	if sub >= 0 && !db.segHas4(sub) { // an IPv6-only segment
+		n4, n6 = 0, n
+	}
+	db.reserveEntries(n, n4, n6)
+	if sub >= 0 {
 		db.reserveFDB(sub, n)
 	}
+}
+
+// segHas4 reports whether segment sub has an IPv4 prefix.
+func (db *DB) segHas4(sub int) bool {
+	for _, n := range db.nets {
+		if n.seg == sub {
+			return true
+		}
+	}
+	return false
 }
 
 // reserveNotes makes room for the notes of n changes and reports whether
@@ -50,17 +71,23 @@ func (db *DB) reserveVNI(vni uint32, n int) {
 func (db *DB) reserveNotes(n int) bool {
 	db.tx.neigh = slices.Grow(db.tx.neigh, n)
 	db.tx.fdb = slices.Grow(db.tx.fdb, n)
-	return n >= 64 && db.byIP.len() < n/2
+	return n >= 64 && db.byIP.len()+len(db.byIP6) < n/2
 }
 
 // reserveEntries sizes the claims, the remote records and their indexes
-// for total new entries.
-func (db *DB) reserveEntries(total int) {
+// for total new entries, n4 with an IPv4 address and n6 with an IPv6 one.
+func (db *DB) reserveEntries(total, n4, n6 int) {
 	if total == 0 {
 		return
 	}
-	db.byIP.reserve(db.byIP.len() + total)
-	db.claims = slices.Grow(db.claims, total)
+	if n4 > 0 {
+		db.byIP.reserve(db.byIP.len() + n4)
+	}
+	if n6 > 0 && len(db.byIP6) == 0 { // a Go map cannot grow ahead: only a new one is sized
+		db.byIP6 = make(map[netip.Addr]int32, n6)
+		db.addr6 = slices.Grow(db.addr6, n6)
+	}
+	db.claims = slices.Grow(db.claims, n4+n6)
 	db.fdbs = slices.Grow(db.fdbs, total)
 	db.held.reserve(db.held.n + total)
 }

@@ -3,6 +3,8 @@ package cluster
 import (
 	"log/slog"
 	"math/rand/v2"
+	"net/netip"
+	"slices"
 	"time"
 
 	"github.com/hashicorp/memberlist"
@@ -30,6 +32,11 @@ type dest struct {
 	// defs: send our definitions (defs.go); defsOK: the member speaks
 	// protocolDefs (it would drop them otherwise).
 	defs, defsOK bool
+	// ipv6OK: the member speaks ProtocolIPv6. It is never sent a record
+	// with an IPv6 address otherwise (it would drop the whole message).
+	ipv6OK bool
+	// defs6: the member speaks protoDefs6 (definitions with IPv6).
+	defs6 bool
 }
 
 // maxQueued bounds a sender's queue; beyond it the queue is replaced by
@@ -58,8 +65,14 @@ func (d *dest) signal() {
 	}
 }
 
-func (d *dest) enqueue(msgs [][]byte) {
+// enqueue queues msgs; has6 says some of their records have IPv6
+// addresses: a member of an older protocol gets a snapshot instead (built
+// when sent, in the form the records then have).
+func (d *dest) enqueue(msgs [][]byte, has6 bool) {
 	d.mu.Lock()
+	if has6 && !d.ipv6OK {
+		d.queue, d.queued, d.snapshot = nil, 0, true
+	}
 	if !d.snapshot {
 		for _, m := range msgs {
 			d.queue = append(d.queue, m)
@@ -92,8 +105,8 @@ func (c *Cluster) sendLoop(d *dest) {
 		for {
 			d.mu.Lock()
 			node := d.node
-			syncReq, snap, queue, digest := d.syncReq, d.snapshot, d.queue, d.digest
-			defs := d.defs && d.defsOK
+			syncReq, snap, queue, digest, ipv6OK := d.syncReq, d.snapshot, d.queue, d.digest, d.ipv6OK
+			defs, defs6 := d.defs && d.defsOK, d.defs6
 			d.syncReq, d.snapshot, d.queue, d.queued, d.digest, d.defs = false, false, nil, 0, nil, false
 			d.mu.Unlock()
 			if !syncReq && !snap && len(queue) == 0 && digest == nil && !defs {
@@ -112,7 +125,7 @@ func (c *Cluster) sendLoop(d *dest) {
 			// Definitions before records: a receiver holds back our
 			// records of a VNI until it has our definition of it.
 			if defs && !failed {
-				b, err := encodeMessage(c.local.defsMessage())
+				b, err := encodeMessage(c.local.defsMessage(defs6))
 				if err != nil {
 					c.logLimited(slog.LevelError, "defs", "cannot encode the network definitions", "error", err)
 				} else {
@@ -120,7 +133,11 @@ func (c *Cluster) sendLoop(d *dest) {
 				}
 			}
 			if snap && !failed {
-				b, err := encodeMessage(c.local.snapshot())
+				m := c.local.snapshot()
+				if !ipv6OK {
+					m.Records = withoutIPv6(m.Records)
+				}
+				b, err := encodeMessage(m)
 				if err != nil {
 					c.logLimited(slog.LevelError, "snapshot", "cannot encode the local snapshot", "error", err)
 				} else if c.send(&node, b) != nil {
@@ -200,8 +217,10 @@ func (c *Cluster) publishLoop() {
 			continue
 		}
 		var msgs [][]byte
+		has6 := false
 		if len(recs) > 0 {
 			msgs = c.encodeDeltas(recs)
+			has6 = slices.ContainsFunc(recs, func(r record) bool { return r.hasIPv6() })
 		}
 		c.mu.Lock()
 		ds := make([]*dest, 0, len(c.dests))
@@ -215,13 +234,31 @@ func (c *Cluster) publishLoop() {
 				d.defs = true
 				d.mu.Unlock()
 			}
-			d.enqueue(msgs)
+			d.enqueue(msgs, has6)
 		}
 		select {
 		case c.changed <- struct{}{}:
 		default:
 		}
 	}
+}
+
+// withoutIPv6 returns recs in the form a member of a protocol below
+// ProtocolIPv6 decodes: IPv6 addresses dropped, IPv6-only records left
+// out. The local store publishes that form itself while such a member is
+// alive (localStore.setIPv6); this covers the moment in between.
+func withoutIPv6(recs []record) []record {
+	out := recs[:0]
+	for _, r := range recs {
+		if r.hasIPv6() {
+			if !r.IP.IsValid() {
+				continue
+			}
+			r.IPv6 = netip.Addr{}
+		}
+		out = append(out, r)
+	}
+	return out
 }
 
 // encodeDeltas packs records into UDP-sized deltas when they need at most

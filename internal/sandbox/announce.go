@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"hash/fnv"
 	"math"
 	"time"
 
@@ -24,15 +25,23 @@ type goneNeigh struct {
 	at  time.Duration // since Sandbox.born
 }
 
-// goneKey is the key of an IPv4 neighbour in Sandbox.gone: its subnet and
-// address in one word (a bulk delete records every neighbour it removes).
-// ok is false for what is not IPv4, which is never announced.
+// goneKey is the key of a neighbour in Sandbox.gone: for IPv4 its subnet
+// and address in one word (a bulk delete records every neighbour it
+// removes), for IPv6 a hash of them. Two neighbours with one key cost at
+// most an announcement too many, never a wrong one: an announcement says
+// where an address is now. ok is false for what is neither.
 func goneKey(n *peerdb.Neigh) (uint64, bool) {
-	if !n.IP.Is4() || n.Subnet < 0 || n.Subnet > math.MaxUint32 {
+	if !n.IP.IsValid() || n.Subnet < 0 || n.Subnet > math.MaxUint32 {
 		return 0, false
 	}
-	b := n.IP.As4()
-	return uint64(n.Subnet)<<32 | uint64(binary.BigEndian.Uint32(b[:])), true
+	if n.IP.Is4() {
+		b := n.IP.As4()
+		return uint64(n.Subnet)<<32 | uint64(binary.BigEndian.Uint32(b[:])), true
+	}
+	b := n.IP.As16()
+	h := fnv.New64a()
+	h.Write(binary.BigEndian.AppendUint32(b[:], uint32(n.Subnet)))
+	return h.Sum64(), true
 }
 
 // movedNeighs returns the neighbours of d set to a MAC other than the one
@@ -85,14 +94,16 @@ func (sb *Sandbox) movedNeighs(d peerdb.Delta, wall time.Time) []peerdb.Neigh {
 }
 
 // announce tells the local endpoints of each neighbour's new MAC with a
-// gratuitous ARP reply, broadcast on its subnet's bridge as if from the
-// remote endpoint. Endpoint MACs are unique (not derived from the IP), so
+// gratuitous ARP reply (IPv4), or an unsolicited Neighbour Advertisement
+// with the override flag to all nodes (IPv6), on its subnet's bridge as if
+// from the remote endpoint. Endpoint MACs are unique (not derived from the IP), so
 // when an address moves to another endpoint (another host, or the winner of
 // a conflict changes) its MAC changes, and a container that still has the
 // old one cached would send into the void until its neighbour entry expires
-// (tens of seconds). Linux updates an existing entry from such a reply (and
-// never creates one from it), so the announcement only corrects what is
-// cached. The VXLAN link does not forward it: broadcasts have no FDB entry.
+// (tens of seconds). Linux updates an existing entry from such a reply or
+// advertisement (and never creates one from it), so the announcement only
+// corrects what is cached. The VXLAN link does not forward it: broadcasts
+// and multicasts have no FDB entry.
 func (sb *Sandbox) announce(neighs []peerdb.Neigh) error {
 	if len(neighs) == 0 || sb.fresh {
 		return nil
@@ -106,17 +117,27 @@ func (sb *Sandbox) announce(neighs []peerdb.Neigh) error {
 		sb.arp = fd
 	}
 	var frame [42]byte
+	var frame6 [naFrameLen]byte
 	bcast := [6]byte{0xff, 0xff, 0xff, 0xff, 0xff, 0xff}
 	var failed int
 	var first error
 	for _, n := range neighs {
-		if n.Subnet < 0 || n.Subnet >= len(sb.subnets) || !n.IP.Is4() {
+		if n.Subnet < 0 || n.Subnet >= len(sb.subnets) || !n.IP.IsValid() {
 			continue
 		}
-		garp(&frame, bcast, n)
-		sa := &unix.SockaddrLinklayer{Protocol: htons(unix.ETH_P_ARP), Ifindex: sb.subnets[n.Subnet].bridge, Halen: 6}
-		copy(sa.Addr[:], bcast[:])
-		if err := unix.Sendto(sb.arp, frame[:], 0, sa); err != nil {
+		sa := &unix.SockaddrLinklayer{Ifindex: sb.subnets[n.Subnet].bridge, Halen: 6}
+		f := frame[:]
+		if n.IP.Is4() {
+			garp(&frame, bcast, n)
+			sa.Protocol = htons(unix.ETH_P_ARP)
+			copy(sa.Addr[:], bcast[:])
+		} else {
+			unsolicitedNA(&frame6, n)
+			sa.Protocol = htons(unix.ETH_P_IPV6)
+			copy(sa.Addr[:], frame6[:6])
+			f = frame6[:]
+		}
+		if err := unix.Sendto(sb.arp, f, 0, sa); err != nil {
 			if failed++; first == nil {
 				first = fmt.Errorf("%s is at %s: %w", n.IP, n.MAC, err)
 			}
@@ -144,6 +165,58 @@ func garp(f *[42]byte, bcast [6]byte, n peerdb.Neigh) {
 	copy(f[28:32], ip[:])
 	copy(f[32:38], n.MAC[:]) // target: the same, as a gratuitous reply wants
 	copy(f[38:42], ip[:])
+}
+
+// naFrameLen is the length of an unsolicited Neighbour Advertisement frame:
+// Ethernet, IPv6 header, NA with one target link-layer address option.
+const naFrameLen = 14 + 40 + 24 + 8
+
+// unsolicitedNA writes into f the Ethernet frame of an unsolicited
+// Neighbour Advertisement (RFC 4861 7.2.6) from n.IP at n.MAC to all nodes
+// (ff02::1), with the override flag, so that a cached entry takes the new
+// MAC. Hop limit 255: receivers drop NDP that crossed a router.
+func unsolicitedNA(f *[naFrameLen]byte, n peerdb.Neigh) {
+	*f = [naFrameLen]byte{}
+	allNodes := [16]byte{0: 0xff, 1: 0x02, 15: 1}
+	copy(f[0:6], []byte{0x33, 0x33, 0, 0, 0, 1}) // all-nodes multicast MAC
+	copy(f[6:12], n.MAC[:])
+	binary.BigEndian.PutUint16(f[12:], unix.ETH_P_IPV6)
+	ip := f[14:54]
+	ip[0] = 6 << 4
+	binary.BigEndian.PutUint16(ip[4:], 32) // payload: NA and its option
+	ip[6], ip[7] = unix.IPPROTO_ICMPV6, 255
+	src := n.IP.As16()
+	copy(ip[8:24], src[:])
+	copy(ip[24:40], allNodes[:])
+	na := f[54:]
+	na[0] = 136  // Neighbour Advertisement
+	na[4] = 0x20 // override; not solicited, not a router
+	copy(na[8:24], src[:])
+	na[24], na[25] = 2, 1 // target link-layer address, 8 bytes
+	copy(na[26:32], n.MAC[:])
+	binary.BigEndian.PutUint16(na[2:], icmp6Checksum(src, allNodes, na))
+}
+
+// icmp6Checksum is the ICMPv6 checksum of msg from src to dst (RFC 4443
+// 2.3: over the IPv6 pseudo-header and the message).
+func icmp6Checksum(src, dst [16]byte, msg []byte) uint16 {
+	var sum uint32
+	add := func(b []byte) {
+		for i := 0; i+1 < len(b); i += 2 {
+			sum += uint32(binary.BigEndian.Uint16(b[i:]))
+		}
+		if len(b)%2 == 1 {
+			sum += uint32(b[len(b)-1]) << 8
+		}
+	}
+	add(src[:])
+	add(dst[:])
+	sum += uint32(len(msg)) + unix.IPPROTO_ICMPV6
+	add(msg)
+	for sum>>16 != 0 {
+		sum = sum&0xffff + sum>>16
+	}
+	return ^uint16(sum)
 }
 
 // htons converts to network byte order, as sockaddr_ll wants its protocol.
