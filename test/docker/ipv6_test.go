@@ -37,7 +37,7 @@ type v6Host struct {
 	// status returns `overlayd status --json` of the engine's overlayd.
 	status func() (string, error)
 	// sandboxCmd runs a command inside the network namespace of the
-	// network's sandbox, as the engine's host sees it (nil: not checked).
+	// network's sandbox, as the engine's host sees it.
 	sandboxCmd func(args ...string) (string, error)
 }
 
@@ -76,8 +76,10 @@ func TestIPv6TwoEngines(t *testing.T) {
 		buildPluginDir(t, dir)
 		key := clusterKey()
 		var hs []*v6Host
+		var shs []*swarmHost
 		for i, e := range es {
 			sh := &swarmHost{engine: e}
+			shs = append(shs, sh)
 			installStandalonePlugin(sh, dir, key, es[1-i].addr.String())
 			hs = append(hs, &v6Host{engine: e, driver: pluginRef,
 				status: func() (string, error) {
@@ -91,14 +93,14 @@ func TestIPv6TwoEngines(t *testing.T) {
 					return sh.inMount(append([]string{"nsenter", "--net=" + sb[0], "--"}, args...)...)
 				}})
 		}
-		for _, h := range hs {
+		for _, h := range shs {
 			eventually(t, 20*time.Second, h.name+": overlayd sees 2 members alive", func() string {
 				st, err := h.status()
 				if err != nil {
 					return err.Error()
 				}
-				if n := strings.Count(st, `"state":"alive"`); n != 2 {
-					return fmt.Sprintf("%d alive: %s", n, st)
+				if alive := st.alive(); len(alive) != 2 {
+					return fmt.Sprintf("alive: %v", alive)
 				}
 				return ""
 			})
@@ -161,31 +163,31 @@ func dualStackAcross(t *testing.T, hs []*v6Host) {
 		h.waitPing(me.name, v6GW)
 		// The remote container's IPv6 address is a permanent neighbour of
 		// the sandbox (overlayd's, from the peer record), not one learnt.
-		if h.sandboxCmd != nil {
-			out, err := h.sandboxCmd("ip", "-6", "neigh", "show", "nud", "permanent")
-			if err != nil || !strings.Contains(out, peer.v6+" ") {
-				t.Errorf("engine %s: the sandbox's permanent IPv6 neighbours lack %s (the other host's container): %v\n%s", h.name, peer.v6, err, out)
-			}
-			t.Logf("engine %s: sandbox IPv6 neighbours: %s", h.name, strings.ReplaceAll(out, "\n", "; "))
+		out, err := h.sandboxCmd("ip", "-6", "neigh", "show", "nud", "permanent")
+		if err != nil || !strings.Contains(out, peer.v6+" ") {
+			t.Errorf("engine %s: the sandbox's permanent IPv6 neighbours lack %s (the other host's container): %v\n%s", h.name, peer.v6, err, out)
 		}
+		t.Logf("engine %s: sandbox IPv6 neighbours: %s", h.name, strings.ReplaceAll(out, "\n", "; "))
 		if st, err := h.status(); err != nil || !strings.Contains(st, v6Subnet) || !strings.Contains(st, peer.v6) {
 			t.Errorf("engine %s: overlayd status lacks the IPv6 subnet %s or the other host's %s: %v\n%s", h.name, v6Subnet, peer.v6, err, st)
 		}
 	}
-	for i, h := range hs {
-		h.must("rm", "-f", cs[i].name)
-		h.must("network", "rm", v6Net)
-	}
-	// With c2 gone, nothing answers for its addresses on h1 any more.
-	eventually(t, 15*time.Second, "the other host's IPv6 neighbour removed after its container left", func() string {
-		if hs[0].sandboxCmd == nil {
-			return ""
+	// c2 leaves: h1's sandbox (c1 still joined) drops its IPv6 neighbour.
+	hs[1].must("rm", "-f", cs[1].name)
+	eventually(t, 15*time.Second, "h1 drops the IPv6 neighbour of h2's container once it left", func() string {
+		out, err := hs[0].sandboxCmd("ip", "-6", "neigh", "show", "nud", "permanent")
+		if err != nil {
+			return err.Error()
 		}
-		if out, err := hs[0].sandboxCmd("ip", "-6", "neigh", "show", "nud", "permanent"); err == nil && strings.Contains(out, cs[1].v6+" ") {
+		if strings.Contains(out, cs[1].v6+" ") {
 			return "still: " + out
 		}
 		return ""
 	})
+	hs[0].must("rm", "-f", cs[0].name)
+	for _, h := range hs {
+		h.must("network", "rm", v6Net)
+	}
 }
 
 // TestIPv6RefusedInput: what `docker network create --ipv6` prints for
