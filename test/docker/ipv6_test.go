@@ -135,7 +135,6 @@ func installStandalonePlugin(h *swarmHost, dir string, key []byte, join string) 
 // local sandbox's bridge); then removes everything.
 func dualStackAcross(t *testing.T, hs []*v6Host) {
 	for _, h := range hs {
-		h.t = t
 		d := h.createNetwork(h.driver, v6Net, "-o", "vni="+v6VNI, "--ipv6", "--subnet", v4Subnet, "--subnet", v6Subnet)
 		timing(t, "docker network create --ipv6 (dual-stack) on "+h.name, d)
 	}
