@@ -7,7 +7,10 @@
 # prints, per benchmark and metric, "median [min – max] (runs)". Then, for
 # every benchmark whose name has an IPv6 counterpart (BenchmarkPeersIPv6/N
 # beside BenchmarkPeers/N: the name with "IPv6" after its first word), the
-# medians of their common metrics side by side with the IPv6 / IPv4 ratio.
+# medians of their common metrics side by side with the IPv6 / IPv4 ratio
+# (not peak-RSS-MB: a peak of the whole process, which ran both). The two
+# run at different moments: on a shared machine compare their ratios to
+# the raw-netlink reference (…ratio_to_raw), measured in the same rounds.
 awk '
 $1 ~ /^Benchmark/ && NF >= 4 {
 	name = $1
@@ -45,11 +48,14 @@ END {
 		v4 = v6
 		sub(/IPv6/, "", v4)
 		if (!(v4 in seen)) continue
-		if (!header++) print "IPv4 and IPv6 side by side (medians; ratio IPv6 / IPv4)"
+		if (!header++) {
+			print "IPv4 and IPv6 side by side (medians; ratio IPv6 / IPv4). They ran at different"
+			print "moments: compare their *ratio_to_raw rows (each against the reference in its own rounds)."
+		}
 		print v4 " | " v6
 		nu = split(substr(units[v6], 2), us, " ")
 		for (u = 1; u <= nu; u++) {
-			if (!((v4 SUBSEP us[u]) in cnt)) continue
+			if (!((v4 SUBSEP us[u]) in cnt) || us[u] == "peak-RSS-MB") continue
 			m4 = median(v4 SUBSEP us[u])
 			m6 = median(v6 SUBSEP us[u])
 			if (m4 != 0) printf "  %-22s %12.4g %12.4g  %6.3f\n", us[u], m4, m6, m6 / m4

@@ -2,6 +2,7 @@ package docker
 
 import (
 	"fmt"
+	"net/netip"
 	"os"
 	"regexp"
 	"strconv"
@@ -51,10 +52,15 @@ func (e *engine) createNetwork(driver, name string, args ...string) time.Duratio
 var rttRE = regexp.MustCompile(`min/avg/max = [0-9.]+/([0-9.]+)/[0-9.]+ ms`)
 var lossRE = regexp.MustCompile(`(\d+) packets transmitted, (\d+) packets received`)
 
-// pingFrom pings dst from inside container c (busybox ping) and returns the
-// average round-trip time; an error if any echo went unanswered.
+// pingFrom pings dst from inside container c (busybox ping; ping -6 for
+// an IPv6 address) and returns the average round-trip time; an error if
+// any echo went unanswered.
 func (e *engine) pingFrom(c, dst string, count int) (time.Duration, error) {
-	out, err := e.docker("exec", c, "ping", "-A", "-c", strconv.Itoa(count), "-W", "2", dst)
+	args := []string{"exec", c, "ping", "-A", "-c", strconv.Itoa(count), "-W", "2", dst}
+	if a, err := netip.ParseAddr(dst); err == nil && a.Is6() {
+		args = append(args[:3], append([]string{"-6"}, args[3:]...)...)
+	}
+	out, err := e.docker(args...)
 	if err != nil {
 		return 0, fmt.Errorf("ping %s from %s: %w", dst, c, err)
 	}

@@ -847,7 +847,6 @@ func (h *harness) enrich(evs []tev) []string {
 			if s == nil || len(s.pools6) == 0 {
 				continue
 			}
-			ev.SpecPools6 = slices.Clone(s.pools6)
 			for j := range s.pools6 {
 				ev.SpecGateways6 = append(ev.SpecGateways6, s.gateway6(j))
 			}

@@ -693,8 +693,8 @@ func fmtTrace(ev tev) string {
 			}
 		}
 		s := fmt.Sprintf("CreateNetwork %s vnis=%v pools=%v gw=%v mtu=%d internal=%v encrypted=%v", ev.Network, ev.VNIs, ev.Pools, gws, ev.MTU, ev.Internal, ev.Encrypted)
-		if len(ev.SpecPools6) > 0 {
-			s += fmt.Sprintf(" ipv6=%v gw6=%v", ev.SpecPools6, ev.SpecGateways6)
+		if len(ev.SpecGateways6) > 0 {
+			s += fmt.Sprintf(" gw6=%v", ev.SpecGateways6)
 		}
 		return s
 	case driver.TraceDeleteNetwork:
@@ -739,17 +739,17 @@ func copyTrace(ev driver.TraceEvent) driver.TraceEvent {
 // (Full: every record of the VNI; otherwise the keys it asked for, each
 // found or not), which the sequential replay re-creates.
 //
-// The trace names a segment's IPv4 pool and an endpoint's IPv4 address
-// only; the harness adds the IPv6 side from the workload's request
-// (enrich): SpecPools6 and SpecGateways6 on a CreateNetwork of a network
-// with IPv6 (its one segment's IPv6 subnets and gateways), SpecAddr6 on a
-// CreateEndpoint of such a network (the IPv6 address addr6For gave it).
+// The trace lists a network's subnets of both families but only its IPv4
+// gateways, and an endpoint's IPv4 address only; the harness adds the
+// IPv6 side from the workload's request (enrich): SpecGateways6 on a
+// CreateNetwork of a network with IPv6 (the gateways of its IPv6 subnets,
+// in their order), SpecAddr6 on a CreateEndpoint of such a network (the
+// IPv6 address addr6For gave it).
 type tev struct {
 	driver.TraceEvent
 	Full bool      `json:",omitempty"`
 	Read []srcRead `json:",omitempty"`
 
-	SpecPools6    []netip.Prefix `json:",omitempty"`
 	SpecGateways6 []netip.Prefix `json:",omitempty"`
 	SpecAddr6     netip.Prefix   `json:",omitzero"`
 }

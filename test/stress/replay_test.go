@@ -202,15 +202,16 @@ func issue(e *env, ev tev) error {
 			}
 			req.IPv4Data = append(req.IPv4Data, data)
 		}
-		if len(ev.SpecPools6) > 0 {
-			req.Options[driver.OptEnableV6] = true
-		}
-		for j, p := range ev.SpecPools6 {
+		for _, p := range ev.Pools {
+			if p.Addr().Is4() {
+				continue
+			}
 			data := &api.IPAMData{AddressSpace: "GlobalDefault", Pool: p.String()}
-			if j < len(ev.SpecGateways6) && ev.SpecGateways6[j].IsValid() {
+			if j := len(req.IPv6Data); j < len(ev.SpecGateways6) && ev.SpecGateways6[j].IsValid() {
 				data.Gateway = ev.SpecGateways6[j].String()
 			}
 			req.IPv6Data = append(req.IPv6Data, data)
+			req.Options[driver.OptEnableV6] = true
 		}
 		return d.CreateNetwork(req)
 	case driver.TraceDeleteNetwork:

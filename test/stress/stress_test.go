@@ -444,7 +444,7 @@ func TestModelRulesIPv6(t *testing.T) {
 	}
 	s := &netSpec{vnis: []uint32{7}, pools: []netip.Prefix{pfx("198.51.100.0/24")}, pools6: []netip.Prefix{pfx("2001:db8:1::/64"), pfx("2001:db8:2::/64")}}
 	create := tev{TraceEvent: driver.TraceEvent{Kind: driver.TraceCreateNetwork, Network: "d", VNIs: []uint32{7}, Pools: s.tracedPools(), Gateways: []netip.Prefix{s.gateway(0)}, MTU: 1450},
-		SpecPools6: s.pools6, SpecGateways6: []netip.Prefix{s.gateway6(0), s.gateway6(1)}}
+		SpecGateways6: []netip.Prefix{s.gateway6(0), s.gateway6(1)}}
 	apply(create)
 	lmac := peerdb.MAC{2, 0xbb, 0, 0, 0, 1}
 	v4 := a("198.51.100.9")
@@ -510,7 +510,7 @@ func TestModelRulesIPv6(t *testing.T) {
 	// IPv6-only: no IPv4 pool, no IPv4 gateway; an endpoint without IPv4.
 	s6 := &netSpec{vnis: []uint32{8}, pools: []netip.Prefix{{}}, pools6: []netip.Prefix{pfx("2001:db8:7::/64")}}
 	apply(tev{TraceEvent: driver.TraceEvent{Kind: driver.TraceCreateNetwork, Network: "o", VNIs: []uint32{8}, Pools: s6.tracedPools(), Gateways: []netip.Prefix{{}}, MTU: 1450},
-		SpecPools6: s6.pools6, SpecGateways6: []netip.Prefix{s6.gateway6(0)}})
+		SpecGateways6: []netip.Prefix{s6.gateway6(0)}})
 	o6 := addr6For(s6, netip.Addr{}, "f")
 	apply(tev{TraceEvent: driver.TraceEvent{Kind: driver.TraceCreateEndpoint, Network: "o", Endpoint: "f", MAC: lmac}, SpecAddr6: o6})
 	apply(tev{TraceEvent: driver.TraceEvent{Kind: driver.TraceJoin, Network: "o", Endpoint: "f", MAC: lmac}})
