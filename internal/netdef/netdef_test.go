@@ -81,9 +81,13 @@ func TestValidateIPv6(t *testing.T) {
 		mutate func(*Definition)
 		want   string
 	}{
-		{func(d *Definition) { d.Subnets = append(d.Subnets, Subnet{VNI: 5001, Pool: netip.MustParsePrefix("203.0.113.0/24")}) }, "2 segments with IPv6 subnets"},
+		{func(d *Definition) {
+			d.Subnets = append(d.Subnets, Subnet{VNI: 5001, Pool: netip.MustParsePrefix("203.0.113.0/24")})
+		}, "2 segments with IPv6 subnets"},
 		{func(d *Definition) { d.MTU = 1279 }, "MTU 1279 is below 1280"},
-		{func(d *Definition) { d.Subnets[0].Pool, d.Subnets[0].Gateway, d.Subnets[0].IPv6 = netip.Prefix{}, netip.Prefix{}, nil }, "no IPv4 pool and no IPv6 subnet"},
+		{func(d *Definition) {
+			d.Subnets[0].Pool, d.Subnets[0].Gateway, d.Subnets[0].IPv6 = netip.Prefix{}, netip.Prefix{}, nil
+		}, "no IPv4 pool and no IPv6 subnet"},
 		{func(d *Definition) { d.Subnets[0].IPv6[0].Pool = netip.MustParsePrefix("fe80::/64") }, "link-local"},
 		{func(d *Definition) { d.Subnets[0].IPv6[0].Pool = netip.MustParsePrefix("ff05::/64") }, "multicast"},
 		{func(d *Definition) { d.Subnets[0].IPv6[0].Pool = netip.MustParsePrefix("2001:db8::/121") }, "at most 120"},
