@@ -1,7 +1,11 @@
 // Package sandbox manages the kernel side of one overlay network on one host:
-// a named network namespace holding, per subnet, a bridge with the gateway
-// address and a VXLAN link enslaved to it, plus one veth per joined endpoint,
-// and the permanent neighbour and FDB entries for the network's remote peers.
+// a named network namespace holding, per segment (an IPv4 subnet, or every
+// subnet of a network with IPv6), a bridge with the gateway addresses and a
+// VXLAN link enslaved to it, plus one veth per joined endpoint, and the
+// permanent neighbour (IPv4 and IPv6) and FDB entries for the network's
+// remote peers. The links of a segment with IPv6 have no IPv6 address of
+// their own (see quietIPv6); the VXLAN link's proxy answers Neighbour
+// Solicitations as it answers ARP.
 //
 // The VXLAN links are created from the host namespace directly into the
 // sandbox, so their UDP sockets live in the host namespace (where the
