@@ -262,10 +262,10 @@ func (sb *Sandbox) createSubnet(s Subnet) (subnetLinks, error) {
 	for _, gw := range s.gateways() {
 		addr := &netlink.Addr{IPNet: prefixToIPNet(gw)}
 		if gw.Addr().Is6() {
-			// No duplicate address detection: the gateway is this
-			// host's own on a segment no other host answers for it
-			// (each host's bridge holds it), and DAD would only delay
-			// it and send multicast.
+			// No duplicate address detection: every host's bridge
+			// holds the same gateway by design (each answers for it
+			// locally), and DAD would only delay the address and send
+			// multicast.
 			addr.Flags = unix.IFA_F_NODAD
 		}
 		if err := sb.h.AddrAdd(br, addr); err != nil {
