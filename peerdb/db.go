@@ -43,7 +43,7 @@ type DB struct {
 	freeFDB []int32
 	// fdbMore holds the proposers of an FDB record beyond its first one
 	// (fdbRec.one), for the rare MAC proposed by several IPs.
-	fdbMore map[int32][]int32
+	fdbMore map[int32]moreProposers
 
 	vteps vtepTable
 
