@@ -358,31 +358,27 @@ func (db *DB) newClaim(ip uint32, sub int) int32 {
 // findRemote returns where p is among the remote claimants of c: headPos,
 // an index into c.x.remotes, or notFound.
 func (db *DB) findRemote(c *claim, p *Peer) int {
-	if c.id == p.EndpointID && c.mac == p.MAC && db.vteps.vals[c.vtep] == p.VTEP && db.otherIs(c, c.hasOther, c.other, p) {
+	// p's other address than c's, which its claimants name (an IPv4-only
+	// record in an IPv4 claim: none, and no claimant with one matches).
+	other := p.IPv6
+	if c.v6 {
+		other = p.IP
+	}
+	hasOther := other.IsValid()
+	if c.id == p.EndpointID && c.mac == p.MAC && db.vteps.vals[c.vtep] == p.VTEP &&
+		c.hasOther == hasOther && (!hasOther || db.addr(&db.claims[c.other]) == other) {
 		return headPos
 	}
 	if c.x != nil {
 		for i := range c.x.remotes {
 			r := &c.x.remotes[i]
-			if r.id == p.EndpointID && r.mac == p.MAC && db.vteps.vals[r.vtep] == p.VTEP && db.otherIs(c, r.hasOther, r.other, p) {
+			if r.id == p.EndpointID && r.mac == p.MAC && db.vteps.vals[r.vtep] == p.VTEP &&
+				r.hasOther == hasOther && (!hasOther || db.addr(&db.claims[r.other]) == other) {
 				return i
 			}
 		}
 	}
 	return notFound
-}
-
-// otherIs reports whether a claimant of c whose other address is (hasOther,
-// other) has the other address of p.
-func (db *DB) otherIs(c *claim, hasOther bool, other int32, p *Peer) bool {
-	want := p.IPv6
-	if c.v6 {
-		want = p.IP
-	}
-	if !hasOther || !want.IsValid() {
-		return hasOther == want.IsValid()
-	}
-	return db.addr(&db.claims[other]) == want
 }
 
 const (
