@@ -296,16 +296,7 @@ func (db *DB) claimFor6(a netip.Addr, sub int) int32 {
 	if ci, ok := db.byIP6[a]; ok {
 		return ci
 	}
-	var slot uint32
-	if n := len(db.free6); n > 0 {
-		slot = db.free6[n-1]
-		db.free6 = db.free6[:n-1]
-		db.addr6[slot] = a
-	} else {
-		slot = uint32(len(db.addr6))
-		db.addr6 = append(db.addr6, a)
-	}
-	ci := db.newClaim(slot, sub)
+	ci := db.newClaim(putSlot(&db.addr6, &db.free6, a), sub)
 	db.claims[ci].v6 = true
 	if db.byIP6 == nil {
 		db.byIP6 = make(map[netip.Addr]int32)
