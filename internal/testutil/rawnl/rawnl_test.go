@@ -54,21 +54,28 @@ func dump(t *testing.T, h *netlink.Handle, link int) (map[[4]byte][6]byte, map[[
 	return neigh, fdb
 }
 
+// openOnVXLAN makes a namespace with a VXLAN link and opens the reference
+// on it.
+func openOnVXLAN(t *testing.T, name string) (*nstest.NS, int, *Programmer) {
+	t.Helper()
+	ns := nstest.NewNS(t, name)
+	vx := &netlink.Vxlan{LinkAttrs: netlink.LinkAttrs{Name: "vx9", Flags: net.FlagUp}, VxlanId: 9, Port: 4899, Learning: false}
+	if err := ns.NL.LinkAdd(vx); err != nil {
+		t.Fatalf("create vxlan: %v", err)
+	}
+	p, err := Open(ns.Handle, vx.Attrs().Index)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ns, vx.Attrs().Index, p
+}
+
 // TestProgramsPeers checks the reference against the kernel: every peer of
 // several batches lands (exactly the neighbour and FDB entry asked for),
 // adding an existing one fails (NLM_F_EXCL), deletes remove everything, and
 // a failure in the middle of a batch is reported.
 func TestProgramsPeers(t *testing.T) {
-	ns := nstest.NewNS(t, "rawnl")
-	vx := &netlink.Vxlan{LinkAttrs: netlink.LinkAttrs{Name: "vx9", Flags: net.FlagUp}, VxlanId: 9, Port: 4899, Learning: false}
-	if err := ns.NL.LinkAdd(vx); err != nil {
-		t.Fatalf("create vxlan: %v", err)
-	}
-	link := vx.Attrs().Index
-	p, err := Open(ns.Handle, link)
-	if err != nil {
-		t.Fatal(err)
-	}
+	ns, link, p := openOnVXLAN(t, "rawnl")
 	defer p.Close()
 
 	peers := testPeers(300) // three batches of 128, 128 and 44 peers
@@ -159,16 +166,7 @@ func BenchmarkReference(b *testing.B) {
 // their FDB entries) as it does IPv4 ones, mixed in one batch, and
 // deletes them.
 func TestProgramsIPv6Peers(t *testing.T) {
-	ns := nstest.NewNS(t, "rawnl6")
-	vx := &netlink.Vxlan{LinkAttrs: netlink.LinkAttrs{Name: "vx9", Flags: net.FlagUp}, VxlanId: 9, Port: 4899, Learning: false}
-	if err := ns.NL.LinkAdd(vx); err != nil {
-		t.Fatalf("create vxlan: %v", err)
-	}
-	link := vx.Attrs().Index
-	p, err := Open(ns.Handle, link)
-	if err != nil {
-		t.Fatal(err)
-	}
+	ns, link, p := openOnVXLAN(t, "rawnl6")
 	defer p.Close()
 	peers := testPeers(300)
 	for i := range peers {
