@@ -55,12 +55,18 @@ func BenchmarkJoinLater(b *testing.B) {
 // over are done untimed: a first Join finds its network's previous sandbox
 // gone, as it is unless the Join comes within the teardown's 50 ms (it
 // then finishes that teardown first).
-func benchJoins(b *testing.B, d *Driver, addr string) {
+func benchJoins(b *testing.B, d *Driver, addr string) { benchJoinsDual(b, d, addr, "") }
+
+// benchJoinsDual is benchJoins for endpoints with an IPv4 address addr and
+// an IPv6 address addr6 (either may be "").
+func benchJoinsDual(b *testing.B, d *Driver, addr, addr6 string) {
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
 		eid := fmt.Sprintf("e%d", i)
 		b.StopTimer()
-		mustEndpoint(b, d, "n", eid, addr)
+		if _, err := d.CreateEndpoint(endpointReq6("n", eid, addr, addr6)); err != nil {
+			b.Fatal(err)
+		}
 		b.StartTimer()
 		mustJoin(b, d, "n", eid)
 		b.StopTimer()
@@ -68,6 +74,27 @@ func benchJoins(b *testing.B, d *Driver, addr string) {
 		d.WaitDeletions()
 		b.StartTimer()
 	}
+}
+
+// BenchmarkJoinFirstDualStack is BenchmarkJoinFirst for a dual-stack
+// network: the sandbox also gets its IPv6 gateway and its links' IPv6
+// set up.
+func BenchmarkJoinFirstDualStack(b *testing.B) {
+	d := benchDriver(b)
+	mustCreate(b, d, createReq6("n", "100", "198.51.100.0/24", "2001:db8:1::/64"))
+	benchJoinsDual(b, d, "198.51.100.2/24", "2001:db8:1::2/64")
+}
+
+// BenchmarkJoinLaterDualStack is BenchmarkJoinLater for a dual-stack
+// network (the veth's sandbox end gets no IPv6 address generation).
+func BenchmarkJoinLaterDualStack(b *testing.B) {
+	d := benchDriver(b)
+	mustCreate(b, d, createReq6("n", "100", "198.51.100.0/24", "2001:db8:1::/64"))
+	if _, err := d.CreateEndpoint(endpointReq6("n", "first", "198.51.100.2/24", "2001:db8:1::2/64")); err != nil {
+		b.Fatal(err)
+	}
+	mustJoin(b, d, "n", "first")
+	benchJoinsDual(b, d, "198.51.100.3/24", "2001:db8:1::3/64")
 }
 
 // BenchmarkLeaveLast measures the last Leave and its DeleteEndpoint, which

@@ -56,12 +56,11 @@ func linkNames(netID, epID string) (host, sb string) {
 	return "ovd" + h[:12], "ovs" + h[:12]
 }
 
-// CreateEndpoint records an endpoint. Its IPv4 address (Interface.Address)
-// must lie in one of the network's IPv4 subnets and its IPv6 address
-// (Interface.AddressIPv6) in one of its IPv6 subnets; it has at least one
-// of them, and exactly the families the network has a subnet of (an
-// endpoint of an IPv6-only network has no IPv4 address). The MAC is Docker's if given (never changed), otherwise
-// derived from the endpoint id (unique even when two hosts hand out the same
+// CreateEndpoint records an endpoint. It has an IPv4 address
+// (Interface.Address), an IPv6 address (Interface.AddressIPv6) or both,
+// each in one of the network's subnets of its family (so an endpoint of an
+// IPv6-only network has no IPv4 address). The MAC is Docker's if given
+// (never changed), otherwise derived from the endpoint id (unique even when two hosts hand out the same
 // address) and returned; either way it is persisted with the endpoint, so a
 // restart keeps it. No kernel change.
 func (d *Driver) CreateEndpoint(req *api.CreateEndpointRequest) (*api.CreateEndpointResponse, error) {

@@ -36,7 +36,12 @@ const v6VNI = 77
 // onHosts (if not nil) runs once the hosts exist, before any network, and
 // may return host 0's driver (nil: a test driver without state file).
 func setupV6Hosts(t *testing.T, v6only bool, onHosts func([]*nstest.NS, []netip.Addr) *Driver) *v6Hosts {
-	hosts, vteps := nstest.Hosts(t, 2, false)
+	return setupV6HostsOn(t, false, v6only, onHosts)
+}
+
+// setupV6HostsOn is setupV6Hosts on an IPv6 underlay when v6underlay.
+func setupV6HostsOn(t *testing.T, v6underlay, v6only bool, onHosts func([]*nstest.NS, []netip.Addr) *Driver) *v6Hosts {
+	hosts, vteps := nstest.Hosts(t, 2, v6underlay)
 	var d0 *Driver
 	if onHosts != nil {
 		d0 = onHosts(hosts, vteps)
@@ -427,4 +432,15 @@ func TestMovedIPv6AddressIsAnnounced(t *testing.T) {
 	if got := containerNeighbour(t, s.ctrs[0], addr6.Addr()); got != mac.String() {
 		t.Errorf("container 0 has %s at %q, want %s", addr6.Addr(), got, mac)
 	}
+}
+
+// A dual-stack network over an IPv6 underlay: both families cross in
+// VXLAN over IPv6.
+func TestTwoHostsDualStackIPv6Underlay(t *testing.T) {
+	s := setupV6HostsOn(t, true, false, nil)
+	s.exchange(t)
+	s.pingBoth(t, func(p peerdb.Peer) netip.Addr { return p.IP })
+	s.pingBoth(t, func(p peerdb.Peer) netip.Addr { return p.IPv6 })
+	mac1 := s.peers[1].MAC.String()
+	wantPeers(t, s.d[0], "net1", map[string]string{"198.51.100.11": mac1, "2001:db8:1::11": mac1}, map[string]string{mac1: s.peers[1].VTEP.String()})
 }

@@ -10,6 +10,7 @@ import (
 	api "github.com/docker/go-plugins-helpers/network"
 
 	"github.com/overlayd/overlayd/internal/netdef"
+	"github.com/overlayd/overlayd/internal/statefile"
 )
 
 // createReq6 is createReq for a network with IPv6: pools of either family,
@@ -265,5 +266,28 @@ func TestAllocateNetworkIPv6OneVNI(t *testing.T) {
 	_, err = d.AllocateNetwork(&api.AllocateNetworkRequest{NetworkID: "given", IPv4Data: v4[:1], IPv6Data: v6, Options: map[string]string{OptVNI: "900,901"}})
 	if err == nil || !strings.Contains(err.Error(), "2 VNI(s) for 1 segment(s)") {
 		t.Errorf("two VNIs given for a network with IPv6: %v", err)
+	}
+}
+
+// A record written before IPv6 loads as it always did; a damaged IPv6
+// record is refused, saying what is wrong.
+func TestIPv6RecordOldAndDamaged(t *testing.T) {
+	old := statefile.Network{ID: "old", VNIs: []uint32{7}, Pools: []string{"198.51.100.0/24"}, Gateways: []string{"198.51.100.1/24"}, MTU: 1450}
+	n, err := networkFromRecord(old)
+	if err != nil || n.hasIPv6() || fmt.Sprint(n.pools()) != "[198.51.100.0/24]" {
+		t.Fatalf("record from before IPv6: %v, %v", n, err)
+	}
+	for _, tc := range []struct {
+		rec  statefile.Network
+		want string
+	}{
+		{statefile.Network{ID: "ll", VNIs: []uint32{8}, Pools: []string{""}, Gateways: []string{""}, Pools6: []string{"fe80::/64"}, Gateways6: []string{""}, MTU: 1450}, "link-local"},
+		{statefile.Network{ID: "two", VNIs: []uint32{8, 9}, Pools: []string{"198.51.100.0/24", "203.0.113.0/24"}, Gateways: []string{"", ""}, Pools6: []string{"2001:db8::/64"}, Gateways6: []string{""}, MTU: 1450}, "several segments"},
+		{statefile.Network{ID: "gws", VNIs: []uint32{8}, Pools: []string{""}, Gateways: []string{""}, Pools6: []string{"2001:db8::/64"}, MTU: 1450}, "do not match"},
+		{statefile.Network{ID: "mtu", VNIs: []uint32{8}, Pools: []string{""}, Gateways: []string{""}, Pools6: []string{"2001:db8::/64"}, Gateways6: []string{""}, MTU: 1200}, "below 1280"},
+	} {
+		if _, err := networkFromRecord(tc.rec); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("record %s: %v, want an error saying %q", tc.rec.ID, err, tc.want)
+		}
 	}
 }

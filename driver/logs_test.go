@@ -30,7 +30,7 @@ func TestStateChangesLoggedOnce(t *testing.T) {
 	if err := d.CreateNetwork(createReq("m", "4242", "203.0.113.0/24")); err == nil {
 		t.Fatal("a second network with VNI 4242 was accepted")
 	}
-	rec.One(t, slog.LevelInfo, logkeys.NetworkCreated, append(net, logkeys.VNIs, "4242", "mtu", "1450", "encrypted", "false"), "internal")
+	rec.One(t, slog.LevelInfo, logkeys.NetworkCreated, append(net, logkeys.VNIs, "4242", "subnets", "198.51.100.0/24", "mtu", "1450", "encrypted", "false"), "internal")
 
 	mustEndpoint(t, d, "n", "e", "198.51.100.5/24")
 	mustJoin(t, d, "n", "e")

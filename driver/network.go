@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"net/netip"
 	"slices"
+	"strings"
 
 	api "github.com/docker/go-plugins-helpers/network"
 
@@ -89,6 +90,15 @@ func (n *network) pools() []netip.Prefix {
 		p = append(p, n.subnets[i].prefixes()...)
 	}
 	return p
+}
+
+// formatPrefixes renders prefixes comma-separated (for logs).
+func formatPrefixes(ps []netip.Prefix) string {
+	s := make([]string, len(ps))
+	for i, p := range ps {
+		s[i] = p.String()
+	}
+	return strings.Join(s, ",")
 }
 
 // hasIPv6 reports whether the network has IPv6 subnets (then it has one
@@ -220,7 +230,7 @@ func (d *Driver) createNetwork(spec *netSpec, u underlayLink) error {
 	}
 	d.publishDefinition(n, false)
 	d.log.Info("network created", logkeys.Event, logkeys.NetworkCreated, logkeys.Network, n.id, logkeys.VNIs, formatVNIs(n.vnis()),
-		"mtu", n.mtu, "internal", n.internal, "encrypted", n.encrypted)
+		"subnets", formatPrefixes(n.pools()), "mtu", n.mtu, "internal", n.internal, "encrypted", n.encrypted)
 	return nil
 }
 

@@ -277,9 +277,10 @@ func networkFromRecord(r statefile.Network) (*network, error) {
 		}
 		n.subnets[0].v6 = append(n.subnets[0].v6, netdef.Subnet6{Pool: pool, Gateway: gw})
 	}
-	// The same checks as a network created now, so a damaged file is
-	// refused rather than programmed.
-	if def := n.definition(); def.Validate() != nil {
+	// A network with IPv6 (written by this version) gets the checks of a
+	// network created now, so a damaged record is refused rather than
+	// programmed; older records are restored as they always were.
+	if def := n.definition(); len(r.Pools6) > 0 && def.Validate() != nil {
 		return nil, def.Validate()
 	}
 	n.peers = newPeerTable(n.subnets)

@@ -43,7 +43,7 @@ type DB struct {
 	freeFDB []int32
 	// fdbMore holds the proposers of an FDB record beyond its first one
 	// (fdbRec.one), for the rare MAC proposed by several IPs.
-	fdbMore map[int32][]int32
+	fdbMore map[int32]moreProposers
 
 	vteps vtepTable
 
@@ -296,16 +296,7 @@ func (db *DB) claimFor6(a netip.Addr, sub int) int32 {
 	if ci, ok := db.byIP6[a]; ok {
 		return ci
 	}
-	var slot uint32
-	if n := len(db.free6); n > 0 {
-		slot = db.free6[n-1]
-		db.free6 = db.free6[:n-1]
-		db.addr6[slot] = a
-	} else {
-		slot = uint32(len(db.addr6))
-		db.addr6 = append(db.addr6, a)
-	}
-	ci := db.newClaim(slot, sub)
+	ci := db.newClaim(putSlot(&db.addr6, &db.free6, a), sub)
 	db.claims[ci].v6 = true
 	if db.byIP6 == nil {
 		db.byIP6 = make(map[netip.Addr]int32)
@@ -358,31 +349,27 @@ func (db *DB) newClaim(ip uint32, sub int) int32 {
 // findRemote returns where p is among the remote claimants of c: headPos,
 // an index into c.x.remotes, or notFound.
 func (db *DB) findRemote(c *claim, p *Peer) int {
-	if c.id == p.EndpointID && c.mac == p.MAC && db.vteps.vals[c.vtep] == p.VTEP && db.otherIs(c, c.hasOther, c.other, p) {
+	// p's other address than c's, which its claimants name (an IPv4-only
+	// record in an IPv4 claim: none, and no claimant with one matches).
+	other := p.IPv6
+	if c.v6 {
+		other = p.IP
+	}
+	hasOther := other.IsValid()
+	if c.id == p.EndpointID && c.mac == p.MAC && db.vteps.vals[c.vtep] == p.VTEP &&
+		c.hasOther == hasOther && (!hasOther || db.addr(&db.claims[c.other]) == other) {
 		return headPos
 	}
 	if c.x != nil {
 		for i := range c.x.remotes {
 			r := &c.x.remotes[i]
-			if r.id == p.EndpointID && r.mac == p.MAC && db.vteps.vals[r.vtep] == p.VTEP && db.otherIs(c, r.hasOther, r.other, p) {
+			if r.id == p.EndpointID && r.mac == p.MAC && db.vteps.vals[r.vtep] == p.VTEP &&
+				r.hasOther == hasOther && (!hasOther || db.addr(&db.claims[r.other]) == other) {
 				return i
 			}
 		}
 	}
 	return notFound
-}
-
-// otherIs reports whether a claimant of c whose other address is (hasOther,
-// other) has the other address of p.
-func (db *DB) otherIs(c *claim, hasOther bool, other int32, p *Peer) bool {
-	want := p.IPv6
-	if c.v6 {
-		want = p.IP
-	}
-	if !hasOther || !want.IsValid() {
-		return hasOther == want.IsValid()
-	}
-	return db.addr(&db.claims[other]) == want
 }
 
 const (

@@ -62,6 +62,14 @@ func (db *DB) fdbFor(sub int, mac MAC) int32 {
 	return fi
 }
 
+// moreProposers are the proposers of an FDB record beyond its first one:
+// second inline, as a dual-stack entry proposes its MAC from both its
+// claims (so the common case allocates nothing), the others in rest.
+type moreProposers struct {
+	second int32
+	rest   []int32
+}
+
 func (db *DB) addProposer(fi, ci int32) {
 	r := &db.fdbs[fi]
 	if r.one < 0 {
@@ -69,10 +77,16 @@ func (db *DB) addProposer(fi, ci int32) {
 		return
 	}
 	if db.fdbMore == nil {
-		db.fdbMore = make(map[int32][]int32)
+		db.fdbMore = make(map[int32]moreProposers)
 	}
-	db.fdbMore[fi] = append(db.fdbMore[fi], ci)
-	r.multi = true
+	if !r.multi {
+		db.fdbMore[fi] = moreProposers{second: ci}
+		r.multi = true
+		return
+	}
+	m := db.fdbMore[fi]
+	m.rest = append(m.rest, ci)
+	db.fdbMore[fi] = m
 }
 
 func (db *DB) removeProposer(fi, ci int32) {
@@ -81,22 +95,27 @@ func (db *DB) removeProposer(fi, ci int32) {
 		r.one = -1
 		return
 	}
-	more := db.fdbMore[fi]
-	if r.one == ci {
-		r.one = more[len(more)-1]
-		more = more[:len(more)-1]
-	} else {
-		i := slices.Index(more, ci)
+	m := db.fdbMore[fi]
+	switch {
+	case r.one == ci:
+		r.one, m.second = m.second, -1
+	case m.second == ci:
+		m.second = -1
+	default:
+		i := slices.Index(m.rest, ci)
 		if i < 0 {
 			panic(fmt.Sprintf("peerdb: internal error: no FDB proposal of %s", db.addr(&db.claims[ci])))
 		}
-		more = swapRemove(more, i)
+		m.rest = swapRemove(m.rest, i)
 	}
-	if len(more) == 0 {
+	if n := len(m.rest); m.second < 0 && n > 0 {
+		m.second, m.rest = m.rest[n-1], m.rest[:n-1]
+	}
+	if m.second < 0 {
 		delete(db.fdbMore, fi)
 		r.multi = false
 	} else {
-		db.fdbMore[fi] = more
+		db.fdbMore[fi] = m
 	}
 }
 
@@ -111,7 +130,11 @@ func (db *DB) recomputeFDB(fi int32) {
 	}
 	best := r.one
 	if r.multi {
-		for _, ci := range db.fdbMore[fi] {
+		m := db.fdbMore[fi]
+		if db.compareClaims(m.second, best) < 0 {
+			best = m.second
+		}
+		for _, ci := range m.rest {
 			if db.compareClaims(ci, best) < 0 {
 				best = ci
 			}

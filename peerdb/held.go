@@ -168,8 +168,17 @@ func (db *DB) heldPeer(r *heldRec) Peer {
 	return p
 }
 
-// heldIs reports whether r holds p (a valid record: IP is IPv4 or absent).
+// heldIs reports whether r holds p (a valid record: IP is IPv4 or absent,
+// and it has IP or IPv6).
 func (db *DB) heldIs(r *heldRec, p *Peer) bool {
+	if !r.has6 && !p.IPv6.IsValid() { // both IPv4 only: the common case
+		return r.ip == ip4(p.IP) && r.mac == p.MAC && r.id == p.EndpointID && db.vteps.vals[r.vtep] == p.VTEP
+	}
+	return db.heldIs6(r, p)
+}
+
+// heldIs6 is heldIs when r or p has an IPv6 address.
+func (db *DB) heldIs6(r *heldRec, p *Peer) bool {
 	if r.has4 != p.IP.IsValid() || r.has4 && r.ip != ip4(p.IP) {
 		return false
 	}

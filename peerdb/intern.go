@@ -24,18 +24,26 @@ func (t *interned[T]) intern(v T) uint32 {
 	if t.idx == nil {
 		t.idx = make(map[T]uint32)
 	}
-	var i uint32
-	if n := len(t.free); n > 0 {
-		i = t.free[n-1]
-		t.free = t.free[:n-1]
-		t.vals[i] = v
-	} else {
-		i = uint32(len(t.vals))
-		t.vals = append(t.vals, v)
+	n := len(t.vals)
+	i := putSlot(&t.vals, &t.free, v)
+	if len(t.vals) > n {
 		t.refs = append(t.refs, 0)
 	}
 	t.idx[v] = i
 	return i
+}
+
+// putSlot stores v in a free slot of *vals (listed in *free) or a new one,
+// and returns its index.
+func putSlot[T any](vals *[]T, free *[]uint32, v T) uint32 {
+	if n := len(*free); n > 0 {
+		i := (*free)[n-1]
+		*free = (*free)[:n-1]
+		(*vals)[i] = v
+		return i
+	}
+	*vals = append(*vals, v)
+	return uint32(len(*vals) - 1)
 }
 
 // release frees index i, which has no users.

@@ -241,10 +241,10 @@ func checkInvariants(db *DB) error {
 			if r.multi {
 				nMulti++
 				more := db.fdbMore[fi]
-				if len(more) == 0 || r.one < 0 {
+				if more.second < 0 || r.one < 0 {
 					return fmt.Errorf("FDB %v: multi without more proposers", k)
 				}
-				got = append(got, more...)
+				got = append(append(got, more.second), more.rest...)
 			} else if _, ok := db.fdbMore[fi]; ok {
 				return fmt.Errorf("FDB %v: stray more proposers", k)
 			}

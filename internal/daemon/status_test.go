@@ -158,3 +158,34 @@ func TestStatusRenderIPAM(t *testing.T) {
 		t.Error("the IPAM section comes after the driver's")
 	}
 }
+
+// A network with IPv6 shows its subnets of both families, each endpoint's
+// addresses, and each remote peer's addresses with the state of each claim.
+func TestStatusRenderIPv6(t *testing.T) {
+	r := &StatusReport{Driver: driver.Status{Scope: "local", Networks: []driver.NetworkStatus{
+		{ID: "cccccccccccccccccccc", VNIs: []uint32{5030}, Subnets: []string{"198.51.100.0/24", "2001:db8:1::/64"}, MTU: 1450,
+			Endpoints: []driver.EndpointStatus{
+				{ID: "e1", Address: "198.51.100.2/24", AddressIPv6: "2001:db8:1::2/64", MAC: "02:00:00:00:00:01", Joined: true},
+				{ID: "e2", AddressIPv6: "2001:db8:1::5/64", MAC: "02:00:00:00:00:05", Joined: true},
+			},
+			RemotePeers: []driver.PeerStatus{
+				{EndpointID: "e3", IP: "198.51.100.3", IPv6: "2001:db8:1::3", MAC: "02:00:00:00:00:03", VTEP: "192.0.2.2", Active: true},
+				{EndpointID: "e4", IPv6: "2001:db8:1::4", MAC: "02:00:00:00:00:04", VTEP: "192.0.2.3"},
+			}},
+	}}}
+	var b bytes.Buffer
+	r.Render(&b)
+	out := b.String()
+	t.Logf("\n%s", out)
+	for _, tc := range []struct{ line, want string }{
+		{"VNI 5030", "subnets 198.51.100.0/24,2001:db8:1::/64"},
+		{"local  198.51.100.2/24", "198.51.100.2/24,2001:db8:1::2/64"},
+		{"2001:db8:1::5/64", "joined"},
+		{"remote 198.51.100.3", "198.51.100.3,2001:db8:1::3 02:00:00:00:00:03  via 192.0.2.2       active,shadowed"},
+		{"remote 2001:db8:1::4", "shadowed e4"},
+	} {
+		if l := line(out, tc.line); !strings.Contains(l, tc.want) {
+			t.Errorf("line %q does not say %q", l, tc.want)
+		}
+	}
+}

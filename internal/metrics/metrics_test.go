@@ -159,3 +159,38 @@ func BenchmarkObserveCall(b *testing.B) {
 		m.ObserveCall("Join", nil, time.Millisecond)
 	}
 }
+
+// Addresses are counted by family and kind: a dual-stack endpoint counts
+// once per family, and a remote peer's state is per address (an IPv6
+// claim may be active while the IPv4 one is shadowed); a peer with an
+// active address is an active peer.
+func TestCollectorCountsAddressesByFamily(t *testing.T) {
+	st := driver.Status{Networks: []driver.NetworkStatus{{
+		ID: "n6", VNIs: []uint32{400},
+		Endpoints: []driver.EndpointStatus{
+			{ID: "e1", VNI: 400, Joined: true, Address: "198.51.100.2/24", AddressIPv6: "2001:db8:1::2/64"},
+			{ID: "e2", VNI: 400, Joined: true, AddressIPv6: "2001:db8:1::3/64"},
+			{ID: "e3", VNI: 400, AddressIPv6: "2001:db8:1::4/64"}, // not joined: no address in use
+		},
+		RemotePeers: []driver.PeerStatus{
+			{VNI: 400, IP: "198.51.100.9", IPv6: "2001:db8:1::9", ActiveIPv6: true},
+			{VNI: 400, IPv6: "2001:db8:1::a"},
+		},
+	}}}
+	m := New(Sources{Driver: func() driver.Status { return st }})
+	text := scrapeText(t, m)
+	for _, want := range []string{
+		`overlayd_endpoint_addresses{family="ipv4",kind="local",vni="400"} 1`,
+		`overlayd_endpoint_addresses{family="ipv6",kind="local",vni="400"} 2`,
+		`overlayd_endpoint_addresses{family="ipv4",kind="remote_shadowed",vni="400"} 1`,
+		`overlayd_endpoint_addresses{family="ipv4",kind="remote_active",vni="400"} 0`,
+		`overlayd_endpoint_addresses{family="ipv6",kind="remote_active",vni="400"} 1`,
+		`overlayd_endpoint_addresses{family="ipv6",kind="remote_shadowed",vni="400"} 1`,
+		`overlayd_remote_peers{state="active",vni="400"} 1`,
+		`overlayd_remote_peers{state="shadowed",vni="400"} 1`,
+	} {
+		if !strings.Contains(text, want+"\n") {
+			t.Errorf("scrape lacks %s", want)
+		}
+	}
+}

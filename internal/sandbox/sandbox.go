@@ -1,7 +1,11 @@
 // Package sandbox manages the kernel side of one overlay network on one host:
-// a named network namespace holding, per subnet, a bridge with the gateway
-// address and a VXLAN link enslaved to it, plus one veth per joined endpoint,
-// and the permanent neighbour and FDB entries for the network's remote peers.
+// a named network namespace holding, per segment (an IPv4 subnet, or every
+// subnet of a network with IPv6), a bridge with the gateway addresses and a
+// VXLAN link enslaved to it, plus one veth per joined endpoint, and the
+// permanent neighbour (IPv4 and IPv6) and FDB entries for the network's
+// remote peers. The links of a segment with IPv6 have no IPv6 address of
+// their own (see quietIPv6); the VXLAN link's proxy answers Neighbour
+// Solicitations as it answers ARP.
 //
 // The VXLAN links are created from the host namespace directly into the
 // sandbox, so their UDP sockets live in the host namespace (where the
@@ -258,10 +262,10 @@ func (sb *Sandbox) createSubnet(s Subnet) (subnetLinks, error) {
 	for _, gw := range s.gateways() {
 		addr := &netlink.Addr{IPNet: prefixToIPNet(gw)}
 		if gw.Addr().Is6() {
-			// No duplicate address detection: the gateway is this
-			// host's own on a segment no other host answers for it
-			// (each host's bridge holds it), and DAD would only delay
-			// it and send multicast.
+			// No duplicate address detection: every host's bridge
+			// holds the same gateway by design (each answers for it
+			// locally), and DAD would only delay the address and send
+			// multicast.
 			addr.Flags = unix.IFA_F_NODAD
 		}
 		if err := sb.h.AddrAdd(br, addr); err != nil {
