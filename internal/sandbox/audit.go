@@ -53,6 +53,9 @@ func (sb *Sandbox) Audit(want peerdb.State, endpoints []Endpoint, reaping bool) 
 				problems = append(problems, fmt.Sprintf("bridge %s: ifindex %d, want %d", brName, br.Attrs().Index, sl.bridge))
 			}
 			problems = append(problems, sb.checkGateways(br, sl.gateways())...)
+			if p := snoopingProblem(br, &sl); p != "" {
+				problems = append(problems, p)
+			}
 		}
 		l, ok := byName[vxName]
 		vx, isVX := l.(*netlink.Vxlan)

@@ -8,6 +8,8 @@ import (
 	"strings"
 
 	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netlink/nl"
+	"golang.org/x/sys/unix"
 
 	"github.com/overlayd/overlayd/internal/netnsutil"
 )
@@ -34,6 +36,68 @@ func (sb *Sandbox) quietIPv6(l netlink.Link) error {
 		return fmt.Errorf("failed to turn off IPv6 address generation on %s in sandbox %s: %w", name, sb.path, err)
 	}
 	return nil
+}
+
+// snoopingProblem reports the bridge of a segment with IPv6 that snoops
+// multicast ("" if it does not, or the segment has no IPv6). A snooping
+// bridge, once a querier is on the segment (any container may be one),
+// forwards a Neighbour Solicitation only to the ports that listen to its
+// solicited-node group: when a local container shares that group with a
+// remote address (the same last 24 bits, as ::11 in two subnets), the
+// solicitation for the remote address never reaches the VXLAN link whose
+// proxy would answer it. Without snooping every multicast reaches every
+// port, and the VXLAN link still sends none of it to other hosts.
+func snoopingProblem(br netlink.Link, sl *subnetLinks) string {
+	if !sl.hasIPv6() {
+		return ""
+	}
+	if b, ok := br.(*netlink.Bridge); ok && b.MulticastSnooping != nil && !*b.MulticastSnooping {
+		return ""
+	}
+	return fmt.Sprintf("bridge %s: multicast snooping on, want off", br.Attrs().Name)
+}
+
+// repairSnooping turns multicast snooping off on the bridge of sl if it is
+// on, and returns the problem it fixed ("" if none).
+func (sb *Sandbox) repairSnooping(sl *subnetLinks) (string, error) {
+	if !sl.hasIPv6() {
+		return "", nil
+	}
+	br, err := sb.h.LinkByIndex(sl.bridge)
+	if err != nil {
+		return "", fmt.Errorf("failed to find bridge %s in sandbox %s: %w", BridgeName(sl.VNI), sb.path, err)
+	}
+	p := snoopingProblem(br, sl)
+	if p == "" {
+		return "", nil
+	}
+	if err := sb.setSnooping(sl.bridge, false); err != nil {
+		return "", fmt.Errorf("failed to turn off multicast snooping on bridge %s in sandbox %s: %w", BridgeName(sl.VNI), sb.path, err)
+	}
+	return p, nil
+}
+
+// setSnooping turns multicast snooping of the bridge with ifindex index on
+// or off: RTM_NEWLINK with only the bridge's IFLA_BR_MCAST_SNOOPING
+// (netlink's BridgeSetMcastSnoop re-sends every attribute of the link,
+// which the kernel refuses for a bridge).
+func (sb *Sandbox) setSnooping(index int, on bool) error {
+	return netnsutil.DoIn(sb.ns, func() error {
+		req := nl.NewNetlinkRequest(unix.RTM_NEWLINK, unix.NLM_F_ACK)
+		msg := nl.NewIfInfomsg(unix.AF_UNSPEC)
+		msg.Index = int32(index)
+		req.AddData(msg)
+		info := nl.NewRtAttr(unix.IFLA_LINKINFO, nil)
+		info.AddRtAttr(nl.IFLA_INFO_KIND, nl.NonZeroTerminated("bridge"))
+		var v uint8
+		if on {
+			v = 1
+		}
+		info.AddRtAttr(nl.IFLA_INFO_DATA, nil).AddRtAttr(nl.IFLA_BR_MCAST_SNOOPING, nl.Uint8Attr(v))
+		req.AddData(info)
+		_, err := req.Execute(unix.NETLINK_ROUTE, 0)
+		return err
+	})
 }
 
 // enableIPv6 makes sure IPv6 is not disabled on link name: a namespace

@@ -153,7 +153,8 @@ func (sb *Sandbox) RestoreEndpointPort(ep Endpoint) error {
 
 // RepairPorts makes the bridge ports what they must be: for every VXLAN
 // link, learning off and nothing learned on it; for the veth of every
-// endpoint given (the joined ones), what setEndpointPort makes. It returns
+// endpoint given (the joined ones), what setEndpointPort makes; and the
+// bridge of a segment with IPv6 not snooping multicast (snoopingProblem). It returns
 // what it corrected, each naming the link; the level-triggered repair calls
 // it, so a port someone changed, or that an earlier version made, is
 // restored.
@@ -191,6 +192,11 @@ func (sb *Sandbox) RepairPorts(endpoints []Endpoint) ([]string, error) {
 		}
 	}
 	for _, sl := range sb.subnets {
+		if p, err := sb.repairSnooping(&sl); err != nil {
+			errs = append(errs, err)
+		} else if p != "" {
+			fixed = append(fixed, p)
+		}
 		problems, learned, err := sb.portProblems(sl)
 		if err != nil {
 			errs = append(errs, err)

@@ -244,6 +244,10 @@ func (sb *Sandbox) createSubnet(s Subnet) (subnetLinks, error) {
 		flags = net.FlagUp
 	}
 	br := &netlink.Bridge{LinkAttrs: netlink.LinkAttrs{Name: brName, MTU: s.MTU, Flags: flags, TxQLen: -1, Group: LinkGroup}}
+	if s.hasIPv6() {
+		off := false
+		br.MulticastSnooping = &off // see snoopingProblem
+	}
 	if err := sb.h.LinkAdd(br); err != nil {
 		return sl, fmt.Errorf("failed to create bridge %s in sandbox %s: %w", brName, sb.path, err)
 	}
