@@ -1,6 +1,8 @@
 package encryption
 
 import (
+	"crypto/sha256"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"maps"
@@ -244,7 +246,10 @@ func sortedAddrs(in []netip.Addr) []netip.Addr {
 }
 
 // xfrmOf derives the SAs and policies d asks for.
-func xfrmOf(d *Desired) (*desiredXfrm, error) {
+func xfrmOf(d *Desired) (*desiredXfrm, error) { return xfrmOfCached(d, nil) }
+
+// xfrmOfCached is xfrmOf with SPIs and keys from cache (nil: derived).
+func xfrmOfCached(d *Desired, cache *deriveCache) (*desiredXfrm, error) {
 	x := &desiredXfrm{states: map[stateKey]*wantState{}, policies: map[polKey]*wantPolicy{}}
 	if d.Empty() {
 		return x, nil
@@ -273,11 +278,7 @@ func xfrmOf(d *Desired) (*desiredXfrm, error) {
 		x.states[w.key] = w
 	}
 	derive := func(src, dst, remote netip.Addr, e uint32, gen uint64, outbound bool) (*wantState, error) {
-		spi, err := SPI(d.Secret, src, dst, e, gen)
-		if err != nil {
-			return nil, err
-		}
-		k, err := SAKey(d.Secret, src, dst, e, gen)
+		spi, k, err := cache.derive(d.Secret, src, dst, e, gen)
 		if err != nil {
 			return nil, err
 		}
@@ -324,14 +325,59 @@ func xfrmOf(d *Desired) (*desiredXfrm, error) {
 }
 
 // fingerprint identifies d without its secret: two Desireds with the same
-// fingerprint want the same kernel state (given the same secret).
+// fingerprint want the same kernel state (given the same secret). It is a
+// SHA-256 of a binary encoding (formatting thousands of remotes as text
+// cost more than the kernel change of one remote).
 func (d *Desired) fingerprint() string {
-	gens := slices.SortedFunc(maps.Keys(d.RemoteGens), netip.Addr.Compare)
-	g := make([]string, 0, len(gens))
-	for _, a := range gens {
-		g = append(g, fmt.Sprintf("%v=%x", a, d.RemoteGens[a]))
+	b := make([]byte, 0, 64+20*(len(d.Remotes)+len(d.KeepOutbound)+len(d.Blocked))+28*len(d.RemoteGens)+4*(len(d.VNIs)+len(d.ClearVNIs)+len(d.Accept)))
+	addr := func(a netip.Addr) {
+		s := a.As16()
+		b = append(b, s[:]...)
+		if a.Is4() {
+			b = append(b, 4)
+		} else {
+			b = append(b, 6)
+		}
 	}
-	return fmt.Sprintf("%v|%d|%v|%v|%v|%v|%v|%v|%v|%d|%x|%v", d.Local, d.Port, d.VNIs, d.ClearVNIs, d.Remotes, g, d.KeepOutbound, d.Blocked, d.Accept, d.Send, d.Gen, d.NoSAs)
+	list := func(tag byte, n int) {
+		b = append(b, tag)
+		b = binary.BigEndian.AppendUint32(b, uint32(n))
+	}
+	addr(d.Local)
+	b = binary.BigEndian.AppendUint32(b, uint32(d.Port))
+	for _, l := range []struct {
+		tag byte
+		v   []uint32
+	}{{'v', d.VNIs}, {'c', d.ClearVNIs}, {'a', d.Accept}} {
+		list(l.tag, len(l.v))
+		for _, v := range l.v {
+			b = binary.BigEndian.AppendUint32(b, v)
+		}
+	}
+	for _, l := range []struct {
+		tag byte
+		v   []netip.Addr
+	}{{'r', d.Remotes}, {'k', d.KeepOutbound}, {'b', d.Blocked}} {
+		list(l.tag, len(l.v))
+		for _, a := range l.v {
+			addr(a)
+		}
+	}
+	gens := slices.SortedFunc(maps.Keys(d.RemoteGens), netip.Addr.Compare)
+	list('g', len(gens))
+	for _, a := range gens {
+		addr(a)
+		b = binary.BigEndian.AppendUint64(b, d.RemoteGens[a])
+	}
+	b = binary.BigEndian.AppendUint32(b, d.Send)
+	b = binary.BigEndian.AppendUint64(b, d.Gen)
+	if d.NoSAs {
+		b = append(b, 1)
+	} else {
+		b = append(b, 0)
+	}
+	sum := sha256.Sum256(b)
+	return string(sum[:])
 }
 
 // netlink object construction.

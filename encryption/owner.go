@@ -159,6 +159,9 @@ type Owner struct {
 	lastReconcile  time.Time
 	genChanges     int
 	genReason      string
+	// deltaFailures counts incremental changes the kernel refused (each
+	// followed by a full reconcile).
+	deltaFailures int
 }
 
 // NewOwner returns an Owner for cfg. It loads the persisted state (a fresh
@@ -513,6 +516,9 @@ type Status struct {
 	LastRepairWas string    `json:"last_repair_was,omitempty"`
 	Reconciles    int       `json:"reconciles"`
 	LastReconcile time.Time `json:"last_reconcile,omitzero"`
+	// DeltaFailures counts incremental changes (Update, Remove) the kernel
+	// refused; each was followed at once by a full reconcile.
+	DeltaFailures int `json:"delta_failures,omitempty"`
 }
 
 // Status returns the Owner's state, with SA counters read from the kernel.
@@ -531,6 +537,7 @@ func (o *Owner) Status() Status {
 		Rotating:       o.rotate,
 		Repairs:        o.repairs, LastRepair: o.lastRepair, LastRepairWas: o.lastRepairWhat,
 		Reconciles: o.reconciles, LastReconcile: o.lastReconcile,
+		DeltaFailures: o.deltaFailures,
 	}
 	if st.EncryptedVNIs == nil {
 		st.EncryptedVNIs = sortedVNIs(o.encVNIs.Keys())
@@ -613,7 +620,11 @@ func (o *Owner) desiredLocked() Desired {
 // outboundOK reports whether the kernel holds, intact, the outbound SA to r
 // for (d.Send, d.Gen).
 func (o *Owner) outboundOK(d *Desired, ax *actualXfrm, r netip.Addr) bool {
-	w, err := outboundWant(d, r)
+	var cache *deriveCache
+	if o.prog != nil {
+		cache = o.prog.derived
+	}
+	w, err := outboundWantCached(d, r, cache)
 	if err != nil {
 		return false
 	}
@@ -621,12 +632,12 @@ func (o *Owner) outboundOK(d *Desired, ax *actualXfrm, r netip.Addr) bool {
 	return ok && stateDiff(&got, w, d.Port) == ""
 }
 
-func outboundWant(d *Desired, r netip.Addr) (*wantState, error) {
-	spi, err := SPI(d.Secret, d.Local, r, d.Send, d.Gen)
-	if err != nil {
-		return nil, err
-	}
-	k, err := SAKey(d.Secret, d.Local, r, d.Send, d.Gen)
+func outboundWant(d *Desired, r netip.Addr) (*wantState, error) { return outboundWantCached(d, r, nil) }
+
+// outboundWantCached is outboundWant with the SPI and key from cache (nil:
+// derived).
+func outboundWantCached(d *Desired, r netip.Addr, cache *deriveCache) (*wantState, error) {
+	spi, k, err := cache.derive(d.Secret, d.Local, r, d.Send, d.Gen)
 	if err != nil {
 		return nil, err
 	}
@@ -642,7 +653,9 @@ func (o *Owner) keptLocked(d *Desired, ax *actualXfrm) []netip.Addr {
 	}
 	var keep []netip.Addr
 	for r := range o.installed[d.Send] {
-		if !slices.Contains(d.Remotes, r) && r != d.Local && r.Is4() == d.Local.Is4() && o.outboundOK(d, ax, r) {
+		// d.Remotes is sorted (desiredLocked): no quadratic scan with
+		// thousands of remotes.
+		if _, needed := slices.BinarySearchFunc(d.Remotes, r, netip.Addr.Compare); !needed && r != d.Local && r.Is4() == d.Local.Is4() && o.outboundOK(d, ax, r) {
 			keep = append(keep, r)
 		}
 	}
@@ -702,15 +715,25 @@ func (o *Owner) applyLocked(why string, fromUpdate bool) error {
 		o.noESP = nil // try again: a module may have been loaded
 	}
 	base := o.desiredLocked()
-	if fromUpdate && o.applyErr == nil && base.fingerprint() == o.applied {
+	fp := base.fingerprint()
+	if fromUpdate && o.applyErr == nil && fp == o.applied {
 		o.closedErr = nil
 		return o.unsupportedFor(&base)
 	}
-	ax, err := o.prog.xfrmDump()
-	if err != nil {
-		o.applyErr, o.closedErr = err, err
-		o.noteErrLocked(err)
-		return err
+	// A change (Update, Remove) is planned against the Programmer's
+	// record of the kernel: no dump, only the difference is sent. The loop
+	// (tick, kernel notifications) and everything else dump and compare.
+	ax, delta := (*actualXfrm)(nil), false
+	if fromUpdate {
+		ax, delta = o.prog.knownXfrm(base.Local, base.Port)
+	}
+	if !delta {
+		var err error
+		if ax, err = o.prog.xfrmDump(); err != nil {
+			o.applyErr, o.closedErr = err, err
+			o.noteErrLocked(err)
+			return err
+		}
 	}
 	drift := false
 	if !o.verified && base.Send != 0 && !base.NoSAs && len(base.Remotes) > 0 {
@@ -719,6 +742,7 @@ func (o *Owner) applyLocked(why string, fromUpdate bool) error {
 			o.newGenLocked("the kernel holds no outbound SA of this host (first start on this kernel, reboot, or a restored state file)")
 			drift = true
 			base = o.desiredLocked()
+			fp = base.fingerprint()
 		}
 	}
 	d := base
@@ -737,6 +761,7 @@ func (o *Owner) applyLocked(why string, fromUpdate bool) error {
 				o.newGenLocked(fmt.Sprintf("outbound SA to %v (epoch %d, spi 0x%08x) vanished from the kernel", r, d.Send, spi))
 				drift = true
 				base = o.desiredLocked()
+				fp = base.fingerprint()
 				d = base
 				break
 			}
@@ -778,7 +803,31 @@ func (o *Owner) applyLocked(why string, fromUpdate bool) error {
 		d.Blocked = blocked
 	}
 	before, statsBefore := o.prog.changed, o.prog.Stats()
-	res, err := o.prog.apply(&d, ax)
+	var res execResult
+	var err error
+	if delta {
+		var done bool
+		res, err, done = o.prog.applyDelta(&d)
+		// A kernel without ESP is handled below (a full apply without SAs).
+		if done && err != nil && !res.unsupported {
+			// The kernel refused part of the change (or our record of it
+			// was wrong): reconcile in full at once, from dumps, so the
+			// kernel is never left half-programmed. Everything the
+			// attempt decided from the record (reservations, kept SAs,
+			// a vanished SA) is decided again from the dumps.
+			for _, r := range res.failedOut {
+				delete(o.installed[d.Send], r)
+			}
+			o.deltaFailures++
+			o.log.Info("an incremental encryption change failed; reconciling in full", "trigger", why, "error", err)
+			return o.applyLocked(why+" (full reconcile after a failed change)", false)
+		}
+		if !done {
+			res, err = o.prog.apply(&d, nil)
+		}
+	} else {
+		res, err = o.prog.apply(&d, ax)
+	}
 	changes := o.prog.changed - before
 	now := time.Now()
 	o.reconciles++
@@ -800,11 +849,11 @@ func (o *Owner) applyLocked(why string, fromUpdate bool) error {
 		res, err = o.prog.apply(&d, nil)
 		changes = o.prog.changed - before
 		base.NoSAs = true
+		fp = base.fingerprint()
 	}
 	if err == nil && len(blocked) > 0 {
 		err = fmt.Errorf("encryption: outbound SAs to %v not installed: their reservation could not be persisted", blocked)
 	}
-	fp := base.fingerprint()
 	if err == nil && len(res.collisions) == 0 {
 		// A repair: the kernel had to change although nothing we want
 		// did (or only our generation, because the kernel lost an SA).

@@ -26,6 +26,11 @@ type Stats struct {
 	NftBatches    int // nftables transactions (each atomic)
 	NftRebuilds   int // transactions that (re)built the whole table
 	NftElements   int // VNI set elements added or removed
+	// Deltas counts applies computed against the Programmer's record of
+	// the kernel (no dump); DeltaFailures those of them that failed (the
+	// caller then reconciles in full).
+	Deltas        int
+	DeltaFailures int
 }
 
 // Changes is the number of requests that changed the kernel (dumps excluded).
@@ -39,7 +44,7 @@ func (s Stats) Sub(o Stats) Stats {
 		XfrmDumps: s.XfrmDumps - o.XfrmDumps, StateAdds: s.StateAdds - o.StateAdds, StateDels: s.StateDels - o.StateDels,
 		PolicyAdds: s.PolicyAdds - o.PolicyAdds, PolicyUpdates: s.PolicyUpdates - o.PolicyUpdates, PolicyDels: s.PolicyDels - o.PolicyDels,
 		NftDumps: s.NftDumps - o.NftDumps, NftBatches: s.NftBatches - o.NftBatches, NftRebuilds: s.NftRebuilds - o.NftRebuilds,
-		NftElements: s.NftElements - o.NftElements,
+		NftElements: s.NftElements - o.NftElements, Deltas: s.Deltas - o.Deltas, DeltaFailures: s.DeltaFailures - o.DeltaFailures,
 	}
 }
 
@@ -63,6 +68,84 @@ type Programmer struct {
 	// changed counts the requests that succeeded in changing the kernel
 	// (Stats counts attempts).
 	changed int
+	// derived caches the SPIs and keys of the SAs it programs.
+	derived *deriveCache
+	// known is what the kernel holds of ours as far as this Programmer
+	// knows: the dumps of the last full reconcile that succeeded, with
+	// every change made since applied to them; nil when unknown (never
+	// reconciled, or a request failed since). ApplyDelta plans against it
+	// instead of dumping. It can be wrong only by what changed behind
+	// overlayd's back since, which the next full reconcile (Apply, every
+	// tick and on kernel notifications) repairs.
+	known *knownState
+	// journal records the xfrm changes of the apply in progress that the
+	// kernel accepted, for known.
+	journal []journalEntry
+}
+
+// knownState is the Programmer's record of the kernel: for one local VTEP
+// and VXLAN port, our xfrm state and nftables table.
+type knownState struct {
+	local netip.Addr
+	port  int
+	x     *actualXfrm
+	n     *nftActual
+}
+
+// journalEntry is one accepted xfrm change: a state or policy set (added
+// or replaced) or deleted.
+type journalEntry struct {
+	op     int // journalSetState, journalDelState, journalSetPolicy, journalDelPolicy
+	sk     stateKey
+	state  netlink.XfrmState
+	pk     polKey
+	policy netlink.XfrmPolicy
+}
+
+const (
+	journalSetState = iota
+	journalDelState
+	journalSetPolicy
+	journalDelPolicy
+)
+
+// replay applies the journal to a.
+func replay(a *actualXfrm, journal []journalEntry) {
+	for i := range journal {
+		j := &journal[i]
+		switch j.op {
+		case journalSetState:
+			a.states[j.sk] = j.state
+		case journalDelState:
+			delete(a.states, j.sk)
+		case journalSetPolicy:
+			a.policies[j.pk] = j.policy
+		case journalDelPolicy:
+			// A stray (ours, of another shape) may share a key with a
+			// policy we install: only forget the one deleted.
+			if got, ok := a.policies[j.pk]; ok && samePolicyID(&got, &j.policy) {
+				delete(a.policies, j.pk)
+			}
+		}
+	}
+	// Every stray was deleted (a journal is replayed only after success).
+	a.strays = nil
+}
+
+// samePolicyID reports whether a and b are the same kernel policy: the
+// kernel tells policies apart by selector (polKey), direction and mark.
+func samePolicyID(a, b *netlink.XfrmPolicy) bool {
+	if a.Dir != b.Dir || a.Proto != b.Proto || a.Ifindex != b.Ifindex || a.Ifid != b.Ifid {
+		return false
+	}
+	ma, mb := netlink.XfrmMark{}, netlink.XfrmMark{}
+	if a.Mark != nil {
+		ma = *a.Mark
+	}
+	if b.Mark != nil {
+		mb = *b.Mark
+	}
+	return ma == mb
 }
 
 // NewProgrammer returns a Programmer for namespace ns. It keeps its own
@@ -83,7 +166,7 @@ func NewProgrammer(ns netns.NsHandle) (*Programmer, error) {
 		unix.Close(fd)
 		return nil, fmt.Errorf("failed to open nftables connection: %w", err)
 	}
-	return &Programmer{nsfd: fd, nl: nl, nft: nft}, nil
+	return &Programmer{nsfd: fd, nl: nl, nft: nft, derived: &deriveCache{}}, nil
 }
 
 // Close releases the Programmer's sockets. It leaves the kernel state as it
@@ -165,23 +248,68 @@ func (p *Programmer) Apply(d Desired) error {
 // apply is Apply with an xfrm dump the caller already made (nil: dump). SPI
 // collisions are returned in the result, not in the error.
 func (p *Programmer) apply(d *Desired, ax *actualXfrm) (execResult, error) {
+	return p.run(d, ax, nil)
+}
+
+// knownXfrm returns the Programmer's record of the xfrm state (see known) when
+// it has one for local and port: what an Apply made, with the changes
+// since. The caller must not modify it.
+func (p *Programmer) knownXfrm(local netip.Addr, port int) (*actualXfrm, bool) {
+	k := p.known
+	if p.nl == nil || k == nil || k.local != local.Unmap() || k.port != port {
+		return nil, false
+	}
+	return k.x, true
+}
+
+// applyDelta is Apply without dumps: it plans against the Programmer's
+// record of the kernel (known), so it sends only the changes from what it
+// programmed last, in Apply's order. ok is false (and nothing is done)
+// when there is no record for d's VTEP and port, or d wants nothing (the
+// table goes: rare, and Apply does it). Any error leaves the record unknown:
+// the caller must then reconcile in full (Apply), which sees what the
+// failed request left.
+func (p *Programmer) applyDelta(d *Desired) (res execResult, err error, ok bool) {
+	if d.Empty() {
+		return execResult{}, nil, false
+	}
+	ax, ok := p.knownXfrm(d.Local, d.Port)
+	if !ok {
+		return execResult{}, nil, false
+	}
+	p.stats.Deltas++
+	res, err = p.run(d, ax, p.known.n)
+	if err != nil {
+		p.stats.DeltaFailures++
+	}
+	return res, err, true
+}
+
+// run plans and makes the changes that turn ax and an (the kernel's state,
+// nil: dump it) into d, in Apply's order. On success the result is
+// remembered as known; any failure forgets it.
+func (p *Programmer) run(d *Desired, ax *actualXfrm, an *nftActual) (res execResult, err error) {
 	if p == nil || p.nl == nil {
 		err := errors.New("encryption: Apply on a closed Programmer")
 		return execResult{failClosed: []error{err}}, err
 	}
+	p.known = nil
+	p.journal = p.journal[:0]
+	defer p.derived.endRound()
 	if err := d.Validate(); err != nil {
 		err = fmt.Errorf("invalid desired encryption state: %w", err)
 		return execResult{failClosed: []error{err}}, err
 	}
-	dx, err := xfrmOf(d)
+	dx, err := xfrmOfCached(d, p.derived)
 	if err != nil {
 		return execResult{failClosed: []error{err}}, err
 	}
 	dn := nftOf(d)
-	an, err := p.nftDump(dn)
-	if err != nil {
-		p.nftFailed()
-		return execResult{failClosed: []error{err}}, err
+	if an == nil {
+		if an, err = p.nftDump(dn); err != nil {
+			p.nftFailed()
+			return execResult{failClosed: []error{err}}, err
+		}
 	}
 	if ax == nil {
 		if ax, err = p.xfrmDump(); err != nil {
@@ -195,14 +323,20 @@ func (p *Programmer) apply(d *Desired, ax *actualXfrm) (execResult, error) {
 		return execResult{failClosed: []error{err}}, err
 	}
 	// 2.-6.
-	res, err := p.execute(planXfrm(dx, ax, d.Port, d.Local), ax, d.Port, d.Local)
+	res, err = p.execute(planXfrm(dx, ax, d.Port, d.Local), ax, d.Port, d.Local)
 	res.collisions = dx.collisions
 	// 7.
 	nerr := p.nftNarrow(dn, an)
 	if nerr != nil {
 		p.nftFailed()
 	}
-	return res, errors.Join(err, nerr)
+	err = errors.Join(err, nerr)
+	if err == nil {
+		replay(ax, p.journal)
+		p.known = &knownState{local: d.Local.Unmap(), port: d.Port, x: ax, n: an}
+	}
+	p.journal = p.journal[:0]
+	return res, err
 }
 
 // Audit returns the differences between the kernel and d, one line each;
@@ -214,7 +348,7 @@ func (p *Programmer) Audit(d Desired) []string {
 	if err := d.Validate(); err != nil {
 		return []string{"invalid desired encryption state: " + err.Error()}
 	}
-	dx, err := xfrmOf(&d)
+	dx, err := xfrmOfCached(&d, p.derived)
 	if err != nil {
 		return []string{err.Error()}
 	}
@@ -272,7 +406,7 @@ func (p *Programmer) Status(d Desired) ([]PairStatus, error) {
 	if err := d.Validate(); err != nil {
 		return nil, err
 	}
-	dx, err := xfrmOf(&d)
+	dx, err := xfrmOfCached(&d, p.derived)
 	if err != nil {
 		return nil, err
 	}
