@@ -211,7 +211,11 @@ func TestApplyDeltaMatchesFull(t *testing.T) {
 			t.Fatalf("step %d (%s): audit after the delta: %v", step, what, a)
 		}
 	}
-	t.Logf("final state: %d objects; delta stats %v", len(kernelView(t, nsDelta)), pd.Stats())
+	st := pd.Stats()
+	if st.RemoteDeltas == 0 || st.RemoteDeltas == st.Deltas {
+		t.Fatalf("%d of %d deltas were planned remote by remote: want both kinds", st.RemoteDeltas, st.Deltas)
+	}
+	t.Logf("final state: %d objects; %d deltas, %d of them remote by remote", len(kernelView(t, nsDelta)), st.Deltas, st.RemoteDeltas)
 }
 
 func minusStrings(a, b []string) []string {
@@ -307,8 +311,8 @@ func TestOwnerChangesWithoutDumps(t *testing.T) {
 			t.Fatalf("step %d: repairs %d -> %d, delta failures %d", step, repairs, st.Repairs, st.DeltaFailures)
 		}
 	}
-	if deltas == 0 {
-		t.Fatal("no change went through the delta path")
+	if deltas == 0 || o.prog.Stats().RemoteDeltas == 0 {
+		t.Fatalf("%d changes went through the delta path, %d remote by remote", deltas, o.prog.Stats().RemoteDeltas)
 	}
 	t.Logf("%d of 40 changes were deltas (the others changed nothing); stats %v", deltas, o.prog.Stats())
 }

@@ -1,6 +1,7 @@
 package encryption
 
 import (
+	"bytes"
 	"crypto/sha256"
 	"encoding/binary"
 	"errors"
@@ -250,17 +251,37 @@ func xfrmOf(d *Desired) (*desiredXfrm, error) { return xfrmOfCached(d, nil) }
 
 // xfrmOfCached is xfrmOf with SPIs and keys from cache (nil: derived).
 func xfrmOfCached(d *Desired, cache *deriveCache) (*desiredXfrm, error) {
+	return xfrmOfRemotes(d, cache, nil)
+}
+
+// xfrmOfRemotes is xfrmOfCached limited to the remotes in only (sorted;
+// nil: all of them) and the clear policy. With only, d must be normalized
+// (see normalized).
+func xfrmOfRemotes(d *Desired, cache *deriveCache, only []netip.Addr) (*desiredXfrm, error) {
 	x := &desiredXfrm{states: map[stateKey]*wantState{}, policies: map[polKey]*wantPolicy{}}
 	if d.Empty() {
 		return x, nil
 	}
 	local := d.Local.Unmap()
 	x.policies[clearKey(local, d.Port)] = &wantPolicy{clear: true}
-	remotes := sortedAddrs(d.Remotes)
 	accept := normAccept(d.Accept)
-	gens := map[netip.Addr]uint64{}
-	for a, g := range d.RemoteGens {
-		gens[a.Unmap()] = g
+	var remotes, keepOut []netip.Addr
+	var gens map[netip.Addr]uint64
+	if only == nil {
+		remotes, keepOut = sortedAddrs(d.Remotes), sortedAddrs(d.KeepOutbound)
+		gens = map[netip.Addr]uint64{}
+		for a, g := range d.RemoteGens {
+			gens[a.Unmap()] = g
+		}
+	} else {
+		for _, r := range only {
+			if _, ok := slices.BinarySearchFunc(d.Remotes, r, netip.Addr.Compare); ok {
+				remotes = append(remotes, r)
+			} else if _, ok := slices.BinarySearchFunc(d.KeepOutbound, r, netip.Addr.Compare); ok {
+				keepOut = append(keepOut, r)
+			}
+		}
+		gens = d.RemoteGens // normalized: keys unmapped
 	}
 
 	add := func(w *wantState) {
@@ -310,7 +331,7 @@ func xfrmOfCached(d *Desired, cache *deriveCache) (*desiredXfrm, error) {
 		x.policies[remoteKey(local, r, d.Port)] = wp
 	}
 	if d.Send != 0 && !d.NoSAs {
-		for _, r := range sortedAddrs(d.KeepOutbound) {
+		for _, r := range keepOut {
 			if _, ok := slices.BinarySearchFunc(remotes, r, netip.Addr.Compare); ok {
 				continue
 			}
@@ -322,6 +343,68 @@ func xfrmOfCached(d *Desired, cache *deriveCache) (*desiredXfrm, error) {
 		}
 	}
 	return x, nil
+}
+
+// normalized reports whether d's address lists are sorted, without
+// duplicates and unmapped, and its RemoteGens keys unmapped (what Owner
+// builds): then membership is a binary search, and a change can be
+// planned for the remotes it touches only.
+func (d *Desired) normalized() bool {
+	for _, l := range [][]netip.Addr{d.Remotes, d.KeepOutbound, d.Blocked} {
+		for i, a := range l {
+			if a.Is4In6() || (i > 0 && l[i-1].Compare(a) >= 0) {
+				return false
+			}
+		}
+	}
+	for a := range d.RemoteGens {
+		if a.Is4In6() {
+			return false
+		}
+	}
+	return true
+}
+
+// sameXfrmBasis reports whether a and b derive every remote's SAs and
+// policy the same way: same VTEP, port, epochs, generation, secret and SA
+// support. Then their xfrm states differ only in the remotes whose lists
+// or generation differ (touchedRemotes).
+func sameXfrmBasis(a, b *Desired) bool {
+	return a.Local == b.Local && a.Port == b.Port && a.Send == b.Send && a.Gen == b.Gen && a.NoSAs == b.NoSAs &&
+		slices.Equal(normAccept(a.Accept), normAccept(b.Accept)) && bytes.Equal(a.Secret, b.Secret)
+}
+
+// touchedRemotes returns, sorted, the remotes whose xfrm state differs
+// between a and b (both normalized, with the same basis): those in one of
+// their Remotes, KeepOutbound or Blocked lists but not in the other's, and
+// those whose generation changed.
+func touchedRemotes(a, b *Desired) []netip.Addr {
+	var out []netip.Addr
+	symdiff := func(x, y []netip.Addr) {
+		i, j := 0, 0
+		for i < len(x) || j < len(y) {
+			switch {
+			case j == len(y) || (i < len(x) && x[i].Compare(y[j]) < 0):
+				out = append(out, x[i])
+				i++
+			case i == len(x) || y[j].Compare(x[i]) < 0:
+				out = append(out, y[j])
+				j++
+			default:
+				i, j = i+1, j+1
+			}
+		}
+	}
+	symdiff(a.Remotes, b.Remotes)
+	symdiff(a.KeepOutbound, b.KeepOutbound)
+	symdiff(a.Blocked, b.Blocked)
+	for _, r := range b.Remotes {
+		if a.RemoteGens[r] != b.RemoteGens[r] {
+			out = append(out, r)
+		}
+	}
+	slices.SortFunc(out, netip.Addr.Compare)
+	return slices.Compact(out)
 }
 
 // fingerprint identifies d without its secret: two Desireds with the same
@@ -363,7 +446,19 @@ func (d *Desired) fingerprint() string {
 			addr(a)
 		}
 	}
-	gens := slices.SortedFunc(maps.Keys(d.RemoteGens), netip.Addr.Compare)
+	// The generations in address order: those of Remotes (sorted when
+	// normalized) in their order, unless some are of other addresses.
+	gens := make([]netip.Addr, 0, len(d.RemoteGens))
+	if slices.IsSortedFunc(d.Remotes, netip.Addr.Compare) {
+		for _, a := range d.Remotes {
+			if _, ok := d.RemoteGens[a]; ok && (len(gens) == 0 || gens[len(gens)-1] != a) {
+				gens = append(gens, a)
+			}
+		}
+	}
+	if len(gens) != len(d.RemoteGens) {
+		gens = slices.SortedFunc(maps.Keys(d.RemoteGens), netip.Addr.Compare)
+	}
 	list('g', len(gens))
 	for _, a := range gens {
 		addr(a)

@@ -111,9 +111,13 @@ type Owner struct {
 	shares map[ShareID]*share
 	// need counts, for every remote VTEP, the shares that need it;
 	// encVNIs and clearVNIs count the shares that have each VNI.
-	need      countmap.Map[netip.Addr]
-	encVNIs   countmap.Map[uint32]
-	clearVNIs countmap.Map[uint32]
+	need countmap.Map[netip.Addr]
+	// needSorted is need's keys, sorted: an index kept with need (by
+	// recountLocked), so that the desired state of thousands of remotes is
+	// not sorted again on every change.
+	needSorted []netip.Addr
+	encVNIs    countmap.Map[uint32]
+	clearVNIs  countmap.Map[uint32]
 
 	keys NodeKeys // held by the kernel (or being installed)
 	gen  uint64   // send generation
@@ -329,8 +333,7 @@ func (o *Owner) Update(id ShareID, s Share, widen bool) error {
 			sh.remotes[r] = true
 		}
 	}
-	o.countLocked(old, -1)
-	o.countLocked(sh, +1)
+	o.recountLocked(old, sh)
 	o.shares[id] = sh
 	o.applyLocked(fmt.Sprintf("share %d", id), true)
 	err = o.closedErr
@@ -354,7 +357,7 @@ func (o *Owner) Remove(id ShareID) error {
 		o.mu.Unlock()
 		return nil
 	}
-	o.countLocked(old, -1)
+	o.recountLocked(old, nil)
 	delete(o.shares, id)
 	o.applyLocked(fmt.Sprintf("share %d removed", id), true)
 	err := o.closedErr
@@ -387,20 +390,71 @@ func normShare(id ShareID, s Share) (*share, error) {
 	return sh, nil
 }
 
-// countLocked adds sh's VNIs and remotes to the counts, delta = ±1.
-func (o *Owner) countLocked(sh *share, delta int) {
-	if sh == nil {
-		return
-	}
-	for _, v := range sh.vnis {
-		if sh.encrypted {
-			o.encVNIs.Add(v, delta)
-		} else {
-			o.clearVNIs.Add(v, delta)
+// recountLocked replaces share old (nil: none) by sh (nil: none) in the
+// counts. Only the remotes that differ between them are counted again, so
+// a network of 1,000 remotes gaining one costs one count.
+func (o *Owner) recountLocked(old, sh *share) {
+	for _, x := range []struct {
+		sh    *share
+		delta int
+	}{{old, -1}, {sh, +1}} {
+		if x.sh == nil {
+			continue
+		}
+		for _, v := range x.sh.vnis {
+			if x.sh.encrypted {
+				o.encVNIs.Add(v, x.delta)
+			} else {
+				o.clearVNIs.Add(v, x.delta)
+			}
 		}
 	}
-	for r := range sh.remotes {
-		o.need.Add(r, delta)
+	var gone, added []netip.Addr
+	if old != nil {
+		for r := range old.remotes {
+			if sh == nil || !sh.remotes[r] {
+				gone = append(gone, r)
+			}
+		}
+	}
+	if sh != nil {
+		for r := range sh.remotes {
+			if old == nil || !old.remotes[r] {
+				added = append(added, r)
+			}
+		}
+	}
+	// Many changes at once (a network gone): re-sort the index once
+	// rather than move it for each.
+	bulk := len(gone)+len(added) > 16
+	if bulk {
+		o.needSorted = nil
+	}
+	for _, x := range []struct {
+		remotes []netip.Addr
+		delta   int
+	}{{gone, -1}, {added, +1}} {
+		for _, r := range x.remotes {
+			before := o.need.Get(r)
+			n := o.need.Add(r, x.delta)
+			if bulk {
+				continue
+			}
+			switch {
+			case before == 0 && n > 0:
+				i, _ := slices.BinarySearchFunc(o.needSorted, r, netip.Addr.Compare)
+				o.needSorted = slices.Insert(o.needSorted, i, r)
+			case before > 0 && n == 0:
+				if i, ok := slices.BinarySearchFunc(o.needSorted, r, netip.Addr.Compare); ok {
+					o.needSorted = slices.Delete(o.needSorted, i, i+1)
+				}
+			}
+		}
+	}
+	if bulk {
+		o.needSorted = slices.SortedFunc(func(yield func(netip.Addr) bool) {
+			o.need.Range(func(r netip.Addr, _ int) bool { return yield(r) })
+		}, netip.Addr.Compare)
 	}
 }
 
@@ -584,11 +638,11 @@ func (o *Owner) Status() Status {
 // desiredLocked is the kernel state the shares, keys and generations ask
 // for, without KeepOutbound (which depends on what the kernel holds).
 func (o *Owner) desiredLocked() Desired {
-	enc, clear, remotes := o.encVNIs.Keys(), o.clearVNIs.Keys(), o.need.Keys()
+	enc, clear, remotes := o.encVNIs.Keys(), o.clearVNIs.Keys(), o.needSorted
 	if o.adopting {
 		enc = append(enc, o.adopted.enc...)
 		clear = append(clear, o.adopted.clear...)
-		remotes = sortedAddrs(append(remotes, o.adopted.remotes...))
+		remotes = sortedAddrs(slices.Concat(remotes, o.adopted.remotes))
 	}
 	enc = sortedVNIs(enc)
 	if len(enc) == 0 || !o.local.IsValid() {
@@ -599,8 +653,10 @@ func (o *Owner) desiredLocked() Desired {
 		VNIs: enc, ClearVNIs: minus(sortedVNIs(clear), enc),
 		Accept: slices.Clone(o.keys.Accept), Send: o.keys.Send, Gen: o.gen,
 		Secret: o.cfg.Secret, NoSAs: o.noESP != nil,
-		RemoteGens: map[netip.Addr]uint64{},
+		Remotes:    make([]netip.Addr, 0, len(remotes)),
+		RemoteGens: make(map[netip.Addr]uint64, len(remotes)),
 	}
+	// remotes is sorted, and so d.Remotes.
 	for _, r := range remotes {
 		// A remote claiming our own VTEP (our own endpoint seen through
 		// another network) is no pair to encrypt; one of the other family
@@ -613,7 +669,6 @@ func (o *Owner) desiredLocked() Desired {
 			d.RemoteGens[r] = g
 		}
 	}
-	slices.SortFunc(d.Remotes, netip.Addr.Compare)
 	return d
 }
 

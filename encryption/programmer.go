@@ -31,6 +31,9 @@ type Stats struct {
 	// caller then reconciles in full).
 	Deltas        int
 	DeltaFailures int
+	// RemoteDeltas counts the deltas planned for the remotes they touch
+	// only (keys, generation and VTEP unchanged).
+	RemoteDeltas int
 }
 
 // Changes is the number of requests that changed the kernel (dumps excluded).
@@ -45,6 +48,7 @@ func (s Stats) Sub(o Stats) Stats {
 		PolicyAdds: s.PolicyAdds - o.PolicyAdds, PolicyUpdates: s.PolicyUpdates - o.PolicyUpdates, PolicyDels: s.PolicyDels - o.PolicyDels,
 		NftDumps: s.NftDumps - o.NftDumps, NftBatches: s.NftBatches - o.NftBatches, NftRebuilds: s.NftRebuilds - o.NftRebuilds,
 		NftElements: s.NftElements - o.NftElements, Deltas: s.Deltas - o.Deltas, DeltaFailures: s.DeltaFailures - o.DeltaFailures,
+		RemoteDeltas: s.RemoteDeltas - o.RemoteDeltas,
 	}
 }
 
@@ -81,71 +85,6 @@ type Programmer struct {
 	// journal records the xfrm changes of the apply in progress that the
 	// kernel accepted, for known.
 	journal []journalEntry
-}
-
-// knownState is the Programmer's record of the kernel: for one local VTEP
-// and VXLAN port, our xfrm state and nftables table.
-type knownState struct {
-	local netip.Addr
-	port  int
-	x     *actualXfrm
-	n     *nftActual
-}
-
-// journalEntry is one accepted xfrm change: a state or policy set (added
-// or replaced) or deleted.
-type journalEntry struct {
-	op     int // journalSetState, journalDelState, journalSetPolicy, journalDelPolicy
-	sk     stateKey
-	state  netlink.XfrmState
-	pk     polKey
-	policy netlink.XfrmPolicy
-}
-
-const (
-	journalSetState = iota
-	journalDelState
-	journalSetPolicy
-	journalDelPolicy
-)
-
-// replay applies the journal to a.
-func replay(a *actualXfrm, journal []journalEntry) {
-	for i := range journal {
-		j := &journal[i]
-		switch j.op {
-		case journalSetState:
-			a.states[j.sk] = j.state
-		case journalDelState:
-			delete(a.states, j.sk)
-		case journalSetPolicy:
-			a.policies[j.pk] = j.policy
-		case journalDelPolicy:
-			// A stray (ours, of another shape) may share a key with a
-			// policy we install: only forget the one deleted.
-			if got, ok := a.policies[j.pk]; ok && samePolicyID(&got, &j.policy) {
-				delete(a.policies, j.pk)
-			}
-		}
-	}
-	// Every stray was deleted (a journal is replayed only after success).
-	a.strays = nil
-}
-
-// samePolicyID reports whether a and b are the same kernel policy: the
-// kernel tells policies apart by selector (polKey), direction and mark.
-func samePolicyID(a, b *netlink.XfrmPolicy) bool {
-	if a.Dir != b.Dir || a.Proto != b.Proto || a.Ifindex != b.Ifindex || a.Ifid != b.Ifid {
-		return false
-	}
-	ma, mb := netlink.XfrmMark{}, netlink.XfrmMark{}
-	if a.Mark != nil {
-		ma = *a.Mark
-	}
-	if b.Mark != nil {
-		mb = *b.Mark
-	}
-	return ma == mb
 }
 
 // NewProgrammer returns a Programmer for namespace ns. It keeps its own
@@ -251,8 +190,8 @@ func (p *Programmer) apply(d *Desired, ax *actualXfrm) (execResult, error) {
 	return p.run(d, ax, nil)
 }
 
-// knownXfrm returns the Programmer's record of the xfrm state (see known) when
-// it has one for local and port: what an Apply made, with the changes
+// knownXfrm returns the Programmer's record of the xfrm state (see known)
+// when it has one for local and port: what an Apply made, with the changes
 // since. The caller must not modify it.
 func (p *Programmer) knownXfrm(local netip.Addr, port int) (*actualXfrm, bool) {
 	k := p.known
@@ -264,11 +203,14 @@ func (p *Programmer) knownXfrm(local netip.Addr, port int) (*actualXfrm, bool) {
 
 // applyDelta is Apply without dumps: it plans against the Programmer's
 // record of the kernel (known), so it sends only the changes from what it
-// programmed last, in Apply's order. ok is false (and nothing is done)
-// when there is no record for d's VTEP and port, or d wants nothing (the
-// table goes: rare, and Apply does it). Any error leaves the record unknown:
-// the caller must then reconcile in full (Apply), which sees what the
-// failed request left.
+// programmed last, in Apply's order. When only remotes changed (the keys,
+// generation and VTEP are those of the record), only those remotes' SAs
+// and policies are derived and compared: the cost follows the change, not
+// the number of remotes. ok is false (and nothing is done) when there is
+// no record for d's VTEP and port, or d wants nothing (the table goes:
+// rare, and Apply does it). Any error leaves the record unknown: the
+// caller must then reconcile in full (Apply), which sees what the failed
+// request left.
 func (p *Programmer) applyDelta(d *Desired) (res execResult, err error, ok bool) {
 	if d.Empty() {
 		return execResult{}, nil, false
@@ -278,7 +220,13 @@ func (p *Programmer) applyDelta(d *Desired) (res execResult, err error, ok bool)
 		return execResult{}, nil, false
 	}
 	p.stats.Deltas++
-	res, err = p.run(d, ax, p.known.n)
+	k := p.known
+	if touched, ok := k.touched(d, p.derived); ok {
+		p.stats.RemoteDeltas++
+		res, err = p.runFor(d, ax, k.n, touched)
+	} else {
+		res, err = p.run(d, ax, k.n)
+	}
 	if err != nil {
 		p.stats.DeltaFailures++
 	}
@@ -288,21 +236,36 @@ func (p *Programmer) applyDelta(d *Desired) (res execResult, err error, ok bool)
 // run plans and makes the changes that turn ax and an (the kernel's state,
 // nil: dump it) into d, in Apply's order. On success the result is
 // remembered as known; any failure forgets it.
-func (p *Programmer) run(d *Desired, ax *actualXfrm, an *nftActual) (res execResult, err error) {
+func (p *Programmer) run(d *Desired, ax *actualXfrm, an *nftActual) (execResult, error) {
+	return p.runFor(d, ax, an, nil)
+}
+
+// runFor is run; with touched (a delta: ax and an are the record), only
+// the touched remotes' SAs and policies (and the clear policy) are derived,
+// compared and changed: the others are the same in the record and in d.
+func (p *Programmer) runFor(d *Desired, ax *actualXfrm, an *nftActual, touched []netip.Addr) (res execResult, err error) {
 	if p == nil || p.nl == nil {
 		err := errors.New("encryption: Apply on a closed Programmer")
 		return execResult{failClosed: []error{err}}, err
 	}
+	prev := p.known
 	p.known = nil
 	p.journal = p.journal[:0]
-	defer p.derived.endRound()
+	if touched == nil {
+		// A round of the derivation cache is a whole desired state.
+		defer p.derived.endRound()
+	}
 	if err := d.Validate(); err != nil {
 		err = fmt.Errorf("invalid desired encryption state: %w", err)
 		return execResult{failClosed: []error{err}}, err
 	}
-	dx, err := xfrmOfCached(d, p.derived)
+	dx, err := xfrmOfRemotes(d, p.derived, touched)
 	if err != nil {
 		return execResult{failClosed: []error{err}}, err
+	}
+	view := ax
+	if touched != nil {
+		view = prev.view(touched)
 	}
 	dn := nftOf(d)
 	if an == nil {
@@ -315,6 +278,7 @@ func (p *Programmer) run(d *Desired, ax *actualXfrm, an *nftActual) (res execRes
 		if ax, err = p.xfrmDump(); err != nil {
 			return execResult{failClosed: []error{err}}, err
 		}
+		view = ax
 	}
 	// 1.
 	if err := p.nftWiden(dn, an); err != nil {
@@ -323,7 +287,7 @@ func (p *Programmer) run(d *Desired, ax *actualXfrm, an *nftActual) (res execRes
 		return execResult{failClosed: []error{err}}, err
 	}
 	// 2.-6.
-	res, err = p.execute(planXfrm(dx, ax, d.Port, d.Local), ax, d.Port, d.Local)
+	res, err = p.execute(planXfrm(dx, view, d.Port, d.Local), view, d.Port, d.Local)
 	res.collisions = dx.collisions
 	// 7.
 	nerr := p.nftNarrow(dn, an)
@@ -332,8 +296,18 @@ func (p *Programmer) run(d *Desired, ax *actualXfrm, an *nftActual) (res execRes
 	}
 	err = errors.Join(err, nerr)
 	if err == nil {
-		replay(ax, p.journal)
-		p.known = &knownState{local: d.Local.Unmap(), port: d.Port, x: ax, n: an}
+		k := &knownState{local: d.Local.Unmap(), port: d.Port, x: ax, n: an, collided: len(dx.collisions) > 0}
+		if touched != nil {
+			k.byRemote = prev.byRemote
+		} else {
+			k.index()
+		}
+		k.replay(p.journal)
+		if d.normalized() {
+			last := *d
+			k.last = &last
+		}
+		p.known = k
 	}
 	p.journal = p.journal[:0]
 	return res, err
