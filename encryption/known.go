@@ -67,6 +67,24 @@ func (k *knownState) touched(d *Desired, cache *deriveCache) ([]netip.Addr, bool
 	return touched, true
 }
 
+// changedRemotes returns the remotes of base whose xfrm state may differ
+// from the record's (see touchedRemotes; the record's blocked remotes
+// included), when base has the record's keys, generation and VTEP: the
+// others' SAs were checked against this record by the apply that made it.
+func (p *Programmer) changedRemotes(base *Desired) ([]netip.Addr, bool) {
+	k := p.known
+	if k == nil || k.last == nil || k.collided || !base.normalized() || !sameXfrmBasis(k.last, base) {
+		return nil, false
+	}
+	var out []netip.Addr
+	for _, r := range touchedRemotes(k.last, base) {
+		if _, ok := slices.BinarySearchFunc(base.Remotes, r, netip.Addr.Compare); ok {
+			out = append(out, r)
+		}
+	}
+	return out, true
+}
+
 // view is the part of the record that concerns the remotes in touched:
 // their SAs and policies, and the clear policy.
 func (k *knownState) view(touched []netip.Addr) *actualXfrm {

@@ -803,10 +803,20 @@ func (o *Owner) applyLocked(why string, fromUpdate bool) error {
 	d := base
 	var blocked []netip.Addr
 	if !d.Empty() && d.Send != 0 && !d.NoSAs {
+		// The remotes to check against the kernel: all of them, or for a
+		// change planned against the record with the same keys and
+		// generation, those whose state changes (the others were checked
+		// against the same record by the apply that made it).
+		scope := d.Remotes
+		if delta {
+			if s, ok := o.prog.changedRemotes(&base); ok {
+				scope = s
+			}
+		}
 		// An outbound SA this Owner installed under (Send, gen) and that is
 		// needed but gone (flushed, host rebooted) is never added again:
 		// move to a new generation.
-		for _, r := range d.Remotes {
+		for _, r := range scope {
 			if o.installed[d.Send][r] && !o.outboundOK(&d, ax, r) {
 				w, _ := outboundWant(&d, r)
 				spi := uint32(0)
@@ -818,13 +828,14 @@ func (o *Owner) applyLocked(why string, fromUpdate bool) error {
 				base = o.desiredLocked()
 				fp = base.fingerprint()
 				d = base
+				scope = d.Remotes
 				break
 			}
 		}
 		// Reserve (and persist) before adding: an SA is added at most once
 		// per (epoch, remote, gen).
 		var reserve []netip.Addr
-		for _, r := range d.Remotes {
+		for _, r := range scope {
 			if !o.installed[d.Send][r] && !o.outboundOK(&d, ax, r) {
 				reserve = append(reserve, r)
 			}
@@ -849,7 +860,7 @@ func (o *Owner) applyLocked(why string, fromUpdate bool) error {
 		if o.installed[d.Send] == nil {
 			o.installed[d.Send] = map[netip.Addr]bool{}
 		}
-		for _, r := range d.Remotes {
+		for _, r := range scope {
 			if !o.installed[d.Send][r] && !slices.Contains(blocked, r) && o.outboundOK(&d, ax, r) {
 				o.installed[d.Send][r] = true
 			}
