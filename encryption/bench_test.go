@@ -27,13 +27,17 @@ func benchExtra(i int) netip.Addr {
 }
 
 // BenchmarkOwnerRemotes measures what one network's share gaining one
-// remote host (a new host's first peer: Update with the remote added) and
-// losing it again (Update without it) costs the Owner with n remote hosts
+// remote host (a new host's first peer: AddRemotes, as the driver does)
+// and losing it again (RemoveRemotes) costs the Owner with n remote hosts
 // in place: the whole Update, from the call to the kernel holding the
 // result, on a real kernel in a throwaway namespace. Keys are established
 // (epoch 1, every remote advertised a generation), so where the kernel has
 // ESP (test/vm) each remote has an inbound and an outbound SA besides its
 // policy; where it has none, the Owner programs policies and rules only.
+//
+// The same change made with the share's whole remote list (Update, which
+// compares it with the share's) is reported as update-add-ms and
+// update-remove-ms.
 //
 // Reported per add and per remove: milliseconds (wall clock, and the
 // process's CPU time, kernel included: less disturbed by other processes
@@ -77,31 +81,47 @@ func BenchmarkOwnerRemotes(b *testing.B) {
 			if a := o.Audit(); len(a) != 0 {
 				b.Fatalf("audit before the benchmark: %v", a[:min(len(a), 5)])
 			}
-			var addDur, delDur, addCPU, delCPU time.Duration
+			var addDur, delDur, addCPU, delCPU, upAddDur, upDelDur time.Duration
 			var addStats, delStats Stats
 			b.ResetTimer()
 			for i := 0; i < b.N; i++ {
-				extra := benchExtra(i + 1)
+				extra := benchExtra(2*i + 1)
 				o.mu.Lock()
 				o.remoteGens[extra] = uint64(5000 + i)
 				o.mu.Unlock()
-				plus := share
-				plus.Remotes = append(slices.Clip(remotes), extra)
+				// The driver's way: the change alone (AddRemotes before
+				// the peers are programmed, RemoveRemotes after).
 				s0 := o.prog.Stats()
 				c0, t0 := cpuTime(), time.Now()
-				err := o.Update(1, plus, false)
+				err := o.AddRemotes(1, extra)
 				addDur += time.Since(t0)
 				addCPU += cpuTime() - c0
 				s1 := o.prog.Stats()
 				okOrUnsupported(b, "add a remote", err)
 				c1, t1 := cpuTime(), time.Now()
-				err = o.Update(1, share, false)
+				err = o.RemoveRemotes(1, extra)
 				delDur += time.Since(t1)
 				delCPU += cpuTime() - c1
 				okOrUnsupported(b, "remove a remote", err)
 				s2 := o.prog.Stats()
 				addStats = addStats.Sub(Stats{}.Sub(s1.Sub(s0))) // +=
 				delStats = delStats.Sub(Stats{}.Sub(s2.Sub(s1)))
+				// The whole list instead (Update): the share's remotes
+				// are compared with the list the caller passes.
+				extra = benchExtra(2*i + 2)
+				o.mu.Lock()
+				o.remoteGens[extra] = uint64(5000 + i)
+				o.mu.Unlock()
+				plus := share
+				plus.Remotes = append(slices.Clip(remotes), extra)
+				t2 := time.Now()
+				err = o.Update(1, plus, false)
+				upAddDur += time.Since(t2)
+				okOrUnsupported(b, "add a remote by Update", err)
+				t3 := time.Now()
+				err = o.Update(1, share, false)
+				upDelDur += time.Since(t3)
+				okOrUnsupported(b, "remove a remote by Update", err)
 			}
 			b.StopTimer()
 			if a := o.Audit(); len(a) != 0 {
@@ -118,6 +138,8 @@ func BenchmarkOwnerRemotes(b *testing.B) {
 			b.ReportMetric(count(delStats.XfrmDumps+delStats.NftDumps), "remove-dumps")
 			b.ReportMetric(count(addStats.Changes()), "add-requests")
 			b.ReportMetric(count(delStats.Changes()), "remove-requests")
+			b.ReportMetric(per(upAddDur), "update-add-ms")
+			b.ReportMetric(per(upDelDur), "update-remove-ms")
 			b.ReportMetric(per(rawAdd), "raw-add-ms")
 			b.ReportMetric(per(rawDel), "raw-remove-ms")
 		})

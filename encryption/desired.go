@@ -6,6 +6,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"hash/maphash"
 	"maps"
 	"net"
 	"net/netip"
@@ -409,10 +410,26 @@ func touchedRemotes(a, b *Desired) []netip.Addr {
 
 // fingerprint identifies d without its secret: two Desireds with the same
 // fingerprint want the same kernel state (given the same secret). It is a
-// SHA-256 of a binary encoding (formatting thousands of remotes as text
-// cost more than the kernel change of one remote).
-func (d *Desired) fingerprint() string {
-	b := make([]byte, 0, 64+20*(len(d.Remotes)+len(d.KeepOutbound)+len(d.Blocked))+28*len(d.RemoteGens)+4*(len(d.VNIs)+len(d.ClearVNIs)+len(d.Accept)))
+// SHA-256 of a binary encoding of everything but the remotes and their
+// generations (formatting thousands of remotes as text cost more than the
+// kernel change of one remote), followed by the remotes' digest
+// (remoteDigest), which a change of a few remotes updates without
+// visiting the others (Owner.changeRemotesLocked).
+func (d *Desired) fingerprint() string { return d.fingerprintWith(d.digest()) }
+
+// digest is the remotes' digest of d (see remoteDigest).
+func (d *Desired) digest() remoteDigest {
+	var dig remoteDigest
+	for _, r := range d.Remotes {
+		g, ok := d.RemoteGens[r]
+		dig.add(r, g, ok, +1)
+	}
+	return dig
+}
+
+// fingerprintWith is fingerprint with the remotes' digest given.
+func (d *Desired) fingerprintWith(dig remoteDigest) string {
+	b := make([]byte, 0, 128+20*(len(d.KeepOutbound)+len(d.Blocked))+4*(len(d.VNIs)+len(d.ClearVNIs)+len(d.Accept)))
 	addr := func(a netip.Addr) {
 		s := a.As16()
 		b = append(b, s[:]...)
@@ -440,29 +457,11 @@ func (d *Desired) fingerprint() string {
 	for _, l := range []struct {
 		tag byte
 		v   []netip.Addr
-	}{{'r', d.Remotes}, {'k', d.KeepOutbound}, {'b', d.Blocked}} {
+	}{{'k', d.KeepOutbound}, {'b', d.Blocked}} {
 		list(l.tag, len(l.v))
 		for _, a := range l.v {
 			addr(a)
 		}
-	}
-	// The generations in address order: those of Remotes (sorted when
-	// normalized) in their order, unless some are of other addresses.
-	gens := make([]netip.Addr, 0, len(d.RemoteGens))
-	if slices.IsSortedFunc(d.Remotes, netip.Addr.Compare) {
-		for _, a := range d.Remotes {
-			if _, ok := d.RemoteGens[a]; ok && (len(gens) == 0 || gens[len(gens)-1] != a) {
-				gens = append(gens, a)
-			}
-		}
-	}
-	if len(gens) != len(d.RemoteGens) {
-		gens = slices.SortedFunc(maps.Keys(d.RemoteGens), netip.Addr.Compare)
-	}
-	list('g', len(gens))
-	for _, a := range gens {
-		addr(a)
-		b = binary.BigEndian.AppendUint64(b, d.RemoteGens[a])
 	}
 	b = binary.BigEndian.AppendUint32(b, d.Send)
 	b = binary.BigEndian.AppendUint64(b, d.Gen)
@@ -472,7 +471,100 @@ func (d *Desired) fingerprint() string {
 		b = append(b, 0)
 	}
 	sum := sha256.Sum256(b)
-	return string(sum[:])
+	out := make([]byte, 0, len(sum)+24)
+	out = append(out, sum[:]...)
+	out = binary.BigEndian.AppendUint64(out, dig.n)
+	out = binary.BigEndian.AppendUint64(out, dig.sum[0])
+	out = binary.BigEndian.AppendUint64(out, dig.sum[1])
+	return string(out)
+}
+
+// remoteDigest is an order-independent digest of a desired state's remotes
+// with their generations: their number and the sum (mod 2^64, under two
+// seeds) of a hash of each (remote, generation), so that one remote coming
+// or going updates it in O(1). A fingerprint only decides whether an
+// Update may skip the kernel (the loop reconciles in full anyway), so a
+// 128-bit non-cryptographic digest is enough.
+type remoteDigest struct {
+	n   uint64
+	sum [2]uint64
+}
+
+var digestSeeds = [2]maphash.Seed{maphash.MakeSeed(), maphash.MakeSeed()}
+
+// add adds (sign +1) or removes (sign -1) remote r with its generation g
+// (known: r advertised one).
+func (dg *remoteDigest) add(r netip.Addr, g uint64, known bool, sign int) {
+	var b [26]byte
+	a := r.As16()
+	copy(b[:16], a[:])
+	b[16] = 6
+	if r.Is4() {
+		b[16] = 4
+	}
+	binary.BigEndian.PutUint64(b[17:25], g)
+	if known {
+		b[25] = 1
+	}
+	for i, seed := range digestSeeds {
+		h := maphash.Bytes(seed, b[:])
+		if sign > 0 {
+			dg.sum[i] += h
+		} else {
+			dg.sum[i] -= h
+		}
+	}
+	if sign > 0 {
+		dg.n++
+	} else {
+		dg.n--
+	}
+}
+
+// cloneLists returns a copy of d that shares none of its lists or maps
+// (the Programmer's record patches its own copy in place).
+func (d *Desired) cloneLists() *Desired {
+	c := *d
+	c.Remotes = slices.Clone(d.Remotes)
+	c.KeepOutbound = slices.Clone(d.KeepOutbound)
+	c.Blocked = slices.Clone(d.Blocked)
+	c.RemoteGens = maps.Clone(d.RemoteGens)
+	if c.RemoteGens == nil {
+		c.RemoteGens = map[netip.Addr]uint64{}
+	}
+	return &c
+}
+
+// setMember inserts r into the sorted list l (in) or deletes it (!in).
+func setMember(l []netip.Addr, r netip.Addr, in bool) []netip.Addr {
+	i, found := slices.BinarySearchFunc(l, r, netip.Addr.Compare)
+	switch {
+	case in && !found:
+		return slices.Insert(l, i, r)
+	case !in && found:
+		return slices.Delete(l, i, i+1)
+	}
+	return l
+}
+
+// patchRemotes makes d (a normalized record of its own, see cloneLists)
+// hold, for the remotes in touched, what m holds; m describes those
+// remotes only (a change of the remotes alone).
+func (d *Desired) patchRemotes(m *Desired, touched []netip.Addr) {
+	has := func(l []netip.Addr, r netip.Addr) bool {
+		_, ok := slices.BinarySearchFunc(l, r, netip.Addr.Compare)
+		return ok
+	}
+	for _, r := range touched {
+		d.Remotes = setMember(d.Remotes, r, has(m.Remotes, r))
+		d.KeepOutbound = setMember(d.KeepOutbound, r, has(m.KeepOutbound, r))
+		d.Blocked = setMember(d.Blocked, r, has(m.Blocked, r))
+		if g, ok := m.RemoteGens[r]; ok {
+			d.RemoteGens[r] = g
+		} else {
+			delete(d.RemoteGens, r)
+		}
+	}
 }
 
 // netlink object construction.

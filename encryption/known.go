@@ -55,16 +55,23 @@ func (k *knownState) touched(d *Desired, cache *deriveCache) ([]netip.Addr, bool
 	if touched == nil {
 		touched = []netip.Addr{}
 	}
+	return touched, k.remotesFit(d, cache, touched)
+}
+
+// remotesFit reports whether the SAs d wants for the remotes in touched
+// can be planned against the record remote by remote: no SPI collision
+// among them, and none has the SPI of an SA of another remote.
+func (k *knownState) remotesFit(d *Desired, cache *deriveCache, touched []netip.Addr) bool {
 	dx, err := xfrmOfRemotes(d, cache, touched)
 	if err != nil || len(dx.collisions) > 0 {
-		return nil, false
+		return false
 	}
 	for sk, w := range dx.states {
 		if s, ok := k.x.states[sk]; ok && k.remoteOf(&s) != w.remote {
-			return nil, false
+			return false
 		}
 	}
-	return touched, true
+	return true
 }
 
 // changedRemotes returns the remotes of base whose xfrm state may differ

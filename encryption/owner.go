@@ -71,9 +71,10 @@ const MetaKey = "encryption"
 type share struct {
 	vnis      []uint32 // sorted, unique
 	encrypted bool
-	// remotes the share counts in Owner.need: its Share.Remotes, plus
-	// those kept by a widening Update.
-	remotes map[netip.Addr]bool
+	// remotes the share counts in Owner.need, sorted and unique: its
+	// Share.Remotes, plus those kept by a widening Update or added by
+	// AddRemotes.
+	remotes []netip.Addr
 }
 
 // Owner is the single owner of this host's encryption state: the key
@@ -137,11 +138,18 @@ type Owner struct {
 	verified   bool       // the first kernel check after loading happened
 	saved      string     // the persisted record, as last written
 
-	noESP    error     // the kernel could not install ESP states (wraps ErrKernelUnsupported)
-	noESPAt  time.Time //
-	applied  string    // fingerprint of the last Desired applied without error
-	held     bool      // the kernel holds keys and gen (last apply succeeded)
-	applyErr error     // error of the last reconcile (nil: kernel matches)
+	noESP   error     // the kernel could not install ESP states (wraps ErrKernelUnsupported)
+	noESPAt time.Time //
+	applied string    // fingerprint of the last Desired applied without error
+	// appliedDigest is applied's digest of the remotes, kept so that a
+	// change of a few remotes updates applied without visiting the others.
+	appliedDigest remoteDigest
+	// gensDirty: a needed remote's advertised generation changed since the
+	// last full reconcile that succeeded (a change of the remotes alone
+	// would not see it: the next change takes the full path).
+	gensDirty bool
+	held      bool  // the kernel holds keys and gen (last apply succeeded)
+	applyErr  error // error of the last reconcile (nil: kernel matches)
 	// closedErr is the part of applyErr that can let traffic cross in
 	// clear (the rules or a policy missing): what Update, Remove and
 	// SetLocal return. SA errors (a kernel without ESP, an SPI collision)
@@ -320,7 +328,7 @@ func (o *Owner) Update(id ShareID, s Share, widen bool) error {
 		return errors.New("encryption: Update on a closed Owner")
 	}
 	if o.local.IsValid() {
-		for r := range sh.remotes {
+		for _, r := range sh.remotes {
 			if r.Is4() != o.local.Is4() {
 				o.mu.Unlock()
 				return fmt.Errorf("encryption: share %d: remote VTEP %v is not of the local VTEP's (%v) address family", id, r, o.local)
@@ -329,17 +337,93 @@ func (o *Owner) Update(id ShareID, s Share, widen bool) error {
 	}
 	old := o.shares[id]
 	if widen && old != nil && sh.encrypted {
-		for r := range old.remotes {
-			sh.remotes[r] = true
-		}
+		sh.remotes = unionSorted(old.remotes, sh.remotes)
 	}
-	o.recountLocked(old, sh)
+	remotesOnly := old != nil && old.encrypted == sh.encrypted && slices.Equal(old.vnis, sh.vnis)
+	crossed := o.recountLocked(old, sh)
 	o.shares[id] = sh
-	o.applyLocked(fmt.Sprintf("share %d", id), true)
+	why := fmt.Sprintf("share %d", id)
+	if remotesOnly {
+		o.changeRemotesLocked(why, crossed)
+	} else {
+		o.applyLocked(why, true)
+	}
 	err = o.closedErr
 	poke := o.advertStaleLocked()
 	o.mu.Unlock()
 	if poke {
+		o.Poke()
+	}
+	return err
+}
+
+// AddRemotes adds remote VTEPs to the share of id (an encrypted network,
+// registered by Update) and programs the kernel before returning; remotes
+// the share has already are ignored. It costs what the change costs: the
+// other remotes of the host are not visited (see changeRemotesLocked). The
+// driver calls it before programming peers on new VTEPs. Errors as Update;
+// an invalid address refuses the whole call and changes nothing.
+func (o *Owner) AddRemotes(id ShareID, remotes ...netip.Addr) error {
+	return o.changeShareRemotes(id, remotes, +1)
+}
+
+// RemoveRemotes removes remote VTEPs from the share of id and programs the
+// kernel before returning; remotes the share does not have are ignored.
+// The driver calls it once the peers on those VTEPs are gone.
+func (o *Owner) RemoveRemotes(id ShareID, remotes ...netip.Addr) error {
+	return o.changeShareRemotes(id, remotes, -1)
+}
+
+func (o *Owner) changeShareRemotes(id ShareID, remotes []netip.Addr, sign int) error {
+	verb := "add"
+	if sign < 0 {
+		verb = "remove"
+	}
+	in := make([]netip.Addr, 0, len(remotes))
+	for _, r := range remotes {
+		if err := checkRemote(id, r); err != nil {
+			return err
+		}
+		in = append(in, r.Unmap())
+	}
+	in = sortedUnique(in)
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.prog == nil {
+		return fmt.Errorf("encryption: share %d: %s remotes on a closed Owner", id, verb)
+	}
+	sh := o.shares[id]
+	switch {
+	case sh == nil:
+		return fmt.Errorf("encryption: share %d: cannot %s remotes %v: the share is not registered (Update first)", id, verb, in)
+	case !sh.encrypted:
+		return fmt.Errorf("encryption: share %d: cannot %s remotes %v: the share is not encrypted (only encrypted shares have remotes)", id, verb, in)
+	}
+	if sign > 0 && o.local.IsValid() {
+		for _, r := range in {
+			if r.Is4() != o.local.Is4() {
+				return fmt.Errorf("encryption: share %d: remote VTEP %v is not of the local VTEP's (%v) address family", id, r, o.local)
+			}
+		}
+	}
+	var crossed []netip.Addr
+	for _, r := range in {
+		i, has := slices.BinarySearchFunc(sh.remotes, r, netip.Addr.Compare)
+		switch {
+		case sign > 0 && !has:
+			sh.remotes = slices.Insert(sh.remotes, i, r)
+		case sign < 0 && has:
+			sh.remotes = slices.Delete(sh.remotes, i, i+1)
+		default:
+			continue
+		}
+		if o.needLocked(r, sign, true) {
+			crossed = append(crossed, r)
+		}
+	}
+	o.changeRemotesLocked(fmt.Sprintf("share %d: %s %d remotes", id, verb, len(in)), crossed)
+	err := o.closedErr
+	if o.advertStaleLocked() {
 		o.Poke()
 	}
 	return err
@@ -370,7 +454,7 @@ func (o *Owner) Remove(id ShareID) error {
 }
 
 func normShare(id ShareID, s Share) (*share, error) {
-	sh := &share{encrypted: s.Encrypted, remotes: map[netip.Addr]bool{}}
+	sh := &share{encrypted: s.Encrypted}
 	for _, v := range s.VNIs {
 		if v == 0 || v > 1<<24-1 {
 			return nil, fmt.Errorf("encryption: share %d: invalid VNI %d", id, v)
@@ -380,20 +464,99 @@ func normShare(id ShareID, s Share) (*share, error) {
 	if !s.Encrypted {
 		return sh, nil
 	}
+	sh.remotes = make([]netip.Addr, 0, len(s.Remotes))
 	for _, r := range s.Remotes {
-		r = r.Unmap()
-		if !r.IsValid() || r.IsUnspecified() || r.Zone() != "" || r.IsMulticast() {
-			return nil, fmt.Errorf("encryption: share %d: invalid remote VTEP address %v", id, r)
+		if err := checkRemote(id, r); err != nil {
+			return nil, err
 		}
-		sh.remotes[r] = true
+		sh.remotes = append(sh.remotes, r.Unmap())
 	}
+	sh.remotes = sortedUnique(sh.remotes)
 	return sh, nil
 }
 
+func checkRemote(id ShareID, r netip.Addr) error {
+	r = r.Unmap()
+	if !r.IsValid() || r.IsUnspecified() || r.Zone() != "" || r.IsMulticast() {
+		return fmt.Errorf("encryption: share %d: invalid remote VTEP address %v", id, r)
+	}
+	return nil
+}
+
+// sortedUnique sorts l in place (unless it is sorted already, as the
+// driver passes it) and drops duplicates.
+func sortedUnique(l []netip.Addr) []netip.Addr {
+	if !slices.IsSortedFunc(l, netip.Addr.Compare) {
+		slices.SortFunc(l, netip.Addr.Compare)
+	}
+	return slices.Compact(l)
+}
+
+// unionSorted merges two sorted, unique lists into a new one.
+func unionSorted(a, b []netip.Addr) []netip.Addr {
+	out := make([]netip.Addr, 0, max(len(a), len(b)))
+	i, j := 0, 0
+	for i < len(a) || j < len(b) {
+		switch {
+		case j == len(b) || (i < len(a) && a[i].Compare(b[j]) < 0):
+			out = append(out, a[i])
+			i++
+		case i == len(a) || b[j].Compare(a[i]) < 0:
+			out = append(out, b[j])
+			j++
+		default:
+			out = append(out, a[i])
+			i, j = i+1, j+1
+		}
+	}
+	return out
+}
+
+// diffSorted returns what is in b and not in a (added) and what is in a
+// and not in b (gone), for sorted, unique lists: one merge, no map.
+func diffSorted(a, b []netip.Addr) (added, gone []netip.Addr) {
+	i, j := 0, 0
+	for i < len(a) || j < len(b) {
+		switch {
+		case j == len(b) || (i < len(a) && a[i].Compare(b[j]) < 0):
+			gone = append(gone, a[i])
+			i++
+		case i == len(a) || b[j].Compare(a[i]) < 0:
+			added = append(added, b[j])
+			j++
+		default:
+			i, j = i+1, j+1
+		}
+	}
+	return added, gone
+}
+
+// needLocked counts remote r as needed by one share more (delta +1) or
+// fewer (-1), keeping needSorted when index is set, and reports whether
+// r's need crossed zero (it is needed now and was not, or the reverse).
+func (o *Owner) needLocked(r netip.Addr, delta int, index bool) bool {
+	before := o.need.Get(r)
+	n := o.need.Add(r, delta)
+	if (before == 0) == (n == 0) {
+		return false
+	}
+	if index {
+		i, found := slices.BinarySearchFunc(o.needSorted, r, netip.Addr.Compare)
+		if n > 0 && !found {
+			o.needSorted = slices.Insert(o.needSorted, i, r)
+		} else if n == 0 && found {
+			o.needSorted = slices.Delete(o.needSorted, i, i+1)
+		}
+	}
+	return true
+}
+
 // recountLocked replaces share old (nil: none) by sh (nil: none) in the
-// counts. Only the remotes that differ between them are counted again, so
-// a network of 1,000 remotes gaining one costs one count.
-func (o *Owner) recountLocked(old, sh *share) {
+// counts and returns, sorted, the remotes whose need crossed zero. Only
+// the remotes that differ between them are counted again (found by
+// merging the sorted lists), so a network of 1,000 remotes gaining one
+// costs one count.
+func (o *Owner) recountLocked(old, sh *share) []netip.Addr {
 	for _, x := range []struct {
 		sh    *share
 		delta int
@@ -409,46 +572,26 @@ func (o *Owner) recountLocked(old, sh *share) {
 			}
 		}
 	}
-	var gone, added []netip.Addr
+	var before, after []netip.Addr
 	if old != nil {
-		for r := range old.remotes {
-			if sh == nil || !sh.remotes[r] {
-				gone = append(gone, r)
-			}
-		}
+		before = old.remotes
 	}
 	if sh != nil {
-		for r := range sh.remotes {
-			if old == nil || !old.remotes[r] {
-				added = append(added, r)
-			}
-		}
+		after = sh.remotes
 	}
+	added, gone := diffSorted(before, after)
 	// Many changes at once (a network gone): re-sort the index once
 	// rather than move it for each.
 	bulk := len(gone)+len(added) > 16
-	if bulk {
-		o.needSorted = nil
+	var crossed []netip.Addr
+	for _, r := range gone {
+		if o.needLocked(r, -1, !bulk) {
+			crossed = append(crossed, r)
+		}
 	}
-	for _, x := range []struct {
-		remotes []netip.Addr
-		delta   int
-	}{{gone, -1}, {added, +1}} {
-		for _, r := range x.remotes {
-			before := o.need.Get(r)
-			n := o.need.Add(r, x.delta)
-			if bulk {
-				continue
-			}
-			switch {
-			case before == 0 && n > 0:
-				i, _ := slices.BinarySearchFunc(o.needSorted, r, netip.Addr.Compare)
-				o.needSorted = slices.Insert(o.needSorted, i, r)
-			case before > 0 && n == 0:
-				if i, ok := slices.BinarySearchFunc(o.needSorted, r, netip.Addr.Compare); ok {
-					o.needSorted = slices.Delete(o.needSorted, i, i+1)
-				}
-			}
+	for _, r := range added {
+		if o.needLocked(r, +1, !bulk) {
+			crossed = append(crossed, r)
 		}
 	}
 	if bulk {
@@ -456,6 +599,8 @@ func (o *Owner) recountLocked(old, sh *share) {
 			o.need.Range(func(r netip.Addr, _ int) bool { return yield(r) })
 		}, netip.Addr.Compare)
 	}
+	slices.SortFunc(crossed, netip.Addr.Compare)
+	return crossed
 }
 
 // Restored tells the Owner that the driver has registered the share of
@@ -931,7 +1076,8 @@ func (o *Owner) applyLocked(why string, fromUpdate bool) error {
 				logkeys.Kind, logkeys.KindEncryption, logkeys.Trigger, why, logkeys.Count, changes,
 				"kernel", o.prog.Stats().Sub(statsBefore).String())
 		}
-		o.applied = fp
+		o.applied, o.appliedDigest = fp, base.digest()
+		o.gensDirty = false
 	}
 	o.held = err == nil
 	o.closedErr = errors.Join(res.failClosed...)
@@ -960,6 +1106,155 @@ func (o *Owner) applyLocked(why string, fromUpdate bool) error {
 		return o.unsupportedFor(&base)
 	}
 	return err
+}
+
+// changeRemotesLocked programs a change of the shares' remotes alone (no
+// VNI changed, nor keys, generation or VTEP): crossed are the remotes,
+// sorted, whose need went from zero or to zero. When the Programmer has a
+// record of the last reconcile that holds everything else as now, the
+// change is planned from the crossed remotes alone (applyRemotesLocked):
+// its cost does not depend on how many remotes the host has. Otherwise it
+// takes the path of every change (applyLocked).
+func (o *Owner) changeRemotesLocked(why string, crossed []netip.Addr) {
+	if len(crossed) == 0 && o.applyErr == nil && o.applied != "" {
+		// The desired state did not change and the kernel held it.
+		o.closedErr = nil
+		return
+	}
+	if !o.applyRemotesLocked(why, crossed) {
+		o.applyLocked(why, true)
+	}
+}
+
+// applyRemotesLocked is applyLocked for a change of the remotes in crossed
+// alone, planned against the Programmer's record: only those remotes are
+// looked at (their need, generation, outbound SA reservation, whether
+// their outbound SA is kept), the record's Desired is patched for them,
+// and the fingerprint of what is applied is updated through its digest.
+// It reports false, having changed nothing, when the change cannot be
+// planned that way (no record, the last reconcile failed, a generation
+// changed since, adoption after a restart, the first check of the kernel
+// still to do, an outbound SA of a crossed remote missing from the record
+// (the full path moves to a new generation), an SPI collision, a
+// reservation that could not be persisted); the caller then takes the
+// full path.
+func (o *Owner) applyRemotesLocked(why string, crossed []netip.Addr) bool {
+	p := o.prog
+	if p == nil || !o.local.IsValid() || o.encVNIs.Len() == 0 || o.adopting || o.applyErr != nil || o.applied == "" || o.gensDirty {
+		return false
+	}
+	if (!o.verified && o.keys.Send != 0 && o.noESP == nil) || (o.noESP != nil && time.Since(o.noESPAt) > espRetry) {
+		return false
+	}
+	k := p.known
+	if k == nil || k.last == nil || len(k.last.Blocked) > 0 {
+		return false
+	}
+	last := k.last
+	m := Desired{
+		Local: o.local, Port: o.cfg.Port, VNIs: last.VNIs, ClearVNIs: last.ClearVNIs,
+		Accept: slices.Clone(o.keys.Accept), Send: o.keys.Send, Gen: o.gen, Secret: o.cfg.Secret, NoSAs: o.noESP != nil,
+		RemoteGens: map[netip.Addr]uint64{},
+	}
+	sas := m.Send != 0 && !m.NoSAs
+	dig := o.appliedDigest
+	var touched, reserve, adopt []netip.Addr
+	for _, r := range crossed {
+		// Never a pair (see desiredLocked).
+		if r == o.local || r.Is4() != o.local.Is4() {
+			continue
+		}
+		_, inLast := slices.BinarySearchFunc(last.Remotes, r, netip.Addr.Compare)
+		needed := o.need.Get(r) > 0
+		if needed == inLast {
+			return false // the record does not hold what the counts say it held
+		}
+		touched = append(touched, r)
+		if !needed {
+			g, ok := last.RemoteGens[r]
+			dig.add(r, g, ok, -1)
+			if sas && o.installed[m.Send][r] && o.outboundOK(&m, k.x, r) {
+				m.KeepOutbound = append(m.KeepOutbound, r)
+			}
+			continue
+		}
+		m.Remotes = append(m.Remotes, r)
+		g, ok := o.remoteGens[r]
+		if ok {
+			m.RemoteGens[r] = g
+		}
+		dig.add(r, g, ok, +1)
+		if !sas {
+			continue
+		}
+		switch installed, intact := o.installed[m.Send][r], o.outboundOK(&m, k.x, r); {
+		case installed && !intact:
+			return false
+		case !installed && intact:
+			adopt = append(adopt, r)
+		case !installed:
+			reserve = append(reserve, r)
+		}
+	}
+	if !p.remotesApplicable(&m, touched) {
+		return false
+	}
+	// Reserve (and persist) before adding: an SA is added at most once per
+	// (epoch, remote, gen).
+	if len(reserve)+len(adopt) > 0 {
+		if o.installed[m.Send] == nil {
+			o.installed[m.Send] = map[netip.Addr]bool{}
+		}
+		for _, r := range slices.Concat(reserve, adopt) {
+			o.installed[m.Send][r] = true
+		}
+	}
+	if len(reserve) > 0 {
+		if err := o.persistLocked(); err != nil {
+			for _, r := range reserve {
+				delete(o.installed[m.Send], r)
+			}
+			return false // the full path blocks them and reports it
+		}
+	}
+	res, err := p.applyRemotes(&m, touched)
+	for _, r := range res.failedOut {
+		// The kernel never held it, so its key was never used.
+		delete(o.installed[m.Send], r)
+	}
+	now := time.Now()
+	o.reconciles++
+	o.lastReconcile = now
+	if err != nil {
+		if !res.unsupported {
+			o.deltaFailures++
+			o.log.Info("an incremental encryption change failed; reconciling in full", "trigger", why, "error", err)
+			why += " (full reconcile after a failed change)"
+		}
+		// The record is gone: this dumps, and decides again from the
+		// kernel what the attempt decided from the record.
+		o.applyLocked(why, false)
+		return true
+	}
+	o.applied = last.fingerprintWith(dig)
+	if len(last.KeepOutbound)+len(last.Blocked) > 0 {
+		// applied is the fingerprint of desiredLocked's state, which has
+		// no kept or blocked remotes.
+		base := *last
+		base.KeepOutbound, base.Blocked = nil, nil
+		o.applied = base.fingerprintWith(dig)
+	}
+	o.appliedDigest = dig
+	o.held = true
+	o.closedErr = errors.Join(res.failClosed...)
+	for _, r := range touched {
+		o.programmed.remotes = setMember(o.programmed.remotes, r, o.need.Get(r) > 0)
+	}
+	o.pruneLocked()
+	if perr := o.persistLocked(); perr != nil {
+		o.noteErrLocked(perr)
+	}
+	return true
 }
 
 // unsupportedFor returns the kernel's inability to encrypt when d needs it.
@@ -1104,6 +1399,7 @@ func (o *Owner) stepLocked(adverts map[netip.Addr]Advert, why string) {
 		others = append(others, a.Keys)
 		if a.Gen != 0 && o.remoteGens[vtep] != a.Gen {
 			o.remoteGens[vtep] = a.Gen
+			o.gensDirty = true
 		}
 	}
 	for r := range o.remoteGens {

@@ -223,7 +223,7 @@ func (p *Programmer) applyDelta(d *Desired) (res execResult, err error, ok bool)
 	k := p.known
 	if touched, ok := k.touched(d, p.derived); ok {
 		p.stats.RemoteDeltas++
-		res, err = p.runFor(d, ax, k.n, touched)
+		res, err = p.runFor(d, ax, k.n, touched, false)
 	} else {
 		res, err = p.run(d, ax, k.n)
 	}
@@ -237,13 +237,47 @@ func (p *Programmer) applyDelta(d *Desired) (res execResult, err error, ok bool)
 // nil: dump it) into d, in Apply's order. On success the result is
 // remembered as known; any failure forgets it.
 func (p *Programmer) run(d *Desired, ax *actualXfrm, an *nftActual) (execResult, error) {
-	return p.runFor(d, ax, an, nil)
+	return p.runFor(d, ax, an, nil, false)
+}
+
+// remotesApplicable reports whether m, a change of the remotes in touched
+// alone, can be applied against the record (applyRemotes): the record is
+// there, for m's VTEP, port, keys and generation, without SPI collision,
+// and no SA m wants for a touched remote collides with another remote's.
+// m holds the touched remotes only (Remotes, KeepOutbound, Blocked and
+// RemoteGens of those), and the record's VNIs.
+func (p *Programmer) remotesApplicable(m *Desired, touched []netip.Addr) bool {
+	k := p.known
+	if p.nl == nil || k == nil || k.last == nil || k.collided || k.local != m.Local.Unmap() || k.port != m.Port ||
+		!sameXfrmBasis(k.last, m) || !slices.Equal(k.last.VNIs, m.VNIs) || !slices.Equal(k.last.ClearVNIs, m.ClearVNIs) {
+		return false
+	}
+	return k.remotesFit(m, p.derived, touched)
+}
+
+// applyRemotes applies m, a change of the remotes in touched alone (see
+// remotesApplicable, which the caller checked), against the record: only
+// those remotes' SAs and policies are derived, compared and changed, and
+// the record's Desired is patched for them, so nothing costs per remote of
+// the host. Errors as applyDelta: the record is then unknown and the
+// caller must reconcile in full.
+func (p *Programmer) applyRemotes(m *Desired, touched []netip.Addr) (execResult, error) {
+	k := p.known
+	p.stats.Deltas++
+	p.stats.RemoteDeltas++
+	res, err := p.runFor(m, k.x, k.n, touched, true)
+	if err != nil {
+		p.stats.DeltaFailures++
+	}
+	return res, err
 }
 
 // runFor is run; with touched (a delta: ax and an are the record), only
 // the touched remotes' SAs and policies (and the clear policy) are derived,
 // compared and changed: the others are the same in the record and in d.
-func (p *Programmer) runFor(d *Desired, ax *actualXfrm, an *nftActual, touched []netip.Addr) (res execResult, err error) {
+// With patch, d describes the touched remotes only (applyRemotes) and the
+// record's Desired is patched for them rather than replaced by d.
+func (p *Programmer) runFor(d *Desired, ax *actualXfrm, an *nftActual, touched []netip.Addr, patch bool) (res execResult, err error) {
 	if p == nil || p.nl == nil {
 		err := errors.New("encryption: Apply on a closed Programmer")
 		return execResult{failClosed: []error{err}}, err
@@ -303,9 +337,13 @@ func (p *Programmer) runFor(d *Desired, ax *actualXfrm, an *nftActual, touched [
 			k.index()
 		}
 		k.replay(p.journal)
-		if d.normalized() {
-			last := *d
-			k.last = &last
+		switch {
+		case patch:
+			k.last = prev.last
+			k.last.patchRemotes(d, touched)
+		case d.normalized():
+			// Its own copy: a later change patches it in place.
+			k.last = d.cloneLists()
 		}
 		p.known = k
 	}
