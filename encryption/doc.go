@@ -224,9 +224,11 @@
 // Restored once the driver has restored its networks; AttachGossip when the
 // control plane runs (adverts travel as Advert.Encode in the member's
 // application state; DecodeAdvert on the way in), and Poke when members or
-// their application states change. The driver calls Update(id, share,
-// true) before programming a network's peers and Update(id, share, false)
-// after, Remove when the network goes, CheckSupport before accepting an
+// their application states change. The driver registers a network's
+// share with Update(id, share, false) (at creation, Join, Leave, restore);
+// on a peer change it calls AddRemotes with the VTEPs of the new FDB
+// entries before programming the peers, and Update(id, share, false)
+// after (which drops the VTEPs no longer used); Remove when the network goes, CheckSupport before accepting an
 // encrypted network, and shows Status and Audit. `overlayd keys rotate`
 // calls Rotate; OwnerConfig.RotateEvery rotates periodically.
 //
@@ -265,7 +267,28 @@
 // outbound SA and a policy to add; the policy and the inbound SA to
 // delete, the outbound SA being kept until the epoch or generation
 // changes), one netlink round trip each, no dump
-// (BenchmarkOwnerRemotes), plus about 1 µs of bookkeeping per remote of
-// the host (the Owner's counts and fingerprint, the comparison of the
-// remote lists).
+// (BenchmarkOwnerRemotes).
+//
+// # Changes of remotes alone: incremental desired state
+//
+// A change of the remotes alone (AddRemotes, RemoveRemotes, or an Update
+// that changes no VNI) costs the change, not the number of remotes of the
+// host: the Owner keeps the desired state incrementally. Each share's
+// remotes are a sorted list (an Update's list is compared by one merge,
+// no map); need counts the shares per remote, and needSorted is its sorted
+// index; the remotes whose count crosses zero are the change. The
+// fingerprint of what was applied ends with a digest of the remotes and
+// their generations (remoteDigest: a sum of one hash per remote) that
+// such a change updates for the crossed remotes only. The Programmer's
+// record of the last Desired is its own copy, patched for the crossed
+// remotes (applyRemotes) rather than rebuilt. So nothing visits the other
+// remotes: no Desired is built, nothing is fingerprinted, sorted or
+// compared in full. This path is taken only when the record holds
+// everything else as it is now (the last reconcile succeeded, same keys,
+// generation, VTEP and VNIs, no remote's generation changed since, no
+// adoption, no SPI collision, no outbound SA of a crossed remote missing
+// from the record, the reservation persisted); otherwise the change takes
+// the path above. TestOwnerIncrementalMatchesScratch checks, after every
+// step of random sequences, that the incremental state equals the one
+// computed from scratch.
 package encryption

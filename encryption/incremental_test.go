@@ -48,6 +48,9 @@ func TestOwnerIncrementalMatchesScratch(t *testing.T) {
 		return out
 	}
 	steps, remoteDeltas := 120, 0
+	if inVM {
+		steps = 40 // SAs under software emulation
+	}
 	for step := range steps {
 		id := ShareID(1 + rng.IntN(4))
 		var what string
@@ -76,8 +79,10 @@ func TestOwnerIncrementalMatchesScratch(t *testing.T) {
 			err = o.Remove(id)
 			delete(model, id)
 		case op == 7:
-			// A remote advertises a new generation (what a rotation step
-			// records before its full apply): the next change must see it.
+			// A remote advertises a new generation, recorded as a rotation
+			// step does before its full apply, but not applied: the next
+			// change must see it (not the change of its remotes alone),
+			// so the kernel differs from the desired state until then.
 			r := pool[rng.IntN(len(pool))]
 			what = fmt.Sprintf("new generation of %v", r)
 			o.mu.Lock()
@@ -120,7 +125,10 @@ func TestOwnerIncrementalMatchesScratch(t *testing.T) {
 		}
 		remoteDeltas += st.RemoteDeltas
 		checkIncremental(t, o, model, what)
-		if a := o.Audit(); len(a) != 0 {
+		o.mu.Lock()
+		dirty := o.gensDirty
+		o.mu.Unlock()
+		if a := o.Audit(); len(a) != 0 && !dirty {
 			t.Fatalf("%s: audit: %v", what, a)
 		}
 	}

@@ -82,9 +82,9 @@ type share struct {
 // holds the kernel to them, the rotation state machine and their
 // persistence. See the package documentation for the design.
 //
-// All methods are safe for concurrent use. Update and Remove are called
-// with a network's lock held (lockorder.LevelNetwork, above the Owner's
-// LevelEncryption); the Owner never calls out of the package with its lock
+// All methods are safe for concurrent use. Update, AddRemotes,
+// RemoveRemotes and Remove are called with a network's lock held
+// (lockorder.LevelNetwork, above the Owner's LevelEncryption); the Owner never calls out of the package with its lock
 // held (KeyGossip is called without it).
 type Owner struct {
 	cfg OwnerConfig
@@ -1116,7 +1116,7 @@ func (o *Owner) applyLocked(why string, fromUpdate bool) error {
 // its cost does not depend on how many remotes the host has. Otherwise it
 // takes the path of every change (applyLocked).
 func (o *Owner) changeRemotesLocked(why string, crossed []netip.Addr) {
-	if len(crossed) == 0 && o.applyErr == nil && o.applied != "" {
+	if len(crossed) == 0 && o.applyErr == nil && o.applied != "" && !o.gensDirty {
 		// The desired state did not change and the kernel held it.
 		o.closedErr = nil
 		return
