@@ -167,15 +167,20 @@ func TestVM(t *testing.T) {
 // benchGuest is the encryption package's benchmarks matching the regexp
 // bench, to run in the VM instead of the suites: `OVERLAYD_VM_BENCH=Owner
 // go test -run TestVM -v ./test/vm` (OVERLAYD_VM_BENCHTIME: -test.benchtime,
-// default 10x; OVERLAYD_VM_BENCH_BIN: a test binary built elsewhere, static,
-// e.g. of an older commit, to compare).
+// default 10x; OVERLAYD_VM_BENCHCOUNT: -test.count, default 1, for several
+// rounds in one boot; OVERLAYD_VM_BENCH_BIN: a test binary built elsewhere,
+// static, e.g. of an older commit, to compare).
 func benchGuest(ctx context.Context, root, dir, bench string) (Binary, error) {
 	benchtime := os.Getenv("OVERLAYD_VM_BENCHTIME")
 	if benchtime == "" {
 		benchtime = "10x"
 	}
+	count := os.Getenv("OVERLAYD_VM_BENCHCOUNT")
+	if count == "" {
+		count = "1"
+	}
 	b := Binary{Name: "encryption-bench.test", Path: os.Getenv("OVERLAYD_VM_BENCH_BIN"),
-		Args: []string{"-test.run=^$", "-test.bench=" + bench, "-test.benchtime=" + benchtime, "-test.count=1"}}
+		Args: []string{"-test.run=^$", "-test.bench=" + bench, "-test.benchtime=" + benchtime, "-test.count=" + count}}
 	if b.Path != "" {
 		return b, nil
 	}
