@@ -82,7 +82,7 @@ func BenchmarkOwnerRemotes(b *testing.B) {
 				b.Fatalf("audit before the benchmark: %v", a[:min(len(a), 5)])
 			}
 			var addDur, delDur, addCPU, delCPU, upAddDur, upDelDur time.Duration
-			var addStats, delStats Stats
+			var addStats, delStats, upStats Stats
 			b.ResetTimer()
 			for i := 0; i < b.N; i++ {
 				extra := benchExtra(2*i + 1)
@@ -114,6 +114,7 @@ func BenchmarkOwnerRemotes(b *testing.B) {
 				o.mu.Unlock()
 				plus := share
 				plus.Remotes = append(slices.Clip(remotes), extra)
+				s3 := o.prog.Stats()
 				t2 := time.Now()
 				err = o.Update(1, plus, false)
 				upAddDur += time.Since(t2)
@@ -122,6 +123,7 @@ func BenchmarkOwnerRemotes(b *testing.B) {
 				err = o.Update(1, share, false)
 				upDelDur += time.Since(t3)
 				okOrUnsupported(b, "remove a remote by Update", err)
+				upStats = upStats.Sub(Stats{}.Sub(o.prog.Stats().Sub(s3)))
 			}
 			b.StopTimer()
 			if a := o.Audit(); len(a) != 0 {
@@ -140,6 +142,7 @@ func BenchmarkOwnerRemotes(b *testing.B) {
 			b.ReportMetric(count(delStats.Changes()), "remove-requests")
 			b.ReportMetric(per(upAddDur), "update-add-ms")
 			b.ReportMetric(per(upDelDur), "update-remove-ms")
+			b.ReportMetric(count(upStats.XfrmDumps+upStats.NftDumps), "update-dumps")
 			b.ReportMetric(per(rawAdd), "raw-add-ms")
 			b.ReportMetric(per(rawDel), "raw-remove-ms")
 		})
