@@ -224,12 +224,13 @@
 // Restored once the driver has restored its networks; AttachGossip when the
 // control plane runs (adverts travel as Advert.Encode in the member's
 // application state; DecodeAdvert on the way in), and Poke when members or
-// their application states change. The driver registers a network's
-// share with Update(id, share, false) (at creation, Join, Leave, restore);
-// on a peer change it calls AddRemotes with the VTEPs of the new FDB
-// entries before programming the peers, and Update(id, share, false)
-// after (which drops the VTEPs no longer used); Remove when the network goes, CheckSupport before accepting an
-// encrypted network, and shows Status and Audit. `overlayd keys rotate`
+// their application states change. The driver gives a network's whole
+// share with Update (at creation, Join, Leave and restore; widening at a
+// Join, before the known peers are programmed); on a peer change it calls
+// AddRemotes with the VTEPs of the new FDB entries before programming the
+// peers, and Update(id, share, false) after (which drops the VTEPs no
+// longer used). It calls Remove when the network goes, CheckSupport before
+// accepting an encrypted network, and shows Status and Audit. `overlayd keys rotate`
 // calls Rotate; OwnerConfig.RotateEvery rotates periodically.
 //
 // # Changes as deltas, reconciles in full
