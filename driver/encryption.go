@@ -7,6 +7,7 @@ import (
 	"slices"
 
 	"github.com/overlayd/overlayd/encryption"
+	"github.com/overlayd/overlayd/peerdb"
 )
 
 // EncryptionOwner is the host's one owner of encryption state
@@ -21,6 +22,9 @@ import (
 // the kernel before returning and must not call into the Driver.
 type EncryptionOwner interface {
 	Update(id encryption.ShareID, s encryption.Share, widen bool) error
+	// AddRemotes adds VTEPs to a registered encrypted share: its cost is
+	// the change's, whatever the number of remotes.
+	AddRemotes(id encryption.ShareID, remotes ...netip.Addr) error
 	Remove(id encryption.ShareID) error
 	// CheckSupport reports whether encrypted networks can work here.
 	CheckSupport() error
@@ -70,6 +74,32 @@ func (d *Driver) syncEnc(n *network, widen bool) error {
 		return nil
 	}
 	if err := d.cfg.Encryption.Update(n.share, n.encShare(), widen); err != nil {
+		return fmt.Errorf("encryption for network %q: %w", n.id, err)
+	}
+	return nil
+}
+
+// widenEnc gives the encryption owner the VTEPs of the FDB entries delta
+// sets, before the peers are programmed (SAs and policies must exist
+// before traffic is sent to a new VTEP), as a delta: the owner's cost is
+// that of the VTEPs new to the host, not of all it has. VTEPs the share
+// has already cost nothing. Without a sandbox (no remotes) it is syncEnc.
+// Expects n.mu held.
+func (d *Driver) widenEnc(n *network, delta peerdb.Delta) error {
+	if d.cfg.Encryption == nil {
+		return nil
+	}
+	if n.sb == nil || n.deleted {
+		return d.syncEnc(n, true)
+	}
+	if len(delta.FDBSet) == 0 {
+		return nil
+	}
+	vteps := make([]netip.Addr, 0, len(delta.FDBSet))
+	for _, f := range delta.FDBSet {
+		vteps = append(vteps, f.VTEP)
+	}
+	if err := d.cfg.Encryption.AddRemotes(n.share, vteps...); err != nil {
 		return fmt.Errorf("encryption for network %q: %w", n.id, err)
 	}
 	return nil

@@ -98,7 +98,7 @@ func (d *Driver) program(n *network, delta peerdb.Delta) error {
 	}
 	var errs []error
 	if n.encrypted {
-		if err := d.syncEnc(n, true); err != nil {
+		if err := d.widenEnc(n, delta); err != nil {
 			errs = append(errs, err)
 		}
 	}

@@ -1,8 +1,12 @@
 package encryption
 
 import (
+	"bytes"
+	"crypto/sha256"
+	"encoding/binary"
 	"errors"
 	"fmt"
+	"hash/maphash"
 	"maps"
 	"net"
 	"net/netip"
@@ -244,18 +248,41 @@ func sortedAddrs(in []netip.Addr) []netip.Addr {
 }
 
 // xfrmOf derives the SAs and policies d asks for.
-func xfrmOf(d *Desired) (*desiredXfrm, error) {
+func xfrmOf(d *Desired) (*desiredXfrm, error) { return xfrmOfCached(d, nil) }
+
+// xfrmOfCached is xfrmOf with SPIs and keys from cache (nil: derived).
+func xfrmOfCached(d *Desired, cache *deriveCache) (*desiredXfrm, error) {
+	return xfrmOfRemotes(d, cache, nil)
+}
+
+// xfrmOfRemotes is xfrmOfCached limited to the remotes in only (sorted;
+// nil: all of them) and the clear policy. With only, d must be normalized
+// (see normalized).
+func xfrmOfRemotes(d *Desired, cache *deriveCache, only []netip.Addr) (*desiredXfrm, error) {
 	x := &desiredXfrm{states: map[stateKey]*wantState{}, policies: map[polKey]*wantPolicy{}}
 	if d.Empty() {
 		return x, nil
 	}
 	local := d.Local.Unmap()
 	x.policies[clearKey(local, d.Port)] = &wantPolicy{clear: true}
-	remotes := sortedAddrs(d.Remotes)
 	accept := normAccept(d.Accept)
-	gens := map[netip.Addr]uint64{}
-	for a, g := range d.RemoteGens {
-		gens[a.Unmap()] = g
+	var remotes, keepOut []netip.Addr
+	var gens map[netip.Addr]uint64
+	if only == nil {
+		remotes, keepOut = sortedAddrs(d.Remotes), sortedAddrs(d.KeepOutbound)
+		gens = map[netip.Addr]uint64{}
+		for a, g := range d.RemoteGens {
+			gens[a.Unmap()] = g
+		}
+	} else {
+		for _, r := range only {
+			if _, ok := slices.BinarySearchFunc(d.Remotes, r, netip.Addr.Compare); ok {
+				remotes = append(remotes, r)
+			} else if _, ok := slices.BinarySearchFunc(d.KeepOutbound, r, netip.Addr.Compare); ok {
+				keepOut = append(keepOut, r)
+			}
+		}
+		gens = d.RemoteGens // normalized: keys unmapped
 	}
 
 	add := func(w *wantState) {
@@ -273,11 +300,7 @@ func xfrmOf(d *Desired) (*desiredXfrm, error) {
 		x.states[w.key] = w
 	}
 	derive := func(src, dst, remote netip.Addr, e uint32, gen uint64, outbound bool) (*wantState, error) {
-		spi, err := SPI(d.Secret, src, dst, e, gen)
-		if err != nil {
-			return nil, err
-		}
-		k, err := SAKey(d.Secret, src, dst, e, gen)
+		spi, k, err := cache.derive(d.Secret, src, dst, e, gen)
 		if err != nil {
 			return nil, err
 		}
@@ -309,7 +332,7 @@ func xfrmOf(d *Desired) (*desiredXfrm, error) {
 		x.policies[remoteKey(local, r, d.Port)] = wp
 	}
 	if d.Send != 0 && !d.NoSAs {
-		for _, r := range sortedAddrs(d.KeepOutbound) {
+		for _, r := range keepOut {
 			if _, ok := slices.BinarySearchFunc(remotes, r, netip.Addr.Compare); ok {
 				continue
 			}
@@ -323,15 +346,225 @@ func xfrmOf(d *Desired) (*desiredXfrm, error) {
 	return x, nil
 }
 
-// fingerprint identifies d without its secret: two Desireds with the same
-// fingerprint want the same kernel state (given the same secret).
-func (d *Desired) fingerprint() string {
-	gens := slices.SortedFunc(maps.Keys(d.RemoteGens), netip.Addr.Compare)
-	g := make([]string, 0, len(gens))
-	for _, a := range gens {
-		g = append(g, fmt.Sprintf("%v=%x", a, d.RemoteGens[a]))
+// normalized reports whether d's address lists are sorted, without
+// duplicates and unmapped, and its RemoteGens keys unmapped (what Owner
+// builds): then membership is a binary search, and a change can be
+// planned for the remotes it touches only.
+func (d *Desired) normalized() bool {
+	for _, l := range [][]netip.Addr{d.Remotes, d.KeepOutbound, d.Blocked} {
+		for i, a := range l {
+			if a.Is4In6() || (i > 0 && l[i-1].Compare(a) >= 0) {
+				return false
+			}
+		}
 	}
-	return fmt.Sprintf("%v|%d|%v|%v|%v|%v|%v|%v|%v|%d|%x|%v", d.Local, d.Port, d.VNIs, d.ClearVNIs, d.Remotes, g, d.KeepOutbound, d.Blocked, d.Accept, d.Send, d.Gen, d.NoSAs)
+	for a := range d.RemoteGens {
+		if a.Is4In6() {
+			return false
+		}
+	}
+	return true
+}
+
+// sameXfrmBasis reports whether a and b derive every remote's SAs and
+// policy the same way: same VTEP, port, epochs, generation, secret and SA
+// support. Then their xfrm states differ only in the remotes whose lists
+// or generation differ (touchedRemotes).
+func sameXfrmBasis(a, b *Desired) bool {
+	return a.Local == b.Local && a.Port == b.Port && a.Send == b.Send && a.Gen == b.Gen && a.NoSAs == b.NoSAs &&
+		slices.Equal(normAccept(a.Accept), normAccept(b.Accept)) && bytes.Equal(a.Secret, b.Secret)
+}
+
+// touchedRemotes returns, sorted, the remotes whose xfrm state differs
+// between a and b (both normalized, with the same basis): those in one of
+// their Remotes, KeepOutbound or Blocked lists but not in the other's, and
+// those whose generation changed.
+func touchedRemotes(a, b *Desired) []netip.Addr {
+	var out []netip.Addr
+	symdiff := func(x, y []netip.Addr) {
+		i, j := 0, 0
+		for i < len(x) || j < len(y) {
+			switch {
+			case j == len(y) || (i < len(x) && x[i].Compare(y[j]) < 0):
+				out = append(out, x[i])
+				i++
+			case i == len(x) || y[j].Compare(x[i]) < 0:
+				out = append(out, y[j])
+				j++
+			default:
+				i, j = i+1, j+1
+			}
+		}
+	}
+	symdiff(a.Remotes, b.Remotes)
+	symdiff(a.KeepOutbound, b.KeepOutbound)
+	symdiff(a.Blocked, b.Blocked)
+	for _, r := range b.Remotes {
+		if a.RemoteGens[r] != b.RemoteGens[r] {
+			out = append(out, r)
+		}
+	}
+	slices.SortFunc(out, netip.Addr.Compare)
+	return slices.Compact(out)
+}
+
+// fingerprint identifies d without its secret: two Desireds with the same
+// fingerprint want the same kernel state (given the same secret). It is a
+// SHA-256 of a binary encoding of everything but the remotes and their
+// generations (formatting thousands of remotes as text cost more than the
+// kernel change of one remote), followed by the remotes' digest
+// (remoteDigest), which a change of a few remotes updates without
+// visiting the others (Owner.changeRemotesLocked).
+func (d *Desired) fingerprint() string { return d.fingerprintWith(d.digest()) }
+
+// digest is the remotes' digest of d (see remoteDigest).
+func (d *Desired) digest() remoteDigest {
+	var dig remoteDigest
+	for _, r := range d.Remotes {
+		g, ok := d.RemoteGens[r]
+		dig.add(r, g, ok, +1)
+	}
+	return dig
+}
+
+// fingerprintWith is fingerprint with the remotes' digest given.
+func (d *Desired) fingerprintWith(dig remoteDigest) string {
+	b := make([]byte, 0, 128+20*(len(d.KeepOutbound)+len(d.Blocked))+4*(len(d.VNIs)+len(d.ClearVNIs)+len(d.Accept)))
+	addr := func(a netip.Addr) {
+		s := a.As16()
+		b = append(b, s[:]...)
+		if a.Is4() {
+			b = append(b, 4)
+		} else {
+			b = append(b, 6)
+		}
+	}
+	list := func(tag byte, n int) {
+		b = append(b, tag)
+		b = binary.BigEndian.AppendUint32(b, uint32(n))
+	}
+	addr(d.Local)
+	b = binary.BigEndian.AppendUint32(b, uint32(d.Port))
+	for _, l := range []struct {
+		tag byte
+		v   []uint32
+	}{{'v', d.VNIs}, {'c', d.ClearVNIs}, {'a', d.Accept}} {
+		list(l.tag, len(l.v))
+		for _, v := range l.v {
+			b = binary.BigEndian.AppendUint32(b, v)
+		}
+	}
+	for _, l := range []struct {
+		tag byte
+		v   []netip.Addr
+	}{{'k', d.KeepOutbound}, {'b', d.Blocked}} {
+		list(l.tag, len(l.v))
+		for _, a := range l.v {
+			addr(a)
+		}
+	}
+	b = binary.BigEndian.AppendUint32(b, d.Send)
+	b = binary.BigEndian.AppendUint64(b, d.Gen)
+	if d.NoSAs {
+		b = append(b, 1)
+	} else {
+		b = append(b, 0)
+	}
+	sum := sha256.Sum256(b)
+	out := make([]byte, 0, len(sum)+24)
+	out = append(out, sum[:]...)
+	out = binary.BigEndian.AppendUint64(out, dig.n)
+	out = binary.BigEndian.AppendUint64(out, dig.sum[0])
+	out = binary.BigEndian.AppendUint64(out, dig.sum[1])
+	return string(out)
+}
+
+// remoteDigest is an order-independent digest of a desired state's remotes
+// with their generations: their number and the sum (mod 2^64, under two
+// seeds) of a hash of each (remote, generation), so that one remote coming
+// or going updates it in O(1). A fingerprint only decides whether an
+// Update may skip the kernel (the loop reconciles in full anyway), so a
+// 128-bit non-cryptographic digest is enough.
+type remoteDigest struct {
+	n   uint64
+	sum [2]uint64
+}
+
+var digestSeeds = [2]maphash.Seed{maphash.MakeSeed(), maphash.MakeSeed()}
+
+// add adds (sign +1) or removes (sign -1) remote r with its generation g
+// (known: r advertised one).
+func (dg *remoteDigest) add(r netip.Addr, g uint64, known bool, sign int) {
+	var b [26]byte
+	a := r.As16()
+	copy(b[:16], a[:])
+	b[16] = 6
+	if r.Is4() {
+		b[16] = 4
+	}
+	binary.BigEndian.PutUint64(b[17:25], g)
+	if known {
+		b[25] = 1
+	}
+	for i, seed := range digestSeeds {
+		h := maphash.Bytes(seed, b[:])
+		if sign > 0 {
+			dg.sum[i] += h
+		} else {
+			dg.sum[i] -= h
+		}
+	}
+	if sign > 0 {
+		dg.n++
+	} else {
+		dg.n--
+	}
+}
+
+// cloneLists returns a copy of d that shares none of its lists or maps
+// (the Programmer's record patches its own copy in place).
+func (d *Desired) cloneLists() *Desired {
+	c := *d
+	c.Remotes = slices.Clone(d.Remotes)
+	c.KeepOutbound = slices.Clone(d.KeepOutbound)
+	c.Blocked = slices.Clone(d.Blocked)
+	c.RemoteGens = maps.Clone(d.RemoteGens)
+	if c.RemoteGens == nil {
+		c.RemoteGens = map[netip.Addr]uint64{}
+	}
+	return &c
+}
+
+// setMember inserts r into the sorted list l (in) or deletes it (!in).
+func setMember(l []netip.Addr, r netip.Addr, in bool) []netip.Addr {
+	i, found := slices.BinarySearchFunc(l, r, netip.Addr.Compare)
+	switch {
+	case in && !found:
+		return slices.Insert(l, i, r)
+	case !in && found:
+		return slices.Delete(l, i, i+1)
+	}
+	return l
+}
+
+// patchRemotes makes d (a normalized record of its own, see cloneLists)
+// hold, for the remotes in touched, what m holds; m describes those
+// remotes only (a change of the remotes alone).
+func (d *Desired) patchRemotes(m *Desired, touched []netip.Addr) {
+	has := func(l []netip.Addr, r netip.Addr) bool {
+		_, ok := slices.BinarySearchFunc(l, r, netip.Addr.Compare)
+		return ok
+	}
+	for _, r := range touched {
+		d.Remotes = setMember(d.Remotes, r, has(m.Remotes, r))
+		d.KeepOutbound = setMember(d.KeepOutbound, r, has(m.KeepOutbound, r))
+		d.Blocked = setMember(d.Blocked, r, has(m.Blocked, r))
+		if g, ok := m.RemoteGens[r]; ok {
+			d.RemoteGens[r] = g
+		} else {
+			delete(d.RemoteGens, r)
+		}
+	}
 }
 
 // netlink object construction.

@@ -189,7 +189,8 @@
 //
 // # Apply order (fail closed, hitless)
 //
-// Programmer.Apply dumps our SAs, policies and table, diffs against the
+// Programmer.Apply dumps our SAs, policies and table (a change plans
+// against the Programmer's record instead, see below), diffs against the
 // Desired and changes only the difference, in this order: (1) nftables
 // widened first, in one atomic transaction; (2) the clear policy; (3)
 // inbound SAs; (4) per remote the outbound SA, then the policy pointing at
@@ -223,16 +224,72 @@
 // Restored once the driver has restored its networks; AttachGossip when the
 // control plane runs (adverts travel as Advert.Encode in the member's
 // application state; DecodeAdvert on the way in), and Poke when members or
-// their application states change. The driver calls Update(id, share,
-// true) before programming a network's peers and Update(id, share, false)
-// after, Remove when the network goes, CheckSupport before accepting an
-// encrypted network, and shows Status and Audit. `overlayd keys rotate`
+// their application states change. The driver gives a network's whole
+// share with Update (at creation, Join, Leave and restore; widening at a
+// Join, before the known peers are programmed); on a peer change it calls
+// AddRemotes with the VTEPs of the new FDB entries before programming the
+// peers, and Update(id, share, false) after (which drops the VTEPs no
+// longer used). It calls Remove when the network goes, CheckSupport before
+// accepting an encrypted network, and shows Status and Audit. `overlayd keys rotate`
 // calls Rotate; OwnerConfig.RotateEvery rotates periodically.
+//
+// # Changes as deltas, reconciles in full
+//
+// The Programmer keeps a record of what the kernel holds of ours: the dumps
+// of the last full reconcile, with every request the kernel accepted since
+// applied to them (a journal, replayed only when the whole apply
+// succeeded), and the Desired that made it. A change — Update or Remove of
+// a share — is planned against that record, not against dumps: nothing is
+// dumped, and only the difference is sent, in the order above. When the
+// keys, the generation and the VTEP are the record's, only the remotes
+// whose lists or generation differ (merged from the sorted lists) are
+// derived and compared, through an index of the record by remote; a
+// rotation step, a new generation or an SPI collision is compared against
+// the whole record (still without dumps). Any error forgets the record and
+// the Owner reconciles in full at once (dumps; and everything the failed
+// attempt decided from the record — reservations, kept SAs, vanished SAs —
+// is decided again from them), so a refused request never leaves the
+// kernel half-programmed. Everything else (the tick, kernel notifications,
+// SetLocal, Restored, rotation steps) dumps and compares: what changed
+// behind overlayd's back is repaired there, level-triggered, within a tick
+// or a notification's debounce. A change made in between plans against a
+// record that misses that outside change: at worst it drops traffic (a
+// policy whose SA was flushed), never sends clear text, and the reconcile
+// repairs it; a delta never re-adds an outbound SA it recorded (the
+// vanished-SA rule needs a dump, so it is the reconcile's).
 //
 // # Cost
 //
 // Per remote: accepting an epoch is one SA add, switching Send (or the
 // generation) is an SA add, a policy update and an SA delete, retiring is
-// one SA delete (TestRotationOps; measured on a real kernel by test/vm),
-// plus three xfrm dumps and a few nftables list requests per reconcile.
+// one SA delete (TestRotationOps; measured on a real kernel by test/vm).
+// A full reconcile adds three xfrm dumps and eight nftables list requests.
+// A change of one remote is its own requests only (an inbound and an
+// outbound SA and a policy to add; the policy and the inbound SA to
+// delete, the outbound SA being kept until the epoch or generation
+// changes), one netlink round trip each, no dump
+// (BenchmarkOwnerRemotes).
+//
+// # Changes of remotes alone: incremental desired state
+//
+// A change of the remotes alone (AddRemotes, RemoveRemotes, or an Update
+// that changes no VNI) costs the change, not the number of remotes of the
+// host: the Owner keeps the desired state incrementally. Each share's
+// remotes are a sorted list (an Update's list is compared by one merge,
+// no map); need counts the shares per remote, and needSorted is its sorted
+// index; the remotes whose count crosses zero are the change. The
+// fingerprint of what was applied ends with a digest of the remotes and
+// their generations (remoteDigest: a sum of one hash per remote) that
+// such a change updates for the crossed remotes only. The Programmer's
+// record of the last Desired is its own copy, patched for the crossed
+// remotes (applyRemotes) rather than rebuilt. So nothing visits the other
+// remotes: no Desired is built, nothing is fingerprinted, sorted or
+// compared in full. This path is taken only when the record holds
+// everything else as it is now (the last reconcile succeeded, same keys,
+// generation, VTEP and VNIs, no remote's generation changed since, no
+// adoption, no SPI collision, no outbound SA of a crossed remote missing
+// from the record, the reservation persisted); otherwise the change takes
+// the path above. TestOwnerIncrementalMatchesScratch checks, after every
+// step of random sequences, that the incremental state equals the one
+// computed from scratch.
 package encryption

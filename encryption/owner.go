@@ -71,9 +71,10 @@ const MetaKey = "encryption"
 type share struct {
 	vnis      []uint32 // sorted, unique
 	encrypted bool
-	// remotes the share counts in Owner.need: its Share.Remotes, plus
-	// those kept by a widening Update.
-	remotes map[netip.Addr]bool
+	// remotes the share counts in Owner.need, sorted and unique: its
+	// Share.Remotes, plus those kept by a widening Update or added by
+	// AddRemotes.
+	remotes []netip.Addr
 }
 
 // Owner is the single owner of this host's encryption state: the key
@@ -81,9 +82,9 @@ type share struct {
 // holds the kernel to them, the rotation state machine and their
 // persistence. See the package documentation for the design.
 //
-// All methods are safe for concurrent use. Update and Remove are called
-// with a network's lock held (lockorder.LevelNetwork, above the Owner's
-// LevelEncryption); the Owner never calls out of the package with its lock
+// All methods are safe for concurrent use. Update, AddRemotes,
+// RemoveRemotes and Remove are called with a network's lock held
+// (lockorder.LevelNetwork, above the Owner's LevelEncryption); the Owner never calls out of the package with its lock
 // held (KeyGossip is called without it).
 type Owner struct {
 	cfg OwnerConfig
@@ -111,9 +112,13 @@ type Owner struct {
 	shares map[ShareID]*share
 	// need counts, for every remote VTEP, the shares that need it;
 	// encVNIs and clearVNIs count the shares that have each VNI.
-	need      countmap.Map[netip.Addr]
-	encVNIs   countmap.Map[uint32]
-	clearVNIs countmap.Map[uint32]
+	need countmap.Map[netip.Addr]
+	// needSorted is need's keys, sorted: an index kept with need (by
+	// recountLocked), so that the desired state of thousands of remotes is
+	// not sorted again on every change.
+	needSorted []netip.Addr
+	encVNIs    countmap.Map[uint32]
+	clearVNIs  countmap.Map[uint32]
 
 	keys NodeKeys // held by the kernel (or being installed)
 	gen  uint64   // send generation
@@ -133,11 +138,18 @@ type Owner struct {
 	verified   bool       // the first kernel check after loading happened
 	saved      string     // the persisted record, as last written
 
-	noESP    error     // the kernel could not install ESP states (wraps ErrKernelUnsupported)
-	noESPAt  time.Time //
-	applied  string    // fingerprint of the last Desired applied without error
-	held     bool      // the kernel holds keys and gen (last apply succeeded)
-	applyErr error     // error of the last reconcile (nil: kernel matches)
+	noESP   error     // the kernel could not install ESP states (wraps ErrKernelUnsupported)
+	noESPAt time.Time //
+	applied string    // fingerprint of the last Desired applied without error
+	// appliedDigest is applied's digest of the remotes, kept so that a
+	// change of a few remotes updates applied without visiting the others.
+	appliedDigest remoteDigest
+	// gensDirty: a needed remote's advertised generation changed since the
+	// last full reconcile that succeeded (a change of the remotes alone
+	// would not see it: the next change takes the full path).
+	gensDirty bool
+	held      bool  // the kernel holds keys and gen (last apply succeeded)
+	applyErr  error // error of the last reconcile (nil: kernel matches)
 	// closedErr is the part of applyErr that can let traffic cross in
 	// clear (the rules or a policy missing): what Update, Remove and
 	// SetLocal return. SA errors (a kernel without ESP, an SPI collision)
@@ -159,6 +171,9 @@ type Owner struct {
 	lastReconcile  time.Time
 	genChanges     int
 	genReason      string
+	// deltaFailures counts incremental changes the kernel refused (each
+	// followed by a full reconcile).
+	deltaFailures int
 }
 
 // NewOwner returns an Owner for cfg. It loads the persisted state (a fresh
@@ -313,7 +328,7 @@ func (o *Owner) Update(id ShareID, s Share, widen bool) error {
 		return errors.New("encryption: Update on a closed Owner")
 	}
 	if o.local.IsValid() {
-		for r := range sh.remotes {
+		for _, r := range sh.remotes {
 			if r.Is4() != o.local.Is4() {
 				o.mu.Unlock()
 				return fmt.Errorf("encryption: share %d: remote VTEP %v is not of the local VTEP's (%v) address family", id, r, o.local)
@@ -322,18 +337,93 @@ func (o *Owner) Update(id ShareID, s Share, widen bool) error {
 	}
 	old := o.shares[id]
 	if widen && old != nil && sh.encrypted {
-		for r := range old.remotes {
-			sh.remotes[r] = true
-		}
+		sh.remotes = unionSorted(old.remotes, sh.remotes)
 	}
-	o.countLocked(old, -1)
-	o.countLocked(sh, +1)
+	remotesOnly := old != nil && old.encrypted == sh.encrypted && slices.Equal(old.vnis, sh.vnis)
+	crossed := o.recountLocked(old, sh)
 	o.shares[id] = sh
-	o.applyLocked(fmt.Sprintf("share %d", id), true)
+	why := fmt.Sprintf("share %d", id)
+	if remotesOnly {
+		o.changeRemotesLocked(why, crossed)
+	} else {
+		o.applyLocked(why, true)
+	}
 	err = o.closedErr
 	poke := o.advertStaleLocked()
 	o.mu.Unlock()
 	if poke {
+		o.Poke()
+	}
+	return err
+}
+
+// AddRemotes adds remote VTEPs to the share of id (an encrypted network,
+// registered by Update) and programs the kernel before returning; remotes
+// the share has already are ignored. It costs what the change costs: the
+// other remotes of the host are not visited (see changeRemotesLocked). The
+// driver calls it before programming peers on new VTEPs. Errors as Update;
+// an invalid address refuses the whole call and changes nothing.
+func (o *Owner) AddRemotes(id ShareID, remotes ...netip.Addr) error {
+	return o.changeShareRemotes(id, remotes, +1)
+}
+
+// RemoveRemotes removes remote VTEPs from the share of id and programs the
+// kernel before returning; remotes the share does not have are ignored.
+// The driver calls it once the peers on those VTEPs are gone.
+func (o *Owner) RemoveRemotes(id ShareID, remotes ...netip.Addr) error {
+	return o.changeShareRemotes(id, remotes, -1)
+}
+
+func (o *Owner) changeShareRemotes(id ShareID, remotes []netip.Addr, sign int) error {
+	verb := "add"
+	if sign < 0 {
+		verb = "remove"
+	}
+	in := make([]netip.Addr, 0, len(remotes))
+	for _, r := range remotes {
+		if err := checkRemote(id, r); err != nil {
+			return err
+		}
+		in = append(in, r.Unmap())
+	}
+	in = sortedUnique(in)
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.prog == nil {
+		return fmt.Errorf("encryption: share %d: %s remotes on a closed Owner", id, verb)
+	}
+	sh := o.shares[id]
+	switch {
+	case sh == nil:
+		return fmt.Errorf("encryption: share %d: cannot %s remotes %v: the share is not registered (Update first)", id, verb, in)
+	case !sh.encrypted:
+		return fmt.Errorf("encryption: share %d: cannot %s remotes %v: the share is not encrypted (only encrypted shares have remotes)", id, verb, in)
+	}
+	if sign > 0 && o.local.IsValid() {
+		for _, r := range in {
+			if r.Is4() != o.local.Is4() {
+				return fmt.Errorf("encryption: share %d: remote VTEP %v is not of the local VTEP's (%v) address family", id, r, o.local)
+			}
+		}
+	}
+	var crossed []netip.Addr
+	for _, r := range in {
+		i, has := slices.BinarySearchFunc(sh.remotes, r, netip.Addr.Compare)
+		switch {
+		case sign > 0 && !has:
+			sh.remotes = slices.Insert(sh.remotes, i, r)
+		case sign < 0 && has:
+			sh.remotes = slices.Delete(sh.remotes, i, i+1)
+		default:
+			continue
+		}
+		if o.needLocked(r, sign, true) {
+			crossed = append(crossed, r)
+		}
+	}
+	o.changeRemotesLocked(fmt.Sprintf("share %d: %s %d remotes", id, verb, len(in)), crossed)
+	err := o.closedErr
+	if o.advertStaleLocked() {
 		o.Poke()
 	}
 	return err
@@ -351,7 +441,7 @@ func (o *Owner) Remove(id ShareID) error {
 		o.mu.Unlock()
 		return nil
 	}
-	o.countLocked(old, -1)
+	o.recountLocked(old, nil)
 	delete(o.shares, id)
 	o.applyLocked(fmt.Sprintf("share %d removed", id), true)
 	err := o.closedErr
@@ -364,7 +454,7 @@ func (o *Owner) Remove(id ShareID) error {
 }
 
 func normShare(id ShareID, s Share) (*share, error) {
-	sh := &share{encrypted: s.Encrypted, remotes: map[netip.Addr]bool{}}
+	sh := &share{encrypted: s.Encrypted}
 	for _, v := range s.VNIs {
 		if v == 0 || v > 1<<24-1 {
 			return nil, fmt.Errorf("encryption: share %d: invalid VNI %d", id, v)
@@ -374,31 +464,143 @@ func normShare(id ShareID, s Share) (*share, error) {
 	if !s.Encrypted {
 		return sh, nil
 	}
+	sh.remotes = make([]netip.Addr, 0, len(s.Remotes))
 	for _, r := range s.Remotes {
-		r = r.Unmap()
-		if !r.IsValid() || r.IsUnspecified() || r.Zone() != "" || r.IsMulticast() {
-			return nil, fmt.Errorf("encryption: share %d: invalid remote VTEP address %v", id, r)
+		if err := checkRemote(id, r); err != nil {
+			return nil, err
 		}
-		sh.remotes[r] = true
+		sh.remotes = append(sh.remotes, r.Unmap())
 	}
+	sh.remotes = sortedUnique(sh.remotes)
 	return sh, nil
 }
 
-// countLocked adds sh's VNIs and remotes to the counts, delta = ±1.
-func (o *Owner) countLocked(sh *share, delta int) {
-	if sh == nil {
-		return
+func checkRemote(id ShareID, r netip.Addr) error {
+	r = r.Unmap()
+	if !r.IsValid() || r.IsUnspecified() || r.Zone() != "" || r.IsMulticast() {
+		return fmt.Errorf("encryption: share %d: invalid remote VTEP address %v", id, r)
 	}
-	for _, v := range sh.vnis {
-		if sh.encrypted {
-			o.encVNIs.Add(v, delta)
-		} else {
-			o.clearVNIs.Add(v, delta)
+	return nil
+}
+
+// sortedUnique sorts l in place (unless it is sorted already, as the
+// driver passes it) and drops duplicates.
+func sortedUnique(l []netip.Addr) []netip.Addr {
+	if !slices.IsSortedFunc(l, netip.Addr.Compare) {
+		slices.SortFunc(l, netip.Addr.Compare)
+	}
+	return slices.Compact(l)
+}
+
+// unionSorted merges two sorted, unique lists into a new one.
+func unionSorted(a, b []netip.Addr) []netip.Addr {
+	out := make([]netip.Addr, 0, max(len(a), len(b)))
+	i, j := 0, 0
+	for i < len(a) || j < len(b) {
+		switch {
+		case j == len(b) || (i < len(a) && a[i].Compare(b[j]) < 0):
+			out = append(out, a[i])
+			i++
+		case i == len(a) || b[j].Compare(a[i]) < 0:
+			out = append(out, b[j])
+			j++
+		default:
+			out = append(out, a[i])
+			i, j = i+1, j+1
 		}
 	}
-	for r := range sh.remotes {
-		o.need.Add(r, delta)
+	return out
+}
+
+// diffSorted returns what is in b and not in a (added) and what is in a
+// and not in b (gone), for sorted, unique lists: one merge, no map.
+func diffSorted(a, b []netip.Addr) (added, gone []netip.Addr) {
+	i, j := 0, 0
+	for i < len(a) || j < len(b) {
+		switch {
+		case j == len(b) || (i < len(a) && a[i].Compare(b[j]) < 0):
+			gone = append(gone, a[i])
+			i++
+		case i == len(a) || b[j].Compare(a[i]) < 0:
+			added = append(added, b[j])
+			j++
+		default:
+			i, j = i+1, j+1
+		}
 	}
+	return added, gone
+}
+
+// needLocked counts remote r as needed by one share more (delta +1) or
+// fewer (-1), keeping needSorted when index is set, and reports whether
+// r's need crossed zero (it is needed now and was not, or the reverse).
+func (o *Owner) needLocked(r netip.Addr, delta int, index bool) bool {
+	before := o.need.Get(r)
+	n := o.need.Add(r, delta)
+	if (before == 0) == (n == 0) {
+		return false
+	}
+	if index {
+		i, found := slices.BinarySearchFunc(o.needSorted, r, netip.Addr.Compare)
+		if n > 0 && !found {
+			o.needSorted = slices.Insert(o.needSorted, i, r)
+		} else if n == 0 && found {
+			o.needSorted = slices.Delete(o.needSorted, i, i+1)
+		}
+	}
+	return true
+}
+
+// recountLocked replaces share old (nil: none) by sh (nil: none) in the
+// counts and returns, sorted, the remotes whose need crossed zero. Only
+// the remotes that differ between them are counted again (found by
+// merging the sorted lists), so a network of 1,000 remotes gaining one
+// costs one count.
+func (o *Owner) recountLocked(old, sh *share) []netip.Addr {
+	for _, x := range []struct {
+		sh    *share
+		delta int
+	}{{old, -1}, {sh, +1}} {
+		if x.sh == nil {
+			continue
+		}
+		for _, v := range x.sh.vnis {
+			if x.sh.encrypted {
+				o.encVNIs.Add(v, x.delta)
+			} else {
+				o.clearVNIs.Add(v, x.delta)
+			}
+		}
+	}
+	var before, after []netip.Addr
+	if old != nil {
+		before = old.remotes
+	}
+	if sh != nil {
+		after = sh.remotes
+	}
+	added, gone := diffSorted(before, after)
+	// Many changes at once (a network gone): re-sort the index once
+	// rather than move it for each.
+	bulk := len(gone)+len(added) > 16
+	var crossed []netip.Addr
+	for _, r := range gone {
+		if o.needLocked(r, -1, !bulk) {
+			crossed = append(crossed, r)
+		}
+	}
+	for _, r := range added {
+		if o.needLocked(r, +1, !bulk) {
+			crossed = append(crossed, r)
+		}
+	}
+	if bulk {
+		o.needSorted = slices.SortedFunc(func(yield func(netip.Addr) bool) {
+			o.need.Range(func(r netip.Addr, _ int) bool { return yield(r) })
+		}, netip.Addr.Compare)
+	}
+	slices.SortFunc(crossed, netip.Addr.Compare)
+	return crossed
 }
 
 // Restored tells the Owner that the driver has registered the share of
@@ -513,6 +715,9 @@ type Status struct {
 	LastRepairWas string    `json:"last_repair_was,omitempty"`
 	Reconciles    int       `json:"reconciles"`
 	LastReconcile time.Time `json:"last_reconcile,omitzero"`
+	// DeltaFailures counts incremental changes (Update, Remove) the kernel
+	// refused; each was followed at once by a full reconcile.
+	DeltaFailures int `json:"delta_failures,omitempty"`
 }
 
 // Status returns the Owner's state, with SA counters read from the kernel.
@@ -531,6 +736,7 @@ func (o *Owner) Status() Status {
 		Rotating:       o.rotate,
 		Repairs:        o.repairs, LastRepair: o.lastRepair, LastRepairWas: o.lastRepairWhat,
 		Reconciles: o.reconciles, LastReconcile: o.lastReconcile,
+		DeltaFailures: o.deltaFailures,
 	}
 	if st.EncryptedVNIs == nil {
 		st.EncryptedVNIs = sortedVNIs(o.encVNIs.Keys())
@@ -577,11 +783,11 @@ func (o *Owner) Status() Status {
 // desiredLocked is the kernel state the shares, keys and generations ask
 // for, without KeepOutbound (which depends on what the kernel holds).
 func (o *Owner) desiredLocked() Desired {
-	enc, clear, remotes := o.encVNIs.Keys(), o.clearVNIs.Keys(), o.need.Keys()
+	enc, clear, remotes := o.encVNIs.Keys(), o.clearVNIs.Keys(), o.needSorted
 	if o.adopting {
 		enc = append(enc, o.adopted.enc...)
 		clear = append(clear, o.adopted.clear...)
-		remotes = sortedAddrs(append(remotes, o.adopted.remotes...))
+		remotes = sortedAddrs(slices.Concat(remotes, o.adopted.remotes))
 	}
 	enc = sortedVNIs(enc)
 	if len(enc) == 0 || !o.local.IsValid() {
@@ -592,8 +798,10 @@ func (o *Owner) desiredLocked() Desired {
 		VNIs: enc, ClearVNIs: minus(sortedVNIs(clear), enc),
 		Accept: slices.Clone(o.keys.Accept), Send: o.keys.Send, Gen: o.gen,
 		Secret: o.cfg.Secret, NoSAs: o.noESP != nil,
-		RemoteGens: map[netip.Addr]uint64{},
+		Remotes:    make([]netip.Addr, 0, len(remotes)),
+		RemoteGens: make(map[netip.Addr]uint64, len(remotes)),
 	}
+	// remotes is sorted, and so d.Remotes.
 	for _, r := range remotes {
 		// A remote claiming our own VTEP (our own endpoint seen through
 		// another network) is no pair to encrypt; one of the other family
@@ -606,14 +814,17 @@ func (o *Owner) desiredLocked() Desired {
 			d.RemoteGens[r] = g
 		}
 	}
-	slices.SortFunc(d.Remotes, netip.Addr.Compare)
 	return d
 }
 
 // outboundOK reports whether the kernel holds, intact, the outbound SA to r
 // for (d.Send, d.Gen).
 func (o *Owner) outboundOK(d *Desired, ax *actualXfrm, r netip.Addr) bool {
-	w, err := outboundWant(d, r)
+	var cache *deriveCache
+	if o.prog != nil {
+		cache = o.prog.derived
+	}
+	w, err := outboundWantCached(d, r, cache)
 	if err != nil {
 		return false
 	}
@@ -621,12 +832,12 @@ func (o *Owner) outboundOK(d *Desired, ax *actualXfrm, r netip.Addr) bool {
 	return ok && stateDiff(&got, w, d.Port) == ""
 }
 
-func outboundWant(d *Desired, r netip.Addr) (*wantState, error) {
-	spi, err := SPI(d.Secret, d.Local, r, d.Send, d.Gen)
-	if err != nil {
-		return nil, err
-	}
-	k, err := SAKey(d.Secret, d.Local, r, d.Send, d.Gen)
+func outboundWant(d *Desired, r netip.Addr) (*wantState, error) { return outboundWantCached(d, r, nil) }
+
+// outboundWantCached is outboundWant with the SPI and key from cache (nil:
+// derived).
+func outboundWantCached(d *Desired, r netip.Addr, cache *deriveCache) (*wantState, error) {
+	spi, k, err := cache.derive(d.Secret, d.Local, r, d.Send, d.Gen)
 	if err != nil {
 		return nil, err
 	}
@@ -642,7 +853,9 @@ func (o *Owner) keptLocked(d *Desired, ax *actualXfrm) []netip.Addr {
 	}
 	var keep []netip.Addr
 	for r := range o.installed[d.Send] {
-		if !slices.Contains(d.Remotes, r) && r != d.Local && r.Is4() == d.Local.Is4() && o.outboundOK(d, ax, r) {
+		// d.Remotes is sorted (desiredLocked): no quadratic scan with
+		// thousands of remotes.
+		if _, needed := slices.BinarySearchFunc(d.Remotes, r, netip.Addr.Compare); !needed && r != d.Local && r.Is4() == d.Local.Is4() && o.outboundOK(d, ax, r) {
 			keep = append(keep, r)
 		}
 	}
@@ -702,15 +915,25 @@ func (o *Owner) applyLocked(why string, fromUpdate bool) error {
 		o.noESP = nil // try again: a module may have been loaded
 	}
 	base := o.desiredLocked()
-	if fromUpdate && o.applyErr == nil && base.fingerprint() == o.applied {
+	fp := base.fingerprint()
+	if fromUpdate && o.applyErr == nil && fp == o.applied {
 		o.closedErr = nil
 		return o.unsupportedFor(&base)
 	}
-	ax, err := o.prog.xfrmDump()
-	if err != nil {
-		o.applyErr, o.closedErr = err, err
-		o.noteErrLocked(err)
-		return err
+	// A change (Update, Remove) is planned against the Programmer's
+	// record of the kernel: no dump, only the difference is sent. The loop
+	// (tick, kernel notifications) and everything else dump and compare.
+	ax, delta := (*actualXfrm)(nil), false
+	if fromUpdate {
+		ax, delta = o.prog.knownXfrm(base.Local, base.Port)
+	}
+	if !delta {
+		var err error
+		if ax, err = o.prog.xfrmDump(); err != nil {
+			o.applyErr, o.closedErr = err, err
+			o.noteErrLocked(err)
+			return err
+		}
 	}
 	drift := false
 	if !o.verified && base.Send != 0 && !base.NoSAs && len(base.Remotes) > 0 {
@@ -719,15 +942,26 @@ func (o *Owner) applyLocked(why string, fromUpdate bool) error {
 			o.newGenLocked("the kernel holds no outbound SA of this host (first start on this kernel, reboot, or a restored state file)")
 			drift = true
 			base = o.desiredLocked()
+			fp = base.fingerprint()
 		}
 	}
 	d := base
 	var blocked []netip.Addr
 	if !d.Empty() && d.Send != 0 && !d.NoSAs {
+		// The remotes to check against the kernel: all of them, or for a
+		// change planned against the record with the same keys and
+		// generation, those whose state changes (the others were checked
+		// against the same record by the apply that made it).
+		scope := d.Remotes
+		if delta {
+			if s, ok := o.prog.changedRemotes(&base); ok {
+				scope = s
+			}
+		}
 		// An outbound SA this Owner installed under (Send, gen) and that is
 		// needed but gone (flushed, host rebooted) is never added again:
 		// move to a new generation.
-		for _, r := range d.Remotes {
+		for _, r := range scope {
 			if o.installed[d.Send][r] && !o.outboundOK(&d, ax, r) {
 				w, _ := outboundWant(&d, r)
 				spi := uint32(0)
@@ -737,14 +971,16 @@ func (o *Owner) applyLocked(why string, fromUpdate bool) error {
 				o.newGenLocked(fmt.Sprintf("outbound SA to %v (epoch %d, spi 0x%08x) vanished from the kernel", r, d.Send, spi))
 				drift = true
 				base = o.desiredLocked()
+				fp = base.fingerprint()
 				d = base
+				scope = d.Remotes
 				break
 			}
 		}
 		// Reserve (and persist) before adding: an SA is added at most once
 		// per (epoch, remote, gen).
 		var reserve []netip.Addr
-		for _, r := range d.Remotes {
+		for _, r := range scope {
 			if !o.installed[d.Send][r] && !o.outboundOK(&d, ax, r) {
 				reserve = append(reserve, r)
 			}
@@ -769,7 +1005,7 @@ func (o *Owner) applyLocked(why string, fromUpdate bool) error {
 		if o.installed[d.Send] == nil {
 			o.installed[d.Send] = map[netip.Addr]bool{}
 		}
-		for _, r := range d.Remotes {
+		for _, r := range scope {
 			if !o.installed[d.Send][r] && !slices.Contains(blocked, r) && o.outboundOK(&d, ax, r) {
 				o.installed[d.Send][r] = true
 			}
@@ -778,7 +1014,31 @@ func (o *Owner) applyLocked(why string, fromUpdate bool) error {
 		d.Blocked = blocked
 	}
 	before, statsBefore := o.prog.changed, o.prog.Stats()
-	res, err := o.prog.apply(&d, ax)
+	var res execResult
+	var err error
+	if delta {
+		var done bool
+		res, err, done = o.prog.applyDelta(&d)
+		// A kernel without ESP is handled below (a full apply without SAs).
+		if done && err != nil && !res.unsupported {
+			// The kernel refused part of the change (or our record of it
+			// was wrong): reconcile in full at once, from dumps, so the
+			// kernel is never left half-programmed. Everything the
+			// attempt decided from the record (reservations, kept SAs,
+			// a vanished SA) is decided again from the dumps.
+			for _, r := range res.failedOut {
+				delete(o.installed[d.Send], r)
+			}
+			o.deltaFailures++
+			o.log.Info("an incremental encryption change failed; reconciling in full", "trigger", why, "error", err)
+			return o.applyLocked(why+" (full reconcile after a failed change)", false)
+		}
+		if !done {
+			res, err = o.prog.apply(&d, nil)
+		}
+	} else {
+		res, err = o.prog.apply(&d, ax)
+	}
 	changes := o.prog.changed - before
 	now := time.Now()
 	o.reconciles++
@@ -800,11 +1060,11 @@ func (o *Owner) applyLocked(why string, fromUpdate bool) error {
 		res, err = o.prog.apply(&d, nil)
 		changes = o.prog.changed - before
 		base.NoSAs = true
+		fp = base.fingerprint()
 	}
 	if err == nil && len(blocked) > 0 {
 		err = fmt.Errorf("encryption: outbound SAs to %v not installed: their reservation could not be persisted", blocked)
 	}
-	fp := base.fingerprint()
 	if err == nil && len(res.collisions) == 0 {
 		// A repair: the kernel had to change although nothing we want
 		// did (or only our generation, because the kernel lost an SA).
@@ -816,7 +1076,8 @@ func (o *Owner) applyLocked(why string, fromUpdate bool) error {
 				logkeys.Kind, logkeys.KindEncryption, logkeys.Trigger, why, logkeys.Count, changes,
 				"kernel", o.prog.Stats().Sub(statsBefore).String())
 		}
-		o.applied = fp
+		o.applied, o.appliedDigest = fp, base.digest()
+		o.gensDirty = false
 	}
 	o.held = err == nil
 	o.closedErr = errors.Join(res.failClosed...)
@@ -845,6 +1106,155 @@ func (o *Owner) applyLocked(why string, fromUpdate bool) error {
 		return o.unsupportedFor(&base)
 	}
 	return err
+}
+
+// changeRemotesLocked programs a change of the shares' remotes alone (no
+// VNI changed, nor keys, generation or VTEP): crossed are the remotes,
+// sorted, whose need went from zero or to zero. When the Programmer has a
+// record of the last reconcile that holds everything else as now, the
+// change is planned from the crossed remotes alone (applyRemotesLocked):
+// its cost does not depend on how many remotes the host has. Otherwise it
+// takes the path of every change (applyLocked).
+func (o *Owner) changeRemotesLocked(why string, crossed []netip.Addr) {
+	if len(crossed) == 0 && o.applyErr == nil && o.applied != "" && !o.gensDirty {
+		// The desired state did not change and the kernel held it.
+		o.closedErr = nil
+		return
+	}
+	if !o.applyRemotesLocked(why, crossed) {
+		o.applyLocked(why, true)
+	}
+}
+
+// applyRemotesLocked is applyLocked for a change of the remotes in crossed
+// alone, planned against the Programmer's record: only those remotes are
+// looked at (their need, generation, outbound SA reservation, whether
+// their outbound SA is kept), the record's Desired is patched for them,
+// and the fingerprint of what is applied is updated through its digest.
+// It reports false, having changed nothing, when the change cannot be
+// planned that way (no record, the last reconcile failed, a generation
+// changed since, adoption after a restart, the first check of the kernel
+// still to do, an outbound SA of a crossed remote missing from the record
+// (the full path moves to a new generation), an SPI collision, a
+// reservation that could not be persisted); the caller then takes the
+// full path.
+func (o *Owner) applyRemotesLocked(why string, crossed []netip.Addr) bool {
+	p := o.prog
+	if p == nil || !o.local.IsValid() || o.encVNIs.Len() == 0 || o.adopting || o.applyErr != nil || o.applied == "" || o.gensDirty {
+		return false
+	}
+	if (!o.verified && o.keys.Send != 0 && o.noESP == nil) || (o.noESP != nil && time.Since(o.noESPAt) > espRetry) {
+		return false
+	}
+	k := p.known
+	if k == nil || k.last == nil || len(k.last.Blocked) > 0 {
+		return false
+	}
+	last := k.last
+	m := Desired{
+		Local: o.local, Port: o.cfg.Port, VNIs: last.VNIs, ClearVNIs: last.ClearVNIs,
+		Accept: slices.Clone(o.keys.Accept), Send: o.keys.Send, Gen: o.gen, Secret: o.cfg.Secret, NoSAs: o.noESP != nil,
+		RemoteGens: map[netip.Addr]uint64{},
+	}
+	sas := m.Send != 0 && !m.NoSAs
+	dig := o.appliedDigest
+	var touched, reserve, adopt []netip.Addr
+	for _, r := range crossed {
+		// Never a pair (see desiredLocked).
+		if r == o.local || r.Is4() != o.local.Is4() {
+			continue
+		}
+		_, inLast := slices.BinarySearchFunc(last.Remotes, r, netip.Addr.Compare)
+		needed := o.need.Get(r) > 0
+		if needed == inLast {
+			return false // the record does not hold what the counts say it held
+		}
+		touched = append(touched, r)
+		if !needed {
+			g, ok := last.RemoteGens[r]
+			dig.add(r, g, ok, -1)
+			if sas && o.installed[m.Send][r] && o.outboundOK(&m, k.x, r) {
+				m.KeepOutbound = append(m.KeepOutbound, r)
+			}
+			continue
+		}
+		m.Remotes = append(m.Remotes, r)
+		g, ok := o.remoteGens[r]
+		if ok {
+			m.RemoteGens[r] = g
+		}
+		dig.add(r, g, ok, +1)
+		if !sas {
+			continue
+		}
+		switch installed, intact := o.installed[m.Send][r], o.outboundOK(&m, k.x, r); {
+		case installed && !intact:
+			return false
+		case !installed && intact:
+			adopt = append(adopt, r)
+		case !installed:
+			reserve = append(reserve, r)
+		}
+	}
+	if !p.remotesApplicable(&m, touched) {
+		return false
+	}
+	// Reserve (and persist) before adding: an SA is added at most once per
+	// (epoch, remote, gen).
+	if len(reserve)+len(adopt) > 0 {
+		if o.installed[m.Send] == nil {
+			o.installed[m.Send] = map[netip.Addr]bool{}
+		}
+		for _, r := range slices.Concat(reserve, adopt) {
+			o.installed[m.Send][r] = true
+		}
+	}
+	if len(reserve) > 0 {
+		if err := o.persistLocked(); err != nil {
+			for _, r := range reserve {
+				delete(o.installed[m.Send], r)
+			}
+			return false // the full path blocks them and reports it
+		}
+	}
+	res, err := p.applyRemotes(&m, touched)
+	for _, r := range res.failedOut {
+		// The kernel never held it, so its key was never used.
+		delete(o.installed[m.Send], r)
+	}
+	now := time.Now()
+	o.reconciles++
+	o.lastReconcile = now
+	if err != nil {
+		if !res.unsupported {
+			o.deltaFailures++
+			o.log.Info("an incremental encryption change failed; reconciling in full", "trigger", why, "error", err)
+			why += " (full reconcile after a failed change)"
+		}
+		// The record is gone: this dumps, and decides again from the
+		// kernel what the attempt decided from the record.
+		o.applyLocked(why, false)
+		return true
+	}
+	o.applied = last.fingerprintWith(dig)
+	if len(last.KeepOutbound)+len(last.Blocked) > 0 {
+		// applied is the fingerprint of desiredLocked's state, which has
+		// no kept or blocked remotes.
+		base := *last
+		base.KeepOutbound, base.Blocked = nil, nil
+		o.applied = base.fingerprintWith(dig)
+	}
+	o.appliedDigest = dig
+	o.held = true
+	o.closedErr = errors.Join(res.failClosed...)
+	for _, r := range touched {
+		o.programmed.remotes = setMember(o.programmed.remotes, r, o.need.Get(r) > 0)
+	}
+	o.pruneLocked()
+	if perr := o.persistLocked(); perr != nil {
+		o.noteErrLocked(perr)
+	}
+	return true
 }
 
 // unsupportedFor returns the kernel's inability to encrypt when d needs it.
@@ -989,6 +1399,7 @@ func (o *Owner) stepLocked(adverts map[netip.Addr]Advert, why string) {
 		others = append(others, a.Keys)
 		if a.Gen != 0 && o.remoteGens[vtep] != a.Gen {
 			o.remoteGens[vtep] = a.Gen
+			o.gensDirty = true
 		}
 	}
 	for r := range o.remoteGens {

@@ -47,7 +47,7 @@ func newOwner(t *testing.T, ns *nstest.NS, o ownerOpts) *Owner {
 
 // okOrUnsupported fails unless err is nil or says the kernel cannot
 // install ESP (this project's workplace kernel).
-func okOrUnsupported(t *testing.T, what string, err error) {
+func okOrUnsupported(t testing.TB, what string, err error) {
 	t.Helper()
 	if err != nil && !errors.Is(err, ErrKernelUnsupported) {
 		t.Fatalf("%s: %v", what, err)

@@ -26,6 +26,14 @@ type Stats struct {
 	NftBatches    int // nftables transactions (each atomic)
 	NftRebuilds   int // transactions that (re)built the whole table
 	NftElements   int // VNI set elements added or removed
+	// Deltas counts applies computed against the Programmer's record of
+	// the kernel (no dump); DeltaFailures those of them that failed (the
+	// caller then reconciles in full).
+	Deltas        int
+	DeltaFailures int
+	// RemoteDeltas counts the deltas planned for the remotes they touch
+	// only (keys, generation and VTEP unchanged).
+	RemoteDeltas int
 }
 
 // Changes is the number of requests that changed the kernel (dumps excluded).
@@ -39,7 +47,8 @@ func (s Stats) Sub(o Stats) Stats {
 		XfrmDumps: s.XfrmDumps - o.XfrmDumps, StateAdds: s.StateAdds - o.StateAdds, StateDels: s.StateDels - o.StateDels,
 		PolicyAdds: s.PolicyAdds - o.PolicyAdds, PolicyUpdates: s.PolicyUpdates - o.PolicyUpdates, PolicyDels: s.PolicyDels - o.PolicyDels,
 		NftDumps: s.NftDumps - o.NftDumps, NftBatches: s.NftBatches - o.NftBatches, NftRebuilds: s.NftRebuilds - o.NftRebuilds,
-		NftElements: s.NftElements - o.NftElements,
+		NftElements: s.NftElements - o.NftElements, Deltas: s.Deltas - o.Deltas, DeltaFailures: s.DeltaFailures - o.DeltaFailures,
+		RemoteDeltas: s.RemoteDeltas - o.RemoteDeltas,
 	}
 }
 
@@ -63,6 +72,19 @@ type Programmer struct {
 	// changed counts the requests that succeeded in changing the kernel
 	// (Stats counts attempts).
 	changed int
+	// derived caches the SPIs and keys of the SAs it programs.
+	derived *deriveCache
+	// known is what the kernel holds of ours as far as this Programmer
+	// knows: the dumps of the last full reconcile that succeeded, with
+	// every change made since applied to them; nil when unknown (never
+	// reconciled, or a request failed since). ApplyDelta plans against it
+	// instead of dumping. It can be wrong only by what changed behind
+	// overlayd's back since, which the next full reconcile (Apply, every
+	// tick and on kernel notifications) repairs.
+	known *knownState
+	// journal records the xfrm changes of the apply in progress that the
+	// kernel accepted, for known.
+	journal []journalEntry
 }
 
 // NewProgrammer returns a Programmer for namespace ns. It keeps its own
@@ -83,7 +105,7 @@ func NewProgrammer(ns netns.NsHandle) (*Programmer, error) {
 		unix.Close(fd)
 		return nil, fmt.Errorf("failed to open nftables connection: %w", err)
 	}
-	return &Programmer{nsfd: fd, nl: nl, nft: nft}, nil
+	return &Programmer{nsfd: fd, nl: nl, nft: nft, derived: &deriveCache{}}, nil
 }
 
 // Close releases the Programmer's sockets. It leaves the kernel state as it
@@ -165,28 +187,132 @@ func (p *Programmer) Apply(d Desired) error {
 // apply is Apply with an xfrm dump the caller already made (nil: dump). SPI
 // collisions are returned in the result, not in the error.
 func (p *Programmer) apply(d *Desired, ax *actualXfrm) (execResult, error) {
+	return p.run(d, ax, nil)
+}
+
+// knownXfrm returns the Programmer's record of the xfrm state (see known)
+// when it has one for local and port: what an Apply made, with the changes
+// since. The caller must not modify it.
+func (p *Programmer) knownXfrm(local netip.Addr, port int) (*actualXfrm, bool) {
+	k := p.known
+	if p.nl == nil || k == nil || k.local != local.Unmap() || k.port != port {
+		return nil, false
+	}
+	return k.x, true
+}
+
+// applyDelta is Apply without dumps: it plans against the Programmer's
+// record of the kernel (known), so it sends only the changes from what it
+// programmed last, in Apply's order. When only remotes changed (the keys,
+// generation and VTEP are those of the record), only those remotes' SAs
+// and policies are derived and compared: the cost follows the change, not
+// the number of remotes. ok is false (and nothing is done) when there is
+// no record for d's VTEP and port, or d wants nothing (the table goes:
+// rare, and Apply does it). Any error leaves the record unknown: the
+// caller must then reconcile in full (Apply), which sees what the failed
+// request left.
+func (p *Programmer) applyDelta(d *Desired) (res execResult, err error, ok bool) {
+	if d.Empty() {
+		return execResult{}, nil, false
+	}
+	ax, ok := p.knownXfrm(d.Local, d.Port)
+	if !ok {
+		return execResult{}, nil, false
+	}
+	p.stats.Deltas++
+	k := p.known
+	if touched, ok := k.touched(d, p.derived); ok {
+		p.stats.RemoteDeltas++
+		res, err = p.runFor(d, ax, k.n, touched, false)
+	} else {
+		res, err = p.run(d, ax, k.n)
+	}
+	if err != nil {
+		p.stats.DeltaFailures++
+	}
+	return res, err, true
+}
+
+// run plans and makes the changes that turn ax and an (the kernel's state,
+// nil: dump it) into d, in Apply's order. On success the result is
+// remembered as known; any failure forgets it.
+func (p *Programmer) run(d *Desired, ax *actualXfrm, an *nftActual) (execResult, error) {
+	return p.runFor(d, ax, an, nil, false)
+}
+
+// remotesApplicable reports whether m, a change of the remotes in touched
+// alone, can be applied against the record (applyRemotes): the record is
+// there, for m's VTEP, port, keys and generation, without SPI collision,
+// and no SA m wants for a touched remote collides with another remote's.
+// m holds the touched remotes only (Remotes, KeepOutbound, Blocked and
+// RemoteGens of those), and the record's VNIs.
+func (p *Programmer) remotesApplicable(m *Desired, touched []netip.Addr) bool {
+	k := p.known
+	if p.nl == nil || k == nil || k.last == nil || k.collided || k.local != m.Local.Unmap() || k.port != m.Port ||
+		!sameXfrmBasis(k.last, m) || !slices.Equal(k.last.VNIs, m.VNIs) || !slices.Equal(k.last.ClearVNIs, m.ClearVNIs) {
+		return false
+	}
+	return k.remotesFit(m, p.derived, touched)
+}
+
+// applyRemotes applies m, a change of the remotes in touched alone (see
+// remotesApplicable, which the caller checked), against the record: only
+// those remotes' SAs and policies are derived, compared and changed, and
+// the record's Desired is patched for them, so nothing costs per remote of
+// the host. Errors as applyDelta: the record is then unknown and the
+// caller must reconcile in full.
+func (p *Programmer) applyRemotes(m *Desired, touched []netip.Addr) (execResult, error) {
+	k := p.known
+	p.stats.Deltas++
+	p.stats.RemoteDeltas++
+	res, err := p.runFor(m, k.x, k.n, touched, true)
+	if err != nil {
+		p.stats.DeltaFailures++
+	}
+	return res, err
+}
+
+// runFor is run; with touched (a delta: ax and an are the record), only
+// the touched remotes' SAs and policies (and the clear policy) are derived,
+// compared and changed: the others are the same in the record and in d.
+// With patch, d describes the touched remotes only (applyRemotes) and the
+// record's Desired is patched for them rather than replaced by d.
+func (p *Programmer) runFor(d *Desired, ax *actualXfrm, an *nftActual, touched []netip.Addr, patch bool) (res execResult, err error) {
 	if p == nil || p.nl == nil {
 		err := errors.New("encryption: Apply on a closed Programmer")
 		return execResult{failClosed: []error{err}}, err
+	}
+	prev := p.known
+	p.known = nil
+	p.journal = p.journal[:0]
+	if touched == nil {
+		// A round of the derivation cache is a whole desired state.
+		defer p.derived.endRound()
 	}
 	if err := d.Validate(); err != nil {
 		err = fmt.Errorf("invalid desired encryption state: %w", err)
 		return execResult{failClosed: []error{err}}, err
 	}
-	dx, err := xfrmOf(d)
+	dx, err := xfrmOfRemotes(d, p.derived, touched)
 	if err != nil {
 		return execResult{failClosed: []error{err}}, err
 	}
+	view := ax
+	if touched != nil {
+		view = prev.view(touched)
+	}
 	dn := nftOf(d)
-	an, err := p.nftDump(dn)
-	if err != nil {
-		p.nftFailed()
-		return execResult{failClosed: []error{err}}, err
+	if an == nil {
+		if an, err = p.nftDump(dn); err != nil {
+			p.nftFailed()
+			return execResult{failClosed: []error{err}}, err
+		}
 	}
 	if ax == nil {
 		if ax, err = p.xfrmDump(); err != nil {
 			return execResult{failClosed: []error{err}}, err
 		}
+		view = ax
 	}
 	// 1.
 	if err := p.nftWiden(dn, an); err != nil {
@@ -195,14 +321,34 @@ func (p *Programmer) apply(d *Desired, ax *actualXfrm) (execResult, error) {
 		return execResult{failClosed: []error{err}}, err
 	}
 	// 2.-6.
-	res, err := p.execute(planXfrm(dx, ax, d.Port, d.Local), ax, d.Port, d.Local)
+	res, err = p.execute(planXfrm(dx, view, d.Port, d.Local), view, d.Port, d.Local)
 	res.collisions = dx.collisions
 	// 7.
 	nerr := p.nftNarrow(dn, an)
 	if nerr != nil {
 		p.nftFailed()
 	}
-	return res, errors.Join(err, nerr)
+	err = errors.Join(err, nerr)
+	if err == nil {
+		k := &knownState{local: d.Local.Unmap(), port: d.Port, x: ax, n: an, collided: len(dx.collisions) > 0}
+		if touched != nil {
+			k.byRemote = prev.byRemote
+		} else {
+			k.index()
+		}
+		k.replay(p.journal)
+		switch {
+		case patch:
+			k.last = prev.last
+			k.last.patchRemotes(d, touched)
+		case d.normalized():
+			// Its own copy: a later change patches it in place.
+			k.last = d.cloneLists()
+		}
+		p.known = k
+	}
+	p.journal = p.journal[:0]
+	return res, err
 }
 
 // Audit returns the differences between the kernel and d, one line each;
@@ -214,7 +360,7 @@ func (p *Programmer) Audit(d Desired) []string {
 	if err := d.Validate(); err != nil {
 		return []string{"invalid desired encryption state: " + err.Error()}
 	}
-	dx, err := xfrmOf(&d)
+	dx, err := xfrmOfCached(&d, p.derived)
 	if err != nil {
 		return []string{err.Error()}
 	}
@@ -272,7 +418,7 @@ func (p *Programmer) Status(d Desired) ([]PairStatus, error) {
 	if err := d.Validate(); err != nil {
 		return nil, err
 	}
-	dx, err := xfrmOf(&d)
+	dx, err := xfrmOfCached(&d, p.derived)
 	if err != nil {
 		return nil, err
 	}

@@ -344,10 +344,12 @@ func planXfrm(d *desiredXfrm, a *actualXfrm, port int, local netip.Addr) *xfrmPl
 
 func (p *Programmer) addState(w *wantState, port int) error {
 	p.stats.StateAdds++
-	err := p.nl.XfrmStateAdd(w.netlink(port))
+	st := w.netlink(port)
+	err := p.nl.XfrmStateAdd(st)
 	if err != nil {
 		return fmt.Errorf("failed to add %s SA spi 0x%08x src %v dst %v (epoch %d, generation %016x): %w", w.dir(), w.key.spi, w.src, w.key.dst, w.epoch, w.gen, err)
 	}
+	p.journal = append(p.journal, journalEntry{op: journalSetState, sk: w.key, state: *st})
 	p.changed++
 	return nil
 }
@@ -358,6 +360,7 @@ func (p *Programmer) delState(s *netlink.XfrmState) error {
 	if err != nil && !errors.Is(err, unix.ESRCH) && !errors.Is(err, unix.ENOENT) {
 		return fmt.Errorf("failed to delete SA spi 0x%08x src %v dst %v: %w", uint32(s.Spi), addrOf(s.Src), addrOf(s.Dst), err)
 	}
+	p.journal = append(p.journal, journalEntry{op: journalDelState, sk: stateKey{addrOf(s.Dst), uint32(s.Spi)}})
 	p.changed++
 	return nil
 }
@@ -382,6 +385,7 @@ func (p *Programmer) setPolicy(k polKey, w *wantPolicy, local netip.Addr, op int
 		}
 		return fmt.Errorf("failed to set %v -> spi 0x%08x: %w", k, w.spi, err)
 	}
+	p.journal = append(p.journal, journalEntry{op: journalSetPolicy, pk: k, policy: *pol})
 	p.changed++
 	return nil
 }
@@ -392,6 +396,7 @@ func (p *Programmer) delPolicy(pol *netlink.XfrmPolicy) error {
 	if err != nil && !errors.Is(err, unix.ENOENT) {
 		return fmt.Errorf("failed to delete policy dir %v src %v dst %v dport %d: %w", pol.Dir, pol.Src, pol.Dst, pol.DstPort, err)
 	}
+	p.journal = append(p.journal, journalEntry{op: journalDelPolicy, pk: polKeyOf(pol), policy: *pol})
 	p.changed++
 	return nil
 }

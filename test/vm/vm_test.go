@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -81,7 +82,18 @@ func TestVM(t *testing.T) {
 	root := moduleRoot(t)
 	bin := t.TempDir()
 	var bins []Binary
-	for _, g := range guestPackages {
+	packages := guestPackages
+	bench := os.Getenv("OVERLAYD_VM_BENCH")
+	if bench != "" {
+		// Benchmarks only (see benchGuest).
+		packages = nil
+		b, err := benchGuest(ctx, root, bin, bench)
+		if err != nil {
+			t.Fatal(err)
+		}
+		bins = append(bins, b)
+	}
+	for _, g := range packages {
 		out := filepath.Join(bin, g.name)
 		cmd := exec.CommandContext(ctx, "go", "test", "-c", "-o", out, g.pkg)
 		cmd.Dir = root
@@ -134,6 +146,12 @@ func TestVM(t *testing.T) {
 	if f := res.Failed(); len(f) != 0 {
 		t.Fatalf("guest suites failed: %v\n%s\n(full console in %s)", f, strings.Join(failures, "\n"), filepath.Join(cache, "last-console.log"))
 	}
+	if bench != "" {
+		if _, ok := res.Exits[bins[0].Name]; !ok {
+			t.Fatalf("guest benchmark %s did not report", bins[0].Name)
+		}
+		return
+	}
 	for _, g := range guestPackages {
 		if _, ok := res.Exits[g.name]; !ok {
 			t.Fatalf("guest suite %s did not report", g.name)
@@ -144,4 +162,34 @@ func TestVM(t *testing.T) {
 			t.Fatalf("%s did not pass in the VM (skipped?)\n(full console in %s)", name, filepath.Join(cache, "last-console.log"))
 		}
 	}
+}
+
+// benchGuest is the encryption package's benchmarks matching the regexp
+// bench, to run in the VM instead of the suites: `OVERLAYD_VM_BENCH=Owner
+// go test -run TestVM -v ./test/vm` (OVERLAYD_VM_BENCHTIME: -test.benchtime,
+// default 10x; OVERLAYD_VM_BENCHCOUNT: -test.count, default 1, for several
+// rounds in one boot; OVERLAYD_VM_BENCH_BIN: a test binary built elsewhere,
+// static, e.g. of an older commit, to compare).
+func benchGuest(ctx context.Context, root, dir, bench string) (Binary, error) {
+	benchtime := os.Getenv("OVERLAYD_VM_BENCHTIME")
+	if benchtime == "" {
+		benchtime = "10x"
+	}
+	count := os.Getenv("OVERLAYD_VM_BENCHCOUNT")
+	if count == "" {
+		count = "1"
+	}
+	b := Binary{Name: "encryption-bench.test", Path: os.Getenv("OVERLAYD_VM_BENCH_BIN"),
+		Args: []string{"-test.run=^$", "-test.bench=" + bench, "-test.benchtime=" + benchtime, "-test.count=" + count}}
+	if b.Path != "" {
+		return b, nil
+	}
+	b.Path = filepath.Join(dir, b.Name)
+	cmd := exec.CommandContext(ctx, "go", "test", "-c", "-o", b.Path, "./encryption")
+	cmd.Dir = root
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return Binary{}, fmt.Errorf("building the encryption benchmarks: %v\n%s", err, out)
+	}
+	return b, nil
 }

@@ -1,0 +1,213 @@
+package encryption
+
+import (
+	"fmt"
+	"net/netip"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+
+	"github.com/overlayd/overlayd/internal/testutil/nstest"
+)
+
+// benchRemote is the i-th remote VTEP of the benchmarks: IPv6 documentation
+// addresses (the IPv4 documentation ranges hold too few hosts). They are
+// xfrm selectors in the benchmark's own namespace; nothing is sent.
+func benchRemote(i int) netip.Addr {
+	return netip.AddrFrom16([16]byte{0x20, 0x01, 0x0d, 0xb8, 0, 1, 14: byte(i >> 8), 15: byte(i)})
+}
+
+// benchExtra is the i-th remote added and removed by the benchmarks: a new
+// host each time (2001:db8:2::/48), never one whose SA is kept.
+func benchExtra(i int) netip.Addr {
+	return netip.AddrFrom16([16]byte{0x20, 0x01, 0x0d, 0xb8, 0, 2, 12: byte(i >> 24), 13: byte(i >> 16), 14: byte(i >> 8), 15: byte(i)})
+}
+
+// BenchmarkOwnerRemotes measures what one network's share gaining one
+// remote host (a new host's first peer: AddRemotes, as the driver does)
+// and losing it again (RemoveRemotes) costs the Owner with n remote hosts
+// in place: the whole Update, from the call to the kernel holding the
+// result, on a real kernel in a throwaway namespace. Keys are established
+// (epoch 1, every remote advertised a generation), so where the kernel has
+// ESP (test/vm) each remote has an inbound and an outbound SA besides its
+// policy; where it has none, the Owner programs policies and rules only.
+//
+// The same change made with the share's whole remote list (Update, which
+// compares it with the share's) is reported as update-add-ms and
+// update-remove-ms.
+//
+// Reported per add and per remove: milliseconds (wall clock, and the
+// process's CPU time, kernel included: less disturbed by other processes
+// on a shared machine), kernel dumps (xfrm dumps
+// and nftables list requests) and kernel requests that change something
+// (each one netlink round trip; an nftables transaction counts one).
+func BenchmarkOwnerRemotes(b *testing.B) {
+	nstest.RequireRoot(b)
+	for _, n := range []int{10, 100, 1000} {
+		b.Run(fmt.Sprintf("remotes=%d", n), func(b *testing.B) {
+			ns := nstest.NewNS(b, "encbench")
+			o, err := NewOwner(OwnerConfig{NS: ns.Handle, Port: 4799, Secret: testSecret, Tick: time.Hour})
+			if err != nil {
+				b.Fatal(err)
+			}
+			o.notify = false
+			b.Cleanup(o.Close)
+			local := netip.MustParseAddr("2001:db8::a")
+			remotes := make([]netip.Addr, n)
+			for i := range remotes {
+				remotes[i] = benchRemote(i + 1)
+			}
+			o.mu.Lock()
+			o.keys = NodeKeys{Accept: []uint32{1}, Send: 1, Target: 1}
+			for i, r := range remotes {
+				o.remoteGens[r] = uint64(1000 + i)
+			}
+			o.mu.Unlock()
+			if err := o.SetLocal(local); err != nil {
+				b.Fatal(err)
+			}
+			// Another network's clear VNI, so both sets are in use.
+			if err := o.Update(2, Share{VNIs: []uint32{200}}, false); err != nil {
+				b.Fatal(err)
+			}
+			share := Share{VNIs: []uint32{100}, Encrypted: true, Remotes: remotes}
+			okOrUnsupported(b, "initial share", o.Update(1, share, false))
+			// The first update found no ESP here and fell back to no SAs;
+			// settle that before measuring.
+			okOrUnsupported(b, "initial share again", o.Update(1, share, false))
+			if a := o.Audit(); len(a) != 0 {
+				b.Fatalf("audit before the benchmark: %v", a[:min(len(a), 5)])
+			}
+			var addDur, delDur, addCPU, delCPU, upAddDur, upDelDur time.Duration
+			var addStats, delStats, upStats Stats
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				extra := benchExtra(2*i + 1)
+				o.mu.Lock()
+				o.remoteGens[extra] = uint64(5000 + i)
+				o.mu.Unlock()
+				// The driver's way: the change alone (AddRemotes before
+				// the peers are programmed, RemoveRemotes after).
+				s0 := o.prog.Stats()
+				c0, t0 := cpuTime(), time.Now()
+				err := o.AddRemotes(1, extra)
+				addDur += time.Since(t0)
+				addCPU += cpuTime() - c0
+				s1 := o.prog.Stats()
+				okOrUnsupported(b, "add a remote", err)
+				c1, t1 := cpuTime(), time.Now()
+				err = o.RemoveRemotes(1, extra)
+				delDur += time.Since(t1)
+				delCPU += cpuTime() - c1
+				okOrUnsupported(b, "remove a remote", err)
+				s2 := o.prog.Stats()
+				addStats = addStats.Sub(Stats{}.Sub(s1.Sub(s0))) // +=
+				delStats = delStats.Sub(Stats{}.Sub(s2.Sub(s1)))
+				// The whole list instead (Update): the share's remotes
+				// are compared with the list the caller passes.
+				extra = benchExtra(2*i + 2)
+				o.mu.Lock()
+				o.remoteGens[extra] = uint64(5000 + i)
+				o.mu.Unlock()
+				plus := share
+				plus.Remotes = append(slices.Clip(remotes), extra)
+				s3 := o.prog.Stats()
+				t2 := time.Now()
+				err = o.Update(1, plus, false)
+				upAddDur += time.Since(t2)
+				okOrUnsupported(b, "add a remote by Update", err)
+				t3 := time.Now()
+				err = o.Update(1, share, false)
+				upDelDur += time.Since(t3)
+				okOrUnsupported(b, "remove a remote by Update", err)
+				upStats = upStats.Sub(Stats{}.Sub(o.prog.Stats().Sub(s3)))
+			}
+			b.StopTimer()
+			if a := o.Audit(); len(a) != 0 {
+				b.Fatalf("audit after the benchmark: %v", a[:min(len(a), 5)])
+			}
+			rawAdd, rawDel := rawRemoteCost(b, ns, o, b.N)
+			per := func(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 / float64(b.N) }
+			count := func(v int) float64 { return float64(v) / float64(b.N) }
+			b.ReportMetric(per(addDur), "add-ms")
+			b.ReportMetric(per(delDur), "remove-ms")
+			b.ReportMetric(per(addCPU), "add-cpu-ms")
+			b.ReportMetric(per(delCPU), "remove-cpu-ms")
+			b.ReportMetric(count(addStats.XfrmDumps+addStats.NftDumps), "add-dumps")
+			b.ReportMetric(count(delStats.XfrmDumps+delStats.NftDumps), "remove-dumps")
+			b.ReportMetric(count(addStats.Changes()), "add-requests")
+			b.ReportMetric(count(delStats.Changes()), "remove-requests")
+			b.ReportMetric(per(upAddDur), "update-add-ms")
+			b.ReportMetric(per(upDelDur), "update-remove-ms")
+			b.ReportMetric(count(upStats.XfrmDumps+upStats.NftDumps), "update-dumps")
+			b.ReportMetric(per(rawAdd), "raw-add-ms")
+			b.ReportMetric(per(rawDel), "raw-remove-ms")
+		})
+	}
+}
+
+// rawRemoteCost is the kernel's own share of the benchmark: the requests
+// an added remote needs (its inbound and outbound SA where the kernel has
+// ESP, its policy), sent directly, one netlink request each, with the
+// Owner's n remotes in place (the Owner is idle: no loop), then removed
+// again; rounds times. Nothing else is done, so this is the least an
+// overlayd Update could cost.
+func rawRemoteCost(b *testing.B, ns *nstest.NS, o *Owner, rounds int) (add, del time.Duration) {
+	b.Helper()
+	h, err := netlink.NewHandleAt(ns.Handle, unix.NETLINK_XFRM)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer h.Close()
+	o.mu.Lock()
+	d := o.desiredLocked()
+	o.mu.Unlock()
+	for i := 0; i < rounds; i++ {
+		r := benchExtra(1<<20 + i)
+		d := d
+		d.Remotes, d.RemoteGens = []netip.Addr{r}, map[netip.Addr]uint64{r: 7}
+		dx, err := xfrmOf(&d)
+		if err != nil {
+			b.Fatal(err)
+		}
+		var states []*netlink.XfrmState
+		for _, w := range dx.states {
+			states = append(states, w.netlink(d.Port))
+		}
+		k := remoteKey(d.Local, r, d.Port)
+		pol := k.netlink(dx.policies[k], d.Local)
+		t0 := time.Now()
+		for _, s := range states {
+			if err := h.XfrmStateAdd(s); err != nil {
+				b.Fatal(err)
+			}
+		}
+		if err := h.XfrmPolicyAdd(pol); err != nil {
+			b.Fatal(err)
+		}
+		add += time.Since(t0)
+		t0 = time.Now()
+		if err := h.XfrmPolicyDel(pol); err != nil {
+			b.Fatal(err)
+		}
+		for _, s := range states {
+			if err := h.XfrmStateDel(s); err != nil {
+				b.Fatal(err)
+			}
+		}
+		del += time.Since(t0)
+	}
+	return add, del
+}
+
+// cpuTime is the CPU time the process used so far (user and system).
+func cpuTime() time.Duration {
+	var ru unix.Rusage
+	if err := unix.Getrusage(unix.RUSAGE_SELF, &ru); err != nil {
+		return 0
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
