@@ -25,12 +25,18 @@ type localStore struct {
 	// protoMax is the highest protocol version advertised: ProtocolVersion
 	// (the tests lower it to play a node of an earlier version).
 	protoMax byte
-	app      []byte // application state (SetAppState)
-	clock    uint64 // last version issued
-	recs     map[recKey]*lrec
-	live     int
-	hash     uint64
-	dirty    map[recKey]struct{} // changed since the publisher last ran
+	// interestFlag: advertise interest (Config.Interest; metaInterest).
+	interestFlag bool
+	app          []byte // application state (SetAppState)
+	clock        uint64 // last version issued
+	recs         map[recKey]*lrec
+	live         int
+	hash         uint64
+	// byVNI: live and hash per VNI, so a digest of the VNIs one member
+	// wants costs a lookup per VNI (interest.go); a VNI without live
+	// records has no entry.
+	byVNI map[uint32]vniSum
+	dirty map[recKey]struct{} // changed since the publisher last ran
 	// defs: this node's network definitions by VNI (defs.go); defsVer is
 	// the clock value of their last change.
 	defs    map[uint32]netdef.Definition
@@ -54,6 +60,7 @@ func newLocalStore(name string, inc uint64, vtep netip.Addr, now func() time.Tim
 		mu:   lockorder.New(lockorder.LevelClusterLocal),
 		name: name, inc: inc, vtep: vtep, now: now, protoMax: ProtocolVersion,
 		recs:       make(map[recKey]*lrec),
+		byVNI:      make(map[uint32]vniSum),
 		dirty:      make(map[recKey]struct{}),
 		defs:       make(map[uint32]netdef.Definition),
 		defChanged: make(map[uint32]uint64),
@@ -119,13 +126,11 @@ func (l *localStore) publishLocked(vni uint32, prev, next *peerdb.Peer) (DropRea
 		cur := l.recs[k]
 		if cur == nil || cur.rec.Deleted || cur.rec.peer() != *next {
 			if cur != nil && !cur.rec.Deleted {
-				l.live--
-				l.hash -= recordHash(&cur.rec)
+				l.count(&cur.rec, -1)
 			}
 			r := record{VNI: vni, EndpointID: next.EndpointID, IP: next.IP, MAC: next.MAC, VTEP: next.VTEP, Version: l.tick()}
 			l.recs[k] = &lrec{rec: r}
-			l.live++
-			l.hash += recordHash(&r)
+			l.count(&r, 1)
 			l.dirty[k] = struct{}{}
 			changed = true
 		}
@@ -183,14 +188,36 @@ func (l *localStore) sync(mark uint64, recs []LocalRecord) ([]localErr, bool) {
 	return errs, changed
 }
 
+// count adds (sign 1) or removes (sign -1) the live record r from the
+// totals and its VNI's sum. Expects l.mu held.
+func (l *localStore) count(r *record, sign int) {
+	h := recordHash(r)
+	sum := l.byVNI[r.VNI]
+	if sign > 0 {
+		l.live++
+		l.hash += h
+		sum.live++
+		sum.hash += h
+	} else {
+		l.live--
+		l.hash -= h
+		sum.live--
+		sum.hash -= h
+	}
+	if sum.live == 0 {
+		delete(l.byVNI, r.VNI)
+	} else {
+		l.byVNI[r.VNI] = sum
+	}
+}
+
 // deleteLocked turns k's live record into a tombstone. Expects l.mu held.
 func (l *localStore) deleteLocked(k recKey) bool {
 	cur := l.recs[k]
 	if cur == nil || cur.rec.Deleted {
 		return false
 	}
-	l.live--
-	l.hash -= recordHash(&cur.rec)
+	l.count(&cur.rec, -1)
 	l.recs[k] = &lrec{rec: record{VNI: k.VNI, EndpointID: k.EndpointID, Deleted: true, Version: l.tick()}, at: l.now()}
 	l.dirty[k] = struct{}{}
 	return true
@@ -268,7 +295,8 @@ func (l *localStore) meta() nodeMeta {
 }
 
 func (l *localStore) metaLocked() nodeMeta {
-	return nodeMeta{ProtoMin: protocolVersionMin, ProtoMax: l.protoMax, Incarnation: l.inc, VTEP: l.vtep, App: l.app}
+	return nodeMeta{ProtoMin: protocolVersionMin, ProtoMax: l.protoMax, Incarnation: l.inc, VTEP: l.vtep, App: l.app,
+		Interest: l.interestFlag}
 }
 
 // currentVTEP returns this node's VTEP.
@@ -276,6 +304,16 @@ func (l *localStore) currentVTEP() netip.Addr {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.vtep
+}
+
+// advertiseInterest sets the metaInterest flag of the metadata (before
+// the node joins: New).
+func (l *localStore) advertiseInterest(on bool) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.interestFlag = on
+	b := encodeMeta(l.metaLocked())
+	l.metaBytes.Store(&b)
 }
 
 // setApp sets the application state (and the metadata).
@@ -303,11 +341,11 @@ func (l *localStore) setVTEP(v netip.Addr) (old netip.Addr, n int) {
 			if cur.rec.Deleted || cur.rec.VTEP == v {
 				continue
 			}
-			l.hash -= recordHash(&cur.rec)
+			l.count(&cur.rec, -1)
 			r := cur.rec
 			r.VTEP, r.Version = v, l.tick()
 			l.recs[k] = &lrec{rec: r}
-			l.hash += recordHash(&r)
+			l.count(&r, 1)
 			l.dirty[k] = struct{}{}
 			n++
 		}

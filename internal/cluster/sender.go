@@ -120,7 +120,10 @@ func (c *Cluster) sendLoop(d *dest) {
 				}
 			}
 			if snap && !failed {
-				b, err := encodeMessage(c.local.snapshot())
+				c.mu.Lock()
+				want := c.replica.interestOf(d.name)
+				c.mu.Unlock()
+				b, err := encodeMessage(c.local.snapshotFor(want))
 				if err != nil {
 					c.logLimited(slog.LevelError, "snapshot", "cannot encode the local snapshot", "error", err)
 				} else if c.send(&node, b) != nil {
@@ -199,23 +202,33 @@ func (c *Cluster) publishLoop() {
 		if len(recs) == 0 && !defs {
 			continue
 		}
-		var msgs [][]byte
-		if len(recs) > 0 {
-			msgs = c.encodeDeltas(recs)
+		// Each member gets the records of the VNIs it wants (interest.go),
+		// as of its interest now: one that gains a VNI later is sent a
+		// snapshot, which holds these records too.
+		type target struct {
+			d    *dest
+			want interest
 		}
 		c.mu.Lock()
-		ds := make([]*dest, 0, len(c.dests))
-		for _, d := range c.dests {
-			ds = append(ds, d)
+		ts := make([]target, 0, len(c.dests))
+		for name, d := range c.dests {
+			ts = append(ts, target{d, c.replica.interestOf(name)})
 		}
 		c.mu.Unlock()
-		for _, d := range ds {
+		sets := newDeltaSets(c, recs)
+		for _, t := range ts {
 			if defs {
-				d.mu.Lock()
-				d.defs = true
-				d.mu.Unlock()
+				t.d.mu.Lock()
+				t.d.defs = true
+				t.d.mu.Unlock()
 			}
-			d.enqueue(msgs)
+			var msgs [][]byte
+			if len(recs) > 0 {
+				msgs = sets.forInterest(t.want)
+			}
+			if len(msgs) > 0 || defs {
+				t.d.enqueue(msgs)
+			}
 		}
 		select {
 		case c.changed <- struct{}{}:
@@ -297,15 +310,29 @@ func (c *Cluster) periodicLoop() {
 	}
 }
 
-// sendDigests queues our digest to every member.
+// sendDigests queues our digest to every member: over the VNIs it wants
+// (interest.go), the whole one (encoded once) to the others.
 func (c *Cluster) sendDigests() {
-	b, err := encodeMessage(c.local.digest())
-	if err != nil {
-		return
-	}
+	var whole []byte
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	for _, d := range c.dests {
+	for name, d := range c.dests {
+		want := c.replica.interestOf(name)
+		var b []byte
+		if want == nil {
+			if whole == nil {
+				var err error
+				if whole, err = encodeMessage(c.local.digest()); err != nil {
+					return
+				}
+			}
+			b = whole
+		} else {
+			var err error
+			if b, err = encodeMessage(c.local.digestFor(want)); err != nil {
+				return
+			}
+		}
 		d.mu.Lock()
 		d.digest = b
 		d.defs = true // repairs a lost definitions packet
