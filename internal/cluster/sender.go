@@ -30,6 +30,17 @@ type dest struct {
 	// defs: send our definitions (defs.go); defsOK: the member speaks
 	// protocolDefs (it would drop them otherwise).
 	defs, defsOK bool
+	// For a member that wants only some VNIs (interest.go): records went
+	// to it (deltas or a snapshot) since its last digest, and what that
+	// digest said (count, hash, our definitions' version) and when. A
+	// digest that would repeat the last one to a member sent nothing
+	// since is skipped until DigestMaxInterval/2 has passed: a change of
+	// a 5-host network does not cost a digest to every member.
+	sentRecords  bool
+	lastCount    uint64
+	lastHash     uint64
+	lastDefsVer  uint64
+	lastDigestAt time.Time
 }
 
 // maxQueued bounds a sender's queue; beyond it the queue is replaced by
@@ -65,6 +76,7 @@ func (d *dest) enqueue(msgs [][]byte) {
 			d.queue = append(d.queue, m)
 			d.queued += len(m)
 		}
+		d.sentRecords = d.sentRecords || len(msgs) > 0
 		if d.queued > maxQueued {
 			d.queue, d.queued, d.snapshot = nil, 0, true
 		}
@@ -95,6 +107,7 @@ func (c *Cluster) sendLoop(d *dest) {
 			syncReq, snap, queue, digest := d.syncReq, d.snapshot, d.queue, d.digest
 			defs := d.defs && d.defsOK
 			d.syncReq, d.snapshot, d.queue, d.queued, d.digest, d.defs = false, false, nil, 0, nil, false
+			d.sentRecords = d.sentRecords || snap
 			d.mu.Unlock()
 			if !syncReq && !snap && len(queue) == 0 && digest == nil && !defs {
 				break
@@ -314,6 +327,8 @@ func (c *Cluster) periodicLoop() {
 // (interest.go), the whole one (encoded once) to the others.
 func (c *Cluster) sendDigests() {
 	var whole []byte
+	now := c.now()
+	defsVer := c.local.defsVersion()
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	for name, d := range c.dests {
@@ -328,8 +343,19 @@ func (c *Cluster) sendDigests() {
 			}
 			b = whole
 		} else {
+			m := c.local.digestFor(want)
+			d.mu.Lock()
+			repeat := !d.sentRecords && d.lastCount == m.Count && d.lastHash == m.Hash && d.lastDefsVer == defsVer &&
+				now.Sub(d.lastDigestAt) < c.cfg.DigestMaxInterval/2
+			if !repeat {
+				d.sentRecords, d.lastCount, d.lastHash, d.lastDefsVer, d.lastDigestAt = false, m.Count, m.Hash, defsVer, now
+			}
+			d.mu.Unlock()
+			if repeat {
+				continue
+			}
 			var err error
-			if b, err = encodeMessage(c.local.digestFor(want)); err != nil {
+			if b, err = encodeMessage(m); err != nil {
 				return
 			}
 		}
