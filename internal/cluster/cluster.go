@@ -164,10 +164,17 @@ func New(cfg Config) (*Cluster, error) {
 	c.replica.interestGained = func(name string, vnis []uint32) {
 		if c.local.hasLive(vnis) {
 			c.destFlagLocked(name, func(d *dest) { d.snapshot = true })
-			select { // digests soon: they repair a lost snapshot
-			case c.changed <- struct{}{}:
-			default:
-			}
+		} else if d := c.dests[name]; d != nil {
+			// Nothing to send, but it may hold records of these VNIs it
+			// kept from before it lost them, which we deleted since: our
+			// next digest must reach it (not be skipped as a repeat).
+			d.mu.Lock()
+			d.sentRecords = true
+			d.mu.Unlock()
+		}
+		select { // digests soon: they repair a lost snapshot, or the above
+		case c.changed <- struct{}{}:
+		default:
 		}
 	}
 	for range cfg.DeliveryShards {

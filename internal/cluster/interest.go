@@ -41,8 +41,9 @@ import (
 // When R's set gains VNIs (a defs message with VNIs the previous one of
 // the same incarnation lacked) and O has live records of any of them, O
 // sends R its snapshot (pull by the origin: it acts once it knows, so the
-// order in which R's set and R's requests arrive does not matter) and
-// digests soon, which repairs a lost snapshot. Until O holds a set of R's
+// order in which R's set and R's requests arrive does not matter); in any
+// case O digests R soon, which repairs a lost snapshot and removes what R
+// may have kept of those VNIs from before it left them. Until O holds a set of R's
 // current incarnation (a restart, a join: the set follows the sync
 // request), O sends R everything, as to a member that does not advertise
 // interest: never less than R wants, and the next snapshot trims it.

@@ -257,7 +257,8 @@ func TestInterestMixed(t *testing.T) {
 
 // TestInterestChurn: nodes join and leave networks while records come
 // and go (over a transport that duplicates and delays), and one node
-// restarts meanwhile; once it stops, every node holds exactly the others'
+// restarts meanwhile (shut down, declared dead, back with its endpoints
+// and networks); once it stops, every node holds exactly the others'
 // records of the VNIs it defines, and nothing of the others.
 func TestInterestChurn(t *testing.T) {
 	t.Parallel()
@@ -276,6 +277,7 @@ func TestInterestChurn(t *testing.T) {
 			// back at start (as the daemon restores them).
 			r := nodes[4]
 			r.stop()
+			waitDead(t, nodes[:4], r.name)
 			var recs []LocalRecord
 			for k, p := range r.local {
 				recs = append(recs, LocalRecord{VNI: k.VNI, Peer: p})
@@ -313,7 +315,7 @@ func TestInterestChurn(t *testing.T) {
 			}
 		}
 	}
-	waitMembers(t, 20*time.Second, nodes)
+	waitMembers(t, 30*time.Second, nodes)
 	waitInterestConverged(t, 30*time.Second, nodes, wants)
 	checkAllViolations(t, nodes)
 }
