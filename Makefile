@@ -78,11 +78,12 @@ bench:
 	$(GO) test -run '^$$' -bench 'Heap' -benchtime 3x ./internal/ipam
 
 # Peer programming against the raw-netlink reference (rawnl), every size,
+# IPv4 peers (BenchmarkPeers) and IPv6 ones (BenchmarkPeersIPv6),
 # BENCH_COUNT runs of 5 interleaved rounds each, summarised as the median
 # and range over the runs of every figure (add-ratio_to_raw, peers/s, ...).
 BENCH_COUNT ?= 3
 bench-peers:
-	$(GO) test -run '^$$' -bench '^BenchmarkPeers(OneByOne)?$$' -benchtime 5x -count $(BENCH_COUNT) ./driver | tee /dev/stderr | sh test/bench/summary.sh
+	$(GO) test -run '^$$' -bench '^BenchmarkPeers(IPv6|OneByOne)?$$' -benchtime 5x -count $(BENCH_COUNT) ./driver | tee /dev/stderr | sh test/bench/summary.sh
 
 # Gossip cost per change with and without interest (records only to the
 # hosts of a network): members spread over worker processes on loopback,

@@ -168,9 +168,28 @@ func remotePeers(pool netip.Prefix, n int, vtep netip.Addr) []peerdb.Peer {
 	return peers
 }
 
+// remotePeers6 returns n distinct IPv6-only remote peers from pool6.
+func remotePeers6(pool6 netip.Prefix, n int, vtep netip.Addr) []peerdb.Peer {
+	peers := make([]peerdb.Peer, n)
+	base := pool6.Addr().As16()
+	for i := 0; i < n; i++ {
+		a := base
+		v := uint32(i + 10)
+		a[12], a[13], a[14], a[15] = byte(v>>24), byte(v>>16), byte(v>>8), byte(v)
+		ip6 := netip.AddrFrom16(a)
+		peers[i] = peerdb.Peer{EndpointID: "r" + strconv.Itoa(i), IPv6: ip6, MAC: peerdb.MACFromIP(ip6), VTEP: vtep}
+	}
+	return peers
+}
+
 // peerPool is the pool of the peer benchmarks: 198.18.0.0/15 is reserved for
 // benchmarking (RFC 2544) and the addresses never leave the test's namespaces.
-var peerPool = netip.MustParsePrefix("198.18.0.0/15")
+// peerPool6 is the IPv6 pool of the IPv6 peer benchmark, in the
+// documentation prefix (2001:db8::/32), inside the test's namespaces too.
+var (
+	peerPool  = netip.MustParsePrefix("198.18.0.0/15")
+	peerPool6 = netip.MustParsePrefix("2001:db8:18::/64")
+)
 
 func joinedNetwork(b *testing.B, d *Driver, id string, vni uint32, pool netip.Prefix) {
 	b.Helper()
@@ -196,10 +215,18 @@ func joinedNetwork(b *testing.B, d *Driver, id string, vni uint32, pool netip.Pr
 // heap the network keeps per peer held, at rest (after a notification that
 // changes nothing, as the periodic pull; after GC; the source's records
 // are not counted).
-func BenchmarkPeers(b *testing.B) {
+func BenchmarkPeers(b *testing.B) { benchPeers(b, false) }
+
+// BenchmarkPeersIPv6 is BenchmarkPeers with IPv6-only remote peers (a
+// permanent IPv6 neighbour and an FDB entry each) on a dual-stack network,
+// in the same batch sizes, against the reference programming the same
+// IPv6 neighbours.
+func BenchmarkPeersIPv6(b *testing.B) { benchPeers(b, true) }
+
+func benchPeers(b *testing.B, ipv6 bool) {
 	for _, n := range []int{1000, 5000, 10000, 20000, 50000, 100000} {
 		b.Run(strconv.Itoa(n), func(b *testing.B) {
-			d, add, del, raw, rawPeers := peerBench(b, n)
+			d, add, del, raw, rawPeers := peerBenchFamily(b, n, ipv6)
 			src := source(d)
 			var ours, ref [2][]spent // [add, del] per round
 			var heapPerPeer float64
@@ -360,9 +387,25 @@ func (s *memSource) drop(keys []peerdb.Key) {
 // remote peers for it: the events that add and delete them, and the
 // reference programmer on the network's VXLAN link with the same peers.
 func peerBench(b *testing.B, n int) (d *Driver, add, del []PeerEvent, raw *rawnl.Programmer, rawPeers []rawnl.Peer) {
+	return peerBenchFamily(b, n, false)
+}
+
+// peerBenchFamily is peerBench with IPv6-only peers when ipv6, on a
+// network with an IPv6 subnet beside its IPv4 one.
+func peerBenchFamily(b *testing.B, n int, ipv6 bool) (d *Driver, add, del []PeerEvent, raw *rawnl.Programmer, rawPeers []rawnl.Peer) {
 	d = benchDriver(b)
-	joinedNetwork(b, d, "n", 100, peerPool)
-	peers := remotePeers(peerPool, n, netip.MustParseAddr("192.0.2.99"))
+	vtep := netip.MustParseAddr("192.0.2.99")
+	var peers []peerdb.Peer
+	if ipv6 {
+		mustCreate(b, d, createReq6("n", "100", peerPool.String(), peerPool6.String()))
+		gw := peerPool.Addr().Next()
+		mustEndpoint(b, d, "n", "local", netip.PrefixFrom(gw.Next(), peerPool.Bits()).String())
+		mustJoin(b, d, "n", "local")
+		peers = remotePeers6(peerPool6, n, vtep)
+	} else {
+		joinedNetwork(b, d, "n", 100, peerPool)
+		peers = remotePeers(peerPool, n, vtep)
+	}
 	add = make([]PeerEvent, n)
 	del = make([]PeerEvent, n)
 	for i := range peers {
@@ -398,7 +441,12 @@ func rawProgrammer(b *testing.B, d *Driver, id string, vni uint32, peers []peerd
 	b.Cleanup(func() { raw.Close() })
 	out := make([]rawnl.Peer, len(peers))
 	for i, p := range peers {
-		out[i] = rawnl.Peer{IP: p.IP.As4(), MAC: p.MAC, VTEP: p.VTEP.As4()}
+		out[i] = rawnl.Peer{MAC: p.MAC, VTEP: p.VTEP.As4()}
+		if p.IP.IsValid() {
+			out[i].IP = p.IP.As4()
+		} else {
+			out[i].IPv6, out[i].V6 = p.IPv6.As16(), true
+		}
 	}
 	return raw, out
 }

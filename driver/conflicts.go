@@ -93,7 +93,7 @@ func (d *Driver) hostOf(vni uint32, p peerdb.Peer) string {
 // vniOf returns the VNI of the subnet holding ip (0 if none).
 func (n *network) vniOf(ip netip.Addr) uint32 {
 	for _, s := range n.subnets {
-		if s.pool.Contains(ip) {
+		if s.contains(ip) {
 			return s.vni
 		}
 	}

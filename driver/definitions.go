@@ -31,9 +31,14 @@ type DefinitionSource interface {
 // definition returns n's definition, the same for each of its VNIs;
 // expects n.mu held (its fields are immutable anyway).
 func (n *network) definition() netdef.Definition {
-	def := netdef.Definition{MTU: n.mtu, Encrypted: n.encrypted, Internal: n.internal}
-	for _, s := range n.subnets {
-		def.Subnets = append(def.Subnets, netdef.Subnet{VNI: s.vni, Pool: s.pool, Gateway: s.gateway})
+	return definitionOf(n.subnets, n.mtu, n.encrypted, n.internal)
+}
+
+// definitionOf returns the definition of a network of these segments.
+func definitionOf(subnets []subnetSpec, mtu int, encrypted, internal bool) netdef.Definition {
+	def := netdef.Definition{MTU: mtu, Encrypted: encrypted, Internal: internal}
+	for _, s := range subnets {
+		def.Subnets = append(def.Subnets, netdef.Subnet{VNI: s.vni, Pool: s.pool, Gateway: s.gateway, IPv6: slices.Clone(s.v6)})
 	}
 	return def
 }

@@ -17,7 +17,8 @@ import (
 // endpoint is one endpoint of a network; guarded by its network's mu.
 type endpoint struct {
 	id       string
-	addr     netip.Prefix // address with the pool's prefix length as Docker gave it
+	addr     netip.Prefix // IPv4 address with the pool's prefix length as Docker gave it; invalid if none
+	addr6    netip.Prefix // IPv6 address with its prefix length as Docker gave it; invalid if none
 	mac      peerdb.MAC
 	subnet   int // index into network.subnets
 	hostName string
@@ -28,7 +29,18 @@ type endpoint struct {
 // peer returns the endpoint's record without a VTEP: the local VTEP has
 // one owner (see VTEP), and a local entry of the peer table needs none.
 func (ep *endpoint) peer() peerdb.Peer {
-	return peerdb.Peer{EndpointID: ep.id, IP: ep.addr.Addr(), MAC: ep.mac}
+	return peerdb.Peer{EndpointID: ep.id, IP: ep.addr.Addr(), IPv6: ep.addr6.Addr(), MAC: ep.mac}
+}
+
+// addrs renders the endpoint's addresses for logs and status.
+func (ep *endpoint) addrs() string {
+	switch {
+	case !ep.addr6.IsValid():
+		return ep.addr.String()
+	case !ep.addr.IsValid():
+		return ep.addr6.String()
+	}
+	return ep.addr.String() + "," + ep.addr6.String()
 }
 
 func (ep *endpoint) sandboxEndpoint(mtu int) sandbox.Endpoint {
@@ -44,8 +56,11 @@ func linkNames(netID, epID string) (host, sb string) {
 	return "ovd" + h[:12], "ovs" + h[:12]
 }
 
-// CreateEndpoint records an endpoint. The address must lie in one of the
-// network's subnets. The MAC is Docker's if given (never changed), otherwise
+// CreateEndpoint records an endpoint. Its IPv4 address (Interface.Address)
+// must lie in one of the network's IPv4 subnets and its IPv6 address
+// (Interface.AddressIPv6) in one of its IPv6 subnets; it has at least one
+// of them, and exactly the families the network has a subnet of (an
+// endpoint of an IPv6-only network has no IPv4 address). The MAC is Docker's if given (never changed), otherwise
 // derived from the endpoint id (unique even when two hosts hand out the same
 // address) and returned; either way it is persisted with the endpoint, so a
 // restart keeps it. No kernel change.
@@ -56,15 +71,22 @@ func (d *Driver) CreateEndpoint(req *api.CreateEndpointRequest) (*api.CreateEndp
 	if err := checkID("EndpointID", req.EndpointID); err != nil {
 		return nil, err
 	}
-	if req.Interface == nil || req.Interface.Address == "" {
-		return nil, fmt.Errorf("endpoint %q: Interface.Address is empty: overlayd endpoints need an IPv4 address", req.EndpointID)
+	if req.Interface == nil || req.Interface.Address == "" && req.Interface.AddressIPv6 == "" {
+		return nil, fmt.Errorf("endpoint %q: Interface.Address and Interface.AddressIPv6 are empty: an overlayd endpoint needs an address", req.EndpointID)
+	}
+	var addr, addr6 netip.Prefix
+	var err error
+	if req.Interface.Address != "" {
+		addr, err = netip.ParsePrefix(req.Interface.Address)
+		if err != nil || !addr.Addr().Is4() {
+			return nil, fmt.Errorf("endpoint %q: Interface.Address %q is not an IPv4 address with prefix length (like 192.0.2.5/24)", req.EndpointID, req.Interface.Address)
+		}
 	}
 	if req.Interface.AddressIPv6 != "" {
-		return nil, fmt.Errorf("endpoint %q: Interface.AddressIPv6 %q: IPv6 is not supported yet by overlayd", req.EndpointID, req.Interface.AddressIPv6)
-	}
-	addr, err := netip.ParsePrefix(req.Interface.Address)
-	if err != nil || !addr.Addr().Is4() {
-		return nil, fmt.Errorf("endpoint %q: Interface.Address %q is not an IPv4 address with prefix length (like 192.0.2.5/24)", req.EndpointID, req.Interface.Address)
+		addr6, err = netip.ParsePrefix(req.Interface.AddressIPv6)
+		if err != nil || !addr6.Addr().Is6() || addr6.Addr().Is4In6() || addr6.Addr().Zone() != "" {
+			return nil, fmt.Errorf("endpoint %q: Interface.AddressIPv6 %q is not an IPv6 address with prefix length (like 2001:db8:1::5/64)", req.EndpointID, req.Interface.AddressIPv6)
+		}
 	}
 	var mac peerdb.MAC
 	macGiven := req.Interface.MacAddress != ""
@@ -84,16 +106,11 @@ func (d *Driver) CreateEndpoint(req *api.CreateEndpointRequest) (*api.CreateEndp
 	if _, exists := n.endpoints[req.EndpointID]; exists {
 		return nil, fmt.Errorf("EndpointID %q already exists in network %q", req.EndpointID, n.id)
 	}
-	subnet := -1
-	for i, s := range n.subnets {
-		if s.pool.Contains(addr.Addr()) {
-			subnet = i
-		}
+	subnet, err := n.segmentOf(addr, addr6)
+	if err != nil {
+		return nil, fmt.Errorf("endpoint %q: %w", req.EndpointID, err)
 	}
-	if subnet < 0 {
-		return nil, fmt.Errorf("endpoint %q: Interface.Address %s is not in any subnet of network %q (%v)", req.EndpointID, addr, n.id, n.pools())
-	}
-	ep := &endpoint{id: req.EndpointID, addr: addr, mac: mac, subnet: subnet}
+	ep := &endpoint{id: req.EndpointID, addr: addr, addr6: addr6, mac: mac, subnet: subnet}
 	ep.hostName, ep.sbName = linkNames(n.id, ep.id)
 	if err := d.saveEndpoint(n, ep); err != nil {
 		return nil, fmt.Errorf("CreateEndpoint %q: %w", ep.id, err)
@@ -154,7 +171,7 @@ func (d *Driver) EndpointInfo(req *api.InfoRequest) (*api.InfoResponse, error) {
 		return nil, &notFoundError{what: "endpoint", id: req.EndpointID}
 	}
 	return &api.InfoResponse{Value: map[string]string{
-		"address": ep.addr.String(),
+		"address": ep.addrs(),
 		"mac":     ep.mac.String(),
 		"vni":     fmt.Sprint(n.subnets[ep.subnet].vni),
 		"veth":    ep.hostName,
@@ -291,8 +308,56 @@ func (d *Driver) Join(req *api.JoinRequest) (_ *api.JoinResponse, err error) {
 			Destination: s.pool.String(), RouteType: 0, NextHop: own.gateway.Addr().String(),
 		})
 	}
-	d.log.Debug("endpoint joined", "network", n.id, "endpoint", ep.id, "address", ep.addr, "veth", ep.hostName)
+	if ep.addr6.IsValid() {
+		// Every IPv6 subnet is on the one segment (see netdef.Subnet): the
+		// others are on-link, reached without a router.
+		for _, s := range own.v6 {
+			switch {
+			case s.Pool.Contains(ep.addr6.Addr()):
+				if s.Gateway.IsValid() {
+					resp.GatewayIPv6 = s.Gateway.Addr().String()
+				}
+			default:
+				resp.StaticRoutes = append(resp.StaticRoutes, &api.StaticRoute{Destination: s.Pool.String(), RouteType: routeConnected})
+			}
+		}
+	}
+	d.log.Debug("endpoint joined", "network", n.id, "endpoint", ep.id, "address", ep.addrs(), "veth", ep.hostName)
 	return resp, nil
+}
+
+// routeConnected is libnetwork's route type of an on-link static route
+// (types.CONNECTED; 0 is a route via NextHop).
+const routeConnected = 1
+
+// segmentOf returns the segment of an endpoint with these addresses (either
+// may be invalid, not both): the one whose subnets hold them; the error
+// names the field. Expects n.mu held (subnets are immutable).
+func (n *network) segmentOf(addr, addr6 netip.Prefix) (int, error) {
+	seg := -1
+	if addr.IsValid() {
+		for i := range n.subnets {
+			if n.subnets[i].contains(addr.Addr()) {
+				seg = i
+			}
+		}
+		if seg < 0 {
+			if n.subnets[0].pool.IsValid() {
+				return 0, fmt.Errorf("Interface.Address %s is not in any subnet of network %q (%v)", addr, n.id, n.pools())
+			}
+			return 0, fmt.Errorf("Interface.Address %s: network %q is IPv6-only (%v): its endpoints have no IPv4 address", addr, n.id, n.pools())
+		}
+	}
+	if addr6.IsValid() {
+		if !n.hasIPv6() {
+			return 0, fmt.Errorf("Interface.AddressIPv6 %s: network %q has no IPv6 subnet (%v): create it with --ipv6 and an IPv6 --subnet", addr6, n.id, n.pools())
+		}
+		if !n.subnets[0].contains(addr6.Addr()) {
+			return 0, fmt.Errorf("Interface.AddressIPv6 %s is not in any IPv6 subnet of network %q (%v)", addr6, n.id, n.pools())
+		}
+		seg = 0
+	}
+	return seg, nil
 }
 
 // destroySandbox removes n's sandbox. On failure it keeps the reference and

@@ -81,18 +81,44 @@ func (n *network) vnis() []uint32 {
 	return v
 }
 
+// pools returns every subnet of the network, of both families, in the
+// order of its segments (IPv4 first in each).
 func (n *network) pools() []netip.Prefix {
-	p := make([]netip.Prefix, len(n.subnets))
-	for i, s := range n.subnets {
-		p[i] = s.pool
+	var p []netip.Prefix
+	for i := range n.subnets {
+		p = append(p, n.subnets[i].prefixes()...)
 	}
 	return p
+}
+
+// hasIPv6 reports whether the network has IPv6 subnets (then it has one
+// segment).
+func (n *network) hasIPv6() bool {
+	return len(n.subnets) == 1 && len(n.subnets[0].v6) > 0
+}
+
+// newPeerTable returns the empty peer table of a network of these
+// segments. Networks without IPv6 keep New's one-prefix-per-segment table
+// (the IPv4 path, unchanged).
+func newPeerTable(subnets []subnetSpec) *peerdb.DB {
+	if len(subnets) == 1 && len(subnets[0].v6) > 0 {
+		return peerdb.NewSegments([]peerdb.Segment{{Prefixes: subnets[0].prefixes(), VNI: subnets[0].vni}})
+	}
+	pools := make([]netip.Prefix, len(subnets))
+	vnis := make([]uint32, len(subnets))
+	for i, s := range subnets {
+		pools[i], vnis[i] = s.pool, s.vni
+	}
+	return peerdb.New(pools, vnis...)
 }
 
 func (n *network) sandboxSubnets() []sandbox.Subnet {
 	s := make([]sandbox.Subnet, len(n.subnets))
 	for i, sub := range n.subnets {
 		s[i] = sandbox.Subnet{VNI: sub.vni, Pool: sub.pool, Gateway: sub.gateway, MTU: n.mtu}
+		for _, v := range sub.v6 {
+			s[i].IPv6 = append(s[i].IPv6, sandbox.Subnet6{Pool: v.Pool, Gateway: v.Gateway})
+		}
 	}
 	return s
 }
@@ -147,10 +173,7 @@ func (d *Driver) createNetwork(spec *netSpec, u underlayLink) error {
 	if mtu == 0 {
 		mtu = u.innerMTU(spec.encrypted)
 	}
-	def := netdef.Definition{MTU: mtu, Encrypted: spec.encrypted, Internal: spec.internal}
-	for _, s := range spec.subnets {
-		def.Subnets = append(def.Subnets, netdef.Subnet{VNI: s.vni, Pool: s.pool, Gateway: s.gateway})
-	}
+	def := definitionOf(spec.subnets, mtu, spec.encrypted, spec.internal)
 	if err := d.checkDefinitions(&def, spec.mtu != 0); err != nil {
 		d.log.Warn("CreateNetwork rejected", "network", spec.id, "error", err)
 		return err
@@ -166,7 +189,7 @@ func (d *Driver) createNetwork(spec *netSpec, u underlayLink) error {
 		endpoints: map[string]*endpoint{},
 		share:     d.newShareID(),
 	}
-	n.peers = peerdb.New(n.pools(), n.vnis()...)
+	n.peers = newPeerTable(n.subnets)
 
 	if err := d.register(n); err != nil {
 		return err
@@ -259,6 +282,10 @@ func (d *Driver) register(n *network) error {
 // host: an MTU the underlay cannot carry, and (outside swarm) a pool that
 // dockerd may have picked from its defaults.
 func (d *Driver) checkSpec(spec *netSpec, u underlayLink) error {
+	if spec.hasIPv6() && spec.mtu == 0 && u.name != "" && u.innerMTU(spec.encrypted) < netdef.MinMTU6 {
+		return fmt.Errorf("IPv6Data: a network with IPv6 needs an MTU of at least %d (IPv6's minimum link MTU), but this host's underlay device %s (MTU %d) leaves %d for the network's links: raise the underlay's MTU, or create the network without IPv6",
+			netdef.MinMTU6, u.name, u.mtu, u.innerMTU(spec.encrypted))
+	}
 	if spec.mtu > 0 {
 		limit := u.innerMTU(spec.encrypted)
 		kind := "VXLAN over IPv4"

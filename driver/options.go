@@ -10,6 +10,8 @@ import (
 	"strings"
 
 	api "github.com/docker/go-plugins-helpers/network"
+
+	"github.com/overlayd/overlayd/internal/netdef"
 )
 
 // Option names read from CreateNetwork / AllocateNetwork. The top-level
@@ -119,10 +121,36 @@ func flagOption(opts map[string]string, key string) (bool, error) {
 	return false, fmt.Errorf("option %s=%q: give -o %s (or %s=true/false)", key, v, key, key)
 }
 
+// subnetSpec is one L2 segment of a network (see netdef.Subnet): a network
+// without IPv6 has one per IPv4 subnet, a network with IPv6 exactly one.
 type subnetSpec struct {
 	vni     uint32
-	pool    netip.Prefix
+	pool    netip.Prefix // IPv4; invalid when the segment has IPv6 subnets only
 	gateway netip.Prefix // gateway address with the pool's length; invalid if none given
+	v6      []netdef.Subnet6
+}
+
+// prefixes returns the segment's subnets of both families, IPv4 first.
+func (s *subnetSpec) prefixes() []netip.Prefix {
+	return (&netdef.Subnet{Pool: s.pool, IPv6: s.v6}).Prefixes()
+}
+
+// contains reports whether a lies in one of the segment's subnets.
+func (s *subnetSpec) contains(a netip.Addr) bool {
+	if a.Is4() {
+		return s.pool.IsValid() && s.pool.Contains(a)
+	}
+	for _, v := range s.v6 {
+		if v.Pool.Contains(a) {
+			return true
+		}
+	}
+	return false
+}
+
+// hasIPv6 reports whether the network has IPv6 subnets.
+func (s *netSpec) hasIPv6() bool {
+	return len(s.subnets) == 1 && len(s.subnets[0].v6) > 0
 }
 
 // genericOptions returns the -o options of a request as strings.
@@ -219,44 +247,133 @@ func formatVNIs(vnis []uint32) string {
 	return strings.Join(s, ",")
 }
 
-// parsePools validates IPv4Data: at least one pool, IPv4, disjoint, gateway
-// (if any) inside its pool.
-func parsePools(data []*api.IPAMData) ([]subnetSpec, error) {
-	if len(data) == 0 {
-		return nil, fmt.Errorf("IPv4Data is empty: an overlayd network needs at least one IPv4 subnet (--subnet)")
+// parsePools validates IPv4Data: IPv4, disjoint, gateway (if any) inside
+// its pool. It may be empty only when the network has IPv6 (v6).
+func parsePools(data []*api.IPAMData, v6 bool) ([]subnetSpec, error) {
+	if len(data) == 0 && !v6 {
+		return nil, fmt.Errorf("IPv4Data is empty: an overlayd network needs at least one subnet (--subnet)")
 	}
-	var subs []subnetSpec
-	for i, d := range data {
-		if d == nil {
-			return nil, fmt.Errorf("IPv4Data[%d] is null: each entry needs a Pool", i)
-		}
-		pool, err := netip.ParsePrefix(d.Pool)
-		if err != nil || !pool.Addr().Is4() {
-			return nil, fmt.Errorf("IPv4Data[%d].Pool %q is not an IPv4 prefix (like 192.0.2.0/24)", i, d.Pool)
-		}
-		if pool.Bits() > 30 {
-			return nil, fmt.Errorf("IPv4Data[%d].Pool %q is too small: the prefix length must be at most 30", i, d.Pool)
-		}
-		pool = pool.Masked()
-		s := subnetSpec{pool: pool}
-		if d.Gateway != "" {
-			gw, err := parseAddrOrPrefix(d.Gateway)
-			if err != nil || !gw.Is4() {
-				return nil, fmt.Errorf("IPv4Data[%d].Gateway %q is not an IPv4 address (like 192.0.2.1/24)", i, d.Gateway)
+	pools, gws, err := parseIPAMData(data, ipamFamily{
+		field: "IPv4Data", family: "IPv4", poolExample: "192.0.2.0/24", gwExample: "192.0.2.1/24",
+		is: netip.Addr.Is4,
+		checkPool: func(p netip.Prefix) error {
+			if !p.Addr().Is4() {
+				return fmt.Errorf("%v is not an IPv4 prefix (like 192.0.2.0/24)", p)
 			}
-			if !pool.Contains(gw) {
-				return nil, fmt.Errorf("IPv4Data[%d].Gateway %s is outside its pool %s: the gateway must be an address of the pool", i, gw, pool)
+			if p.Bits() > 30 {
+				return fmt.Errorf("%v is too small: the prefix length must be at most 30", p)
 			}
-			s.gateway = netip.PrefixFrom(gw, pool.Bits())
-		}
-		for j, o := range subs {
-			if o.pool.Overlaps(pool) {
-				return nil, fmt.Errorf("IPv4Data[%d].Pool %s overlaps IPv4Data[%d].Pool %s: the subnets of a network must be disjoint", i, pool, j, o.pool)
-			}
-		}
-		subs = append(subs, s)
+			return nil
+		},
+	})
+	if err != nil {
+		return nil, err
+	}
+	subs := make([]subnetSpec, len(pools))
+	for i := range pools {
+		subs[i] = subnetSpec{pool: pools[i], gateway: gws[i]}
 	}
 	return subs, nil
+}
+
+// parsePools6 validates IPv6Data: plain IPv6 prefixes at most
+// netdef.MaxPrefix6 long, no link-local, multicast, loopback or
+// unspecified range, disjoint, gateway (if any) inside its pool and not
+// its subnet-router anycast address.
+func parsePools6(data []*api.IPAMData) ([]netdef.Subnet6, error) {
+	pools, gws, err := parseIPAMData(data, ipamFamily{
+		field: "IPv6Data", family: "IPv6", poolExample: "2001:db8:1::/64", gwExample: "2001:db8:1::1/64",
+		is:        func(a netip.Addr) bool { return a.Is6() && !a.Is4In6() },
+		checkPool: netdef.CheckPool6,
+		checkGateway: func(gw netip.Addr, pool netip.Prefix) error {
+			if gw == pool.Addr() {
+				return fmt.Errorf("%s is the subnet-router anycast address of %s (all zeros after the prefix): give another address of the pool", gw, pool)
+			}
+			return nil
+		},
+	})
+	if err != nil {
+		return nil, err
+	}
+	subs := make([]netdef.Subnet6, len(pools))
+	for i := range pools {
+		subs[i] = netdef.Subnet6{Pool: pools[i], Gateway: gws[i]}
+	}
+	return subs, nil
+}
+
+// ipamFamily is what parseIPAMData checks of the subnets of one family.
+type ipamFamily struct {
+	field, family          string // IPv4Data, IPv4
+	poolExample, gwExample string
+	is                     func(netip.Addr) bool // of the family
+	// checkPool says what is wrong with a pool of the family, or nil.
+	checkPool func(netip.Prefix) error
+	// checkGateway, when set, says what else is wrong with a gateway
+	// inside its pool.
+	checkGateway func(gw netip.Addr, pool netip.Prefix) error
+}
+
+// parseIPAMData validates one family's IPAMData: each entry's pool (masked)
+// and gateway (with the pool's length; invalid when none is given, else
+// inside its pool), the pools disjoint. Errors name the entry's field.
+func parseIPAMData(data []*api.IPAMData, f ipamFamily) (pools, gateways []netip.Prefix, _ error) {
+	for i, d := range data {
+		if d == nil {
+			return nil, nil, fmt.Errorf("%s[%d] is null: each entry needs a Pool", f.field, i)
+		}
+		pool, err := netip.ParsePrefix(d.Pool)
+		if err != nil {
+			return nil, nil, fmt.Errorf("%s[%d].Pool %q is not an %s prefix (like %s)", f.field, i, d.Pool, f.family, f.poolExample)
+		}
+		if err := f.checkPool(pool); err != nil {
+			return nil, nil, fmt.Errorf("%s[%d].Pool: %w", f.field, i, err)
+		}
+		pool = pool.Masked()
+		var gwPrefix netip.Prefix
+		if d.Gateway != "" {
+			gw, err := parseAddrOrPrefix(d.Gateway)
+			if err != nil || !f.is(gw) {
+				return nil, nil, fmt.Errorf("%s[%d].Gateway %q is not an %s address (like %s)", f.field, i, d.Gateway, f.family, f.gwExample)
+			}
+			if !pool.Contains(gw) {
+				return nil, nil, fmt.Errorf("%s[%d].Gateway %s is outside its pool %s: the gateway must be an address of the pool", f.field, i, gw, pool)
+			}
+			if f.checkGateway != nil {
+				if err := f.checkGateway(gw, pool); err != nil {
+					return nil, nil, fmt.Errorf("%s[%d].Gateway %w", f.field, i, err)
+				}
+			}
+			gwPrefix = netip.PrefixFrom(gw, pool.Bits())
+		}
+		for j, o := range pools {
+			if o.Overlaps(pool) {
+				return nil, nil, fmt.Errorf("%s[%d].Pool %s overlaps %s[%d].Pool %s: the subnets of a network must be disjoint", f.field, i, pool, f.field, j, o)
+			}
+		}
+		pools, gateways = append(pools, pool), append(gateways, gwPrefix)
+	}
+	return pools, gateways, nil
+}
+
+// ipv6Requested reads com.docker.network.enable_ipv6 and IPv6Data: a
+// network has IPv6 when it has IPv6 subnets. The flag without subnets (or
+// subnets without the flag, which dockerd never sends) is refused, saying
+// which.
+func ipv6Requested(req *api.CreateNetworkRequest) (bool, error) {
+	flag, err := boolOption(req.Options, OptEnableV6)
+	if err != nil {
+		return false, err
+	}
+	switch {
+	case flag && len(req.IPv6Data) == 0:
+		return false, fmt.Errorf("option %s is true but IPv6Data is empty: give an IPv6 subnet (docker network create --ipv6 --subnet 2001:db8:1::/64)", OptEnableV6)
+	case !flag && len(req.IPv6Data) > 0:
+		if _, given := req.Options[OptEnableV6]; given {
+			return false, fmt.Errorf("IPv6Data has %d subnet(s) but option %s is false: give --ipv6 with IPv6 subnets", len(req.IPv6Data), OptEnableV6)
+		}
+	}
+	return len(req.IPv6Data) > 0, nil
 }
 
 func parseAddrOrPrefix(s string) (netip.Addr, error) {
@@ -287,10 +404,9 @@ func parseCreateNetwork(req *api.CreateNetworkRequest) (*netSpec, error) {
 	if err != nil {
 		return nil, err
 	}
-	if v6, err := boolOption(req.Options, OptEnableV6); err != nil {
+	v6, err := ipv6Requested(req)
+	if err != nil {
 		return nil, err
-	} else if v6 || len(req.IPv6Data) > 0 {
-		return nil, fmt.Errorf("IPv6 is not supported yet by overlayd: create the network without --ipv6 (option %s must be false and IPv6Data empty)", OptEnableV6)
 	}
 	internal, err := boolOption(req.Options, OptInternal)
 	if err != nil {
@@ -301,9 +417,26 @@ func parseCreateNetwork(req *api.CreateNetworkRequest) (*netSpec, error) {
 		return nil, err
 	}
 	spec := &netSpec{id: req.NetworkID, internal: internal, genericSpec: opts, options: generic}
-	subs, err := parsePools(req.IPv4Data)
+	subs, err := parsePools(req.IPv4Data, v6)
 	if err != nil {
 		return nil, err
+	}
+	if v6 {
+		// One segment for every subnet (see netdef.Subnet).
+		if len(subs) > 1 {
+			return nil, fmt.Errorf("IPv4Data has %d subnets: a network with IPv6 has at most one IPv4 subnet (one L2 segment carries all its subnets); create the network with one IPv4 --subnet beside the IPv6 ones", len(subs))
+		}
+		if opts.mtu != 0 && opts.mtu < netdef.MinMTU6 {
+			return nil, fmt.Errorf("option %s=%d is below %d: a network with IPv6 needs an MTU of at least %d (IPv6's minimum link MTU)", opts.mtuKey, opts.mtu, netdef.MinMTU6, netdef.MinMTU6)
+		}
+		seg := subnetSpec{}
+		if len(subs) == 1 {
+			seg = subs[0]
+		}
+		if seg.v6, err = parsePools6(req.IPv6Data); err != nil {
+			return nil, err
+		}
+		subs = []subnetSpec{seg}
 	}
 	vnis, ok, err := parseVNIs(generic)
 	if err != nil {
@@ -311,6 +444,9 @@ func parseCreateNetwork(req *api.CreateNetworkRequest) (*netSpec, error) {
 	}
 	if !ok {
 		return nil, fmt.Errorf("option %s is missing: outside swarm every overlayd network needs -o %s=N (1..%d, the same on every host; a comma-separated list for several subnets)", OptVNI, OptVNI, MaxVNI)
+	}
+	if v6 && len(vnis) != 1 {
+		return nil, fmt.Errorf("option %s=%s gives %d VNIs for a network with IPv6: give one VNI (all its subnets share one L2 segment)", OptVNI, formatVNIs(vnis), len(vnis))
 	}
 	if len(vnis) != len(subs) {
 		return nil, fmt.Errorf("option %s=%s gives %d VNI(s) for %d IPv4 subnet(s): give exactly one VNI per subnet, comma-separated, in the order of the subnets", OptVNI, formatVNIs(vnis), len(vnis), len(subs))

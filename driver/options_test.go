@@ -72,7 +72,7 @@ func TestCreateNetworkBadInput(t *testing.T) {
 			r := createReq("n1", "101", "198.51.100.0/24")
 			r.Options[OptEnableV6] = true
 			return r
-		}(), []string{"IPv6", "not supported yet", OptEnableV6}},
+		}(), []string{OptEnableV6, "IPv6Data is empty", "--ipv6 --subnet"}},
 		{"generic not an object", func() *api.CreateNetworkRequest {
 			r := createReq("n1", "101", "198.51.100.0/24")
 			r.Options[OptGeneric] = "vni=5"
@@ -106,22 +106,27 @@ func TestCreateNetworkBadInput(t *testing.T) {
 		{"192.168 default pool", createReq("n1", "101,102", "198.51.100.0/24", "192.168.16.0/20"), []string{"IPv4Data[1].Pool 192.168.16.0/20", "default address pools"}},
 	}
 	for _, tc := range tests {
-		t.Run(tc.name, func(t *testing.T) {
-			err := d.CreateNetwork(tc.req)
-			if err == nil {
-				t.Fatalf("CreateNetwork accepted bad input")
-			}
-			for _, w := range tc.want {
-				if !strings.Contains(err.Error(), w) {
-					t.Errorf("error %q does not mention %q", err, w)
-				}
-			}
-			d.mu.Lock()
-			defer d.mu.Unlock()
-			if len(d.nets) != 1 || len(d.byVNI) != 1 {
-				t.Errorf("bad input left state behind: %d networks, %d VNIs", len(d.nets), len(d.byVNI))
-			}
-		})
+		t.Run(tc.name, func(t *testing.T) { wantCreateRefused(t, d, tc.req, tc.want) })
+	}
+}
+
+// wantCreateRefused checks that CreateNetwork refuses req with an error
+// mentioning each of want, and leaves only the one network d had.
+func wantCreateRefused(t *testing.T, d *Driver, req *api.CreateNetworkRequest, want []string) {
+	t.Helper()
+	err := d.CreateNetwork(req)
+	if err == nil {
+		t.Fatalf("CreateNetwork accepted bad input")
+	}
+	for _, w := range want {
+		if !strings.Contains(err.Error(), w) {
+			t.Errorf("error %q does not mention %q", err, w)
+		}
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if len(d.nets) != 1 || len(d.byVNI) != 1 {
+		t.Errorf("bad input left state behind: %d networks, %d VNIs", len(d.nets), len(d.byVNI))
 	}
 }
 
@@ -174,7 +179,7 @@ func TestEndpointBadInput(t *testing.T) {
 		{"address outside subnets", &api.CreateEndpointRequest{NetworkID: "n1", EndpointID: "e1", Interface: &api.EndpointInterface{Address: "203.0.113.5/24"}}, []string{"Interface.Address", "203.0.113.5", "not in any subnet"}},
 		{"bad mac", &api.CreateEndpointRequest{NetworkID: "n1", EndpointID: "e1", Interface: &api.EndpointInterface{Address: "198.51.100.3/24", MacAddress: "zz"}}, []string{"Interface.MacAddress", "zz"}},
 		{"multicast mac", &api.CreateEndpointRequest{NetworkID: "n1", EndpointID: "e1", Interface: &api.EndpointInterface{Address: "198.51.100.3/24", MacAddress: "01:00:5e:00:00:01"}}, []string{"Interface.MacAddress", "unicast"}},
-		{"ipv6 address", &api.CreateEndpointRequest{NetworkID: "n1", EndpointID: "e1", Interface: &api.EndpointInterface{Address: "198.51.100.3/24", AddressIPv6: "2001:db8::3/64"}}, []string{"AddressIPv6", "not supported"}},
+		{"ipv6 address", &api.CreateEndpointRequest{NetworkID: "n1", EndpointID: "e1", Interface: &api.EndpointInterface{Address: "198.51.100.3/24", AddressIPv6: "2001:db8::3/64"}}, []string{"AddressIPv6", "2001:db8::3/64", "has no IPv6 subnet"}},
 		{"duplicate id", &api.CreateEndpointRequest{NetworkID: "n1", EndpointID: "taken", Interface: &api.EndpointInterface{Address: "198.51.100.3/24"}}, []string{"EndpointID", "taken", "already exists"}},
 	}
 	for _, tc := range tests {

@@ -11,6 +11,7 @@ import (
 	"github.com/overlayd/overlayd/encryption"
 	"github.com/overlayd/overlayd/internal/lockorder"
 	"github.com/overlayd/overlayd/internal/logkeys"
+	"github.com/overlayd/overlayd/internal/netdef"
 	"github.com/overlayd/overlayd/internal/sandbox"
 	"github.com/overlayd/overlayd/internal/statefile"
 	"github.com/overlayd/overlayd/peerdb"
@@ -20,18 +21,34 @@ import (
 func (n *network) record() statefile.Network {
 	r := statefile.Network{ID: n.id, VNIs: n.vnis(), MTU: n.mtu, Internal: n.internal, Encrypted: n.encrypted, Options: n.options}
 	for _, s := range n.subnets {
-		r.Pools = append(r.Pools, s.pool.String())
-		gw := ""
-		if s.gateway.IsValid() {
-			gw = s.gateway.String()
+		r.Pools = append(r.Pools, prefixString(s.pool))
+		r.Gateways = append(r.Gateways, prefixString(s.gateway))
+		for _, v := range s.v6 {
+			r.Pools6 = append(r.Pools6, v.Pool.String())
+			r.Gateways6 = append(r.Gateways6, prefixString(v.Gateway))
 		}
-		r.Gateways = append(r.Gateways, gw)
 	}
 	return r
 }
 
+// prefixString renders p, "" when invalid.
+func prefixString(p netip.Prefix) string {
+	if p.IsValid() {
+		return p.String()
+	}
+	return ""
+}
+
+// parseOptionalPrefix parses s, the invalid prefix when "".
+func parseOptionalPrefix(s string) (netip.Prefix, error) {
+	if s == "" {
+		return netip.Prefix{}, nil
+	}
+	return netip.ParsePrefix(s)
+}
+
 func (ep *endpoint) record(netID string) statefile.Endpoint {
-	r := statefile.Endpoint{Network: netID, ID: ep.id, Addr: ep.addr.String(), MAC: ep.mac.String(), Joined: ep.joined,
+	r := statefile.Endpoint{Network: netID, ID: ep.id, Addr: prefixString(ep.addr), AddrIPv6: prefixString(ep.addr6), MAC: ep.mac.String(), Joined: ep.joined,
 		HostName: ep.hostName, SandboxName: ep.sbName}
 	return r
 }
@@ -235,40 +252,59 @@ func networkFromRecord(r statefile.Network) (*network, error) {
 		options:   r.Options,
 		endpoints: map[string]*endpoint{},
 	}
+	if len(r.Pools6) != len(r.Gateways6) || len(r.Pools6) > 0 && len(r.Pools) != 1 {
+		return nil, errors.New("IPv6 pools and gateways do not match, or a network with IPv6 has several segments")
+	}
 	for i, p := range r.Pools {
-		pool, err := netip.ParsePrefix(p)
+		pool, err := parseOptionalPrefix(p)
 		if err != nil {
 			return nil, err
 		}
 		s := subnetSpec{vni: r.VNIs[i], pool: pool}
-		if r.Gateways[i] != "" {
-			if s.gateway, err = netip.ParsePrefix(r.Gateways[i]); err != nil {
-				return nil, err
-			}
+		if s.gateway, err = parseOptionalPrefix(r.Gateways[i]); err != nil {
+			return nil, err
 		}
 		n.subnets = append(n.subnets, s)
 	}
-	n.peers = peerdb.New(n.pools(), n.vnis()...)
+	for i, p := range r.Pools6 {
+		pool, err := netip.ParsePrefix(p)
+		if err != nil {
+			return nil, err
+		}
+		gw, err := parseOptionalPrefix(r.Gateways6[i])
+		if err != nil {
+			return nil, err
+		}
+		n.subnets[0].v6 = append(n.subnets[0].v6, netdef.Subnet6{Pool: pool, Gateway: gw})
+	}
+	// The same checks as a network created now, so a damaged file is
+	// refused rather than programmed.
+	if def := n.definition(); def.Validate() != nil {
+		return nil, def.Validate()
+	}
+	n.peers = newPeerTable(n.subnets)
 	return n, nil
 }
 
 func endpointFromRecord(n *network, r statefile.Endpoint) (*endpoint, error) {
-	addr, err := netip.ParsePrefix(r.Addr)
+	addr, err := parseOptionalPrefix(r.Addr)
 	if err != nil {
 		return nil, err
+	}
+	addr6, err := parseOptionalPrefix(r.AddrIPv6)
+	if err != nil {
+		return nil, err
+	}
+	if !addr.IsValid() && !addr6.IsValid() {
+		return nil, errors.New("the endpoint has no address")
 	}
 	mac, err := peerdb.ParseMAC(r.MAC)
 	if err != nil {
 		return nil, err
 	}
-	ep := &endpoint{id: r.ID, addr: addr, mac: mac, subnet: -1, hostName: r.HostName, sbName: r.SandboxName, joined: r.Joined}
-	for i, s := range n.subnets {
-		if s.pool.Contains(addr.Addr()) {
-			ep.subnet = i
-		}
-	}
-	if ep.subnet < 0 {
-		return nil, fmt.Errorf("address %s is in no subnet of the network", addr)
+	ep := &endpoint{id: r.ID, addr: addr, addr6: addr6, mac: mac, hostName: r.HostName, sbName: r.SandboxName, joined: r.Joined}
+	if ep.subnet, err = n.segmentOf(addr, addr6); err != nil {
+		return nil, err
 	}
 	if ep.hostName == "" || ep.sbName == "" {
 		ep.hostName, ep.sbName = linkNames(n.id, ep.id)

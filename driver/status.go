@@ -3,6 +3,7 @@ package driver
 import (
 	"cmp"
 	"fmt"
+	"net/netip"
 	"slices"
 	"sort"
 	"strings"
@@ -25,7 +26,7 @@ type Status struct {
 type NetworkStatus struct {
 	ID          string           `json:"id"`
 	VNIs        []uint32         `json:"vnis"`
-	Subnets     []string         `json:"subnets"`
+	Subnets     []string         `json:"subnets"` // of both families; a network with IPv6 has one VNI for all
 	MTU         int              `json:"mtu"`
 	Internal    bool             `json:"internal,omitempty"`
 	Encrypted   bool             `json:"encrypted,omitempty"`
@@ -61,11 +62,13 @@ type RejectedStatus struct {
 // EndpointStatus describes a local endpoint.
 type EndpointStatus struct {
 	ID      string `json:"id"`
-	VNI     uint32 `json:"vni"` // of its subnet
-	Address string `json:"address"`
-	MAC     string `json:"mac"`
-	Joined  bool   `json:"joined"`
-	Veth    string `json:"veth"`
+	VNI     uint32 `json:"vni"`     // of its subnet
+	Address string `json:"address"` // IPv4; "" for an endpoint of an IPv6-only network
+	// AddressIPv6 is its IPv6 address, absent when it has none.
+	AddressIPv6 string `json:"address_ipv6,omitempty"`
+	MAC         string `json:"mac"`
+	Joined      bool   `json:"joined"`
+	Veth        string `json:"veth"`
 }
 
 // PeerStatus describes a remote peer record and whether it is the active
@@ -73,10 +76,15 @@ type EndpointStatus struct {
 type PeerStatus struct {
 	EndpointID string `json:"endpoint_id"`
 	VNI        uint32 `json:"vni"` // of the subnet holding its IP
-	IP         string `json:"ip"`
+	IP         string `json:"ip"`  // IPv4; "" when it has none
 	MAC        string `json:"mac"`
 	VTEP       string `json:"vtep"`
-	Active     bool   `json:"active"`
+	Active     bool   `json:"active"` // the active claimant of IP
+	// IPv6 is its IPv6 address, absent when it has none; ActiveIPv6 says
+	// whether it is the active claimant of it (each address is a claim of
+	// its own).
+	IPv6       string `json:"ipv6,omitempty"`
+	ActiveIPv6 bool   `json:"active_ipv6,omitempty"`
 }
 
 // ConflictStatus lists an IP claimed by several records.
@@ -110,8 +118,8 @@ func (d *Driver) Status() Status {
 func (n *network) status() NetworkStatus {
 	ns := NetworkStatus{ID: n.id, VNIs: n.vnis(), MTU: n.mtu, Internal: n.internal, Encrypted: n.encrypted, Endpoints: []EndpointStatus{}, RemotePeers: []PeerStatus{},
 		ConflictsSeen: n.conflicts.seen}
-	for _, s := range n.subnets {
-		ns.Subnets = append(ns.Subnets, s.pool.String())
+	for _, p := range n.pools() {
+		ns.Subnets = append(ns.Subnets, p.String())
 	}
 	if n.sb != nil {
 		ns.Sandbox = n.sb.Path()
@@ -123,12 +131,18 @@ func (n *network) status() NetworkStatus {
 	sort.Strings(epIDs)
 	for _, id := range epIDs {
 		ep := n.endpoints[id]
-		ns.Endpoints = append(ns.Endpoints, EndpointStatus{ID: ep.id, VNI: n.subnets[ep.subnet].vni, Address: ep.addr.String(), MAC: ep.mac.String(), Joined: ep.joined, Veth: ep.hostName})
+		ns.Endpoints = append(ns.Endpoints, EndpointStatus{ID: ep.id, VNI: n.subnets[ep.subnet].vni, Address: prefixString(ep.addr), AddressIPv6: prefixString(ep.addr6),
+			MAC: ep.mac.String(), Joined: ep.joined, Veth: ep.hostName})
 	}
 	for _, p := range n.peers.Remote() {
-		act, local, ok := n.peers.Active(p.IP)
-		ns.RemotePeers = append(ns.RemotePeers, PeerStatus{EndpointID: p.EndpointID, VNI: n.vniOf(p.IP), IP: p.IP.String(), MAC: p.MAC.String(),
-			VTEP: p.VTEP.String(), Active: ok && !local && act == p})
+		ps := PeerStatus{EndpointID: p.EndpointID, MAC: p.MAC.String(), VTEP: p.VTEP.String()}
+		if p.IP.IsValid() {
+			ps.VNI, ps.IP, ps.Active = n.vniOf(p.IP), p.IP.String(), n.activeFor(p.IP, p)
+		}
+		if p.IPv6.IsValid() {
+			ps.VNI, ps.IPv6, ps.ActiveIPv6 = n.vniOf(p.IPv6), p.IPv6.String(), n.activeFor(p.IPv6, p)
+		}
+		ns.RemotePeers = append(ns.RemotePeers, ps)
 	}
 	for _, r := range n.peers.Rejected() {
 		ns.Rejected = append(ns.Rejected, RejectedStatus{VNI: r.Key.VNI, Origin: r.Key.Origin, EndpointID: r.Key.EndpointID, Reason: r.Err.Error()})
@@ -147,6 +161,13 @@ func (n *network) status() NetworkStatus {
 		ns.Conflicts = append(ns.Conflicts, cs)
 	}
 	return ns
+}
+
+// activeFor reports whether remote record p is the active claimant of its
+// address ip. Expects n.mu held.
+func (n *network) activeFor(ip netip.Addr, p peerdb.Peer) bool {
+	act, local, ok := n.peers.Active(ip)
+	return ok && !local && act == p
 }
 
 // String renders a network for humans.

@@ -258,3 +258,56 @@ func BenchmarkPull(b *testing.B) {
 		})
 	}
 }
+
+// benchSegments are benchSubnets with an IPv6 subnet each, VNIs 100, 101.
+var benchSegments = []Segment{
+	{Prefixes: []netip.Prefix{benchSubnets[0], netip.MustParsePrefix("2001:db8::/64")}, VNI: 100},
+	{Prefixes: []netip.Prefix{benchSubnets[1], netip.MustParsePrefix("2001:db8:1::/64")}, VNI: 101},
+}
+
+// benchPeers6 is benchPeers with IPv6 addresses instead of IPv4 ones
+// (dual: both), on the segments of the IPv4 ones.
+func benchPeers6(n int, dual bool) []Peer {
+	out := benchPeers(n)
+	for i := range out {
+		seg := byte(0)
+		if benchSubnets[1].Contains(out[i].IP) {
+			seg = 1
+		}
+		out[i].IPv6 = netip.AddrFrom16([16]byte{0x20, 0x01, 0x0d, 0xb8, 0, seg, 14: byte(i >> 8), 15: byte(i)})
+		if !dual {
+			out[i].IP = netip.Addr{}
+		}
+	}
+	return out
+}
+
+// BenchmarkSetRemotes20000IPv6 is BenchmarkSetRemotes20000 with IPv6-only
+// records, then dual-stack ones (two neighbours each).
+func BenchmarkSetRemotes20000IPv6(b *testing.B) {
+	for _, dual := range []bool{false, true} {
+		b.Run(map[bool]string{false: "only", true: "dual"}[dual], func(b *testing.B) {
+			peers := benchPeers6(20000, dual)
+			ups := make([]Update, len(peers))
+			for i := range peers {
+				vni := uint32(100)
+				if peers[i].IPv6.As16()[5] == 1 {
+					vni = 101
+				}
+				ups[i] = Update{Key: Key{VNI: vni, Origin: "host-" + peers[i].VTEP.String(), EndpointID: peers[i].EndpointID}, Peer: &peers[i]}
+			}
+			want := 20000
+			if dual {
+				want = 40000
+			}
+			b.ReportAllocs()
+			for b.Loop() {
+				db := NewSegments(benchSegments)
+				d, rej := db.SetRemotes(ups)
+				if rej != nil || len(d.NeighSet) != want || len(d.FDBSet) != 20000 {
+					b.Fatalf("rejections %v, %d neigh, %d fdb", rej, len(d.NeighSet), len(d.FDBSet))
+				}
+			}
+		})
+	}
+}

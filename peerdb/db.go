@@ -13,16 +13,27 @@ import (
 // call, reads included, must be made with that network's lock held. Create
 // one with New.
 type DB struct {
-	subnets []netip.Prefix
-	nets    []v4net // subnets in a form cheap to match (see subnet4)
+	segs  []Segment
+	nets  []v4net // the IPv4 prefixes of segs in a form cheap to match (see subnet4)
+	nets6 []v6net // the IPv6 prefixes of segs
 
 	local map[string]Peer // local entries by EndpointID
 
-	// byIP maps every claimed IP (IPv4 as a big-endian uint32) to its claim
-	// in claims. Slots of freed claims are listed in freeClaims.
+	// byIP maps every claimed IPv4 address (as a big-endian uint32) to its
+	// claim in claims. Slots of freed claims are listed in freeClaims.
 	byIP       index
 	claims     []claim
 	freeClaims []int32
+
+	// byIP6 maps every claimed IPv6 address to its claim. IPv6 claims are
+	// kept apart so the IPv4 path stays as it was: a claim of an IPv6
+	// address has v6 set and, as its ip, its address's slot in addr6
+	// (slots of freed claims are listed in free6; a freed slot keeps its
+	// address until the next transaction reuses it, so the Delta of the
+	// transaction that freed it can still name it).
+	byIP6 map[netip.Addr]int32
+	addr6 []netip.Addr
+	free6 []uint32
 
 	// fdbIdx[s] maps a MAC (see macKey) to the FDB record of (subnet s,
 	// MAC) in fdbs. A record exists while the key has an FDB proposal or a
@@ -32,7 +43,7 @@ type DB struct {
 	freeFDB []int32
 	// fdbMore holds the proposers of an FDB record beyond its first one
 	// (fdbRec.one), for the rare MAC proposed by several IPs.
-	fdbMore map[int32][]int32
+	fdbMore map[int32]moreProposers
 
 	vteps vtepTable
 
@@ -49,11 +60,24 @@ type DB struct {
 	tx txn
 }
 
-// v4net is a subnet as an IPv4 base and mask; ok is false for a prefix that
-// contains no plain IPv4 address (invalid or IPv6).
+// v4net is an IPv4 prefix of segment seg as a base and mask.
 type v4net struct {
 	base, mask uint32
-	ok         bool
+	seg        int
+}
+
+// v6net is an IPv6 prefix of segment seg.
+type v6net struct {
+	prefix netip.Prefix
+	seg    int
+}
+
+// Segment is one L2 segment of a network (one VNI, one VXLAN link): the
+// prefixes whose addresses live on it, of either family, and its VNI (0
+// when the DB checks no VNIs).
+type Segment struct {
+	Prefixes []netip.Prefix
+	VNI      uint32
 }
 
 // claim is the set of entries claiming one IP.
@@ -62,14 +86,23 @@ type v4net struct {
 // see compareRemote) inline as the head; the others and the local claimants
 // live in x, which is nil when there are none. A claim is empty when it has
 // no head and no x.
+//
+// A dual-stack entry claims its IPv4 and its IPv6 address: each claim
+// names, for each remote claimant, the claim of the claimant's other
+// address (other, when hasOther), which tells apart records that differ
+// only there and gives back the whole record. Both claims live as long as
+// the entry, so the index stays valid.
 type claim struct {
-	id   string // EndpointID of the head; "" when there is no remote claimant
-	mac  MAC    // of the head
-	vtep uint32 // of the head, interned in DB.vteps
-	ip   uint32
-	sub  int32  // index of the subnet of ip
-	mark uint32 // txn.id of the last transaction that noted this claim
-	x    *claimExtra
+	id       string // EndpointID of the head; "" when there is no remote claimant
+	mac      MAC    // of the head
+	v6       bool   // ip is a slot of DB.addr6, not an IPv4 address
+	hasOther bool   // of the head
+	vtep     uint32 // of the head, interned in DB.vteps
+	ip       uint32
+	sub      int32  // index of the segment of ip
+	mark     uint32 // txn.id of the last transaction that noted this claim
+	other    int32  // of the head: the claim of its other address, when hasOther
+	x        *claimExtra
 }
 
 type claimExtra struct {
@@ -79,9 +112,11 @@ type claimExtra struct {
 
 // remote is a remote claimant of a known IP.
 type remote struct {
-	id   string
-	mac  MAC
-	vtep uint32
+	id       string
+	mac      MAC
+	hasOther bool
+	vtep     uint32
+	other    int32 // the claim of the claimant's other address, when hasOther
 }
 
 // contrib is what a claim contributes to the desired state: when ok, its
@@ -137,44 +172,89 @@ type Conflict struct {
 	Shadowed []Peer
 }
 
-// New returns an empty DB for a network with these IPv4 subnets (index =
-// subnet index used in Neigh/FDB). Subnets are disjoint (the caller
-// validates); New keeps its own copy of the slice. With vnis (one per
+// New returns an empty DB for a network with these IPv4 subnets, one segment
+// each (index = segment index used in Neigh/FDB). Subnets are disjoint (the
+// caller validates); New keeps its own copy of the slice. With vnis (one per
 // subnet, in the same order), a record set through SetRemotes must lie in
 // the subnet of its key's VNI; New panics if the counts differ.
 func New(subnets []netip.Prefix, vnis ...uint32) *DB {
-	db := &DB{
-		subnets: append([]netip.Prefix(nil), subnets...),
-		nets:    make([]v4net, len(subnets)),
-		local:   make(map[string]Peer),
-		fdbIdx:  make([]index, len(subnets)),
-
-		wideSubnets: len(subnets) > 1<<16,
+	if len(vnis) > 0 && len(vnis) != len(subnets) {
+		panic(fmt.Sprintf("peerdb.New: %d VNIs for %d subnets", len(vnis), len(subnets)))
 	}
-	if len(vnis) > 0 {
-		if len(vnis) != len(subnets) {
-			panic(fmt.Sprintf("peerdb.New: %d VNIs for %d subnets", len(vnis), len(subnets)))
-		}
-		db.vnis = append([]uint32(nil), vnis...)
-	}
+	segs := make([]Segment, len(subnets))
 	for i, p := range subnets {
-		if !p.IsValid() || !p.Addr().Is4() {
-			continue
+		segs[i].Prefixes = []netip.Prefix{p}
+		if len(vnis) > 0 {
+			segs[i].VNI = vnis[i]
 		}
-		var mask uint32
-		if b := p.Bits(); b > 0 {
-			mask = ^uint32(0) << (32 - b)
+	}
+	return newTable(segs, len(vnis) > 0)
+}
+
+// NewSegments returns an empty DB for a network made of these segments
+// (index = segment index used in Neigh/FDB). Prefixes are disjoint (the
+// caller validates); a segment may hold prefixes of both families. When
+// any segment has a non-zero VNI, a record set through SetRemotes must lie
+// in a prefix of the segment of its key's VNI; with VNI 0 for all, any
+// segment will do. NewSegments keeps its own copy of segs.
+func NewSegments(segs []Segment) *DB {
+	own := make([]Segment, len(segs))
+	checkVNI := false
+	for i, s := range segs {
+		own[i] = Segment{Prefixes: append([]netip.Prefix(nil), s.Prefixes...), VNI: s.VNI}
+		checkVNI = checkVNI || s.VNI != 0
+	}
+	return newTable(own, checkVNI)
+}
+
+// newTable returns an empty DB for segs, which it keeps.
+func newTable(segs []Segment, checkVNI bool) *DB {
+	db := &DB{
+		segs:   segs,
+		local:  make(map[string]Peer),
+		fdbIdx: make([]index, len(segs)),
+
+		wideSubnets: len(segs) > 1<<16,
+	}
+	if checkVNI {
+		db.vnis = make([]uint32, len(segs))
+		for i, s := range segs {
+			db.vnis[i] = s.VNI
 		}
-		db.nets[i] = v4net{base: ip4(p.Addr()) & mask, mask: mask, ok: true}
+	}
+	for i, s := range segs {
+		for _, p := range s.Prefixes {
+			switch {
+			case !p.IsValid():
+			case p.Addr().Is4():
+				var mask uint32
+				if b := p.Bits(); b > 0 {
+					mask = ^uint32(0) << (32 - b)
+				}
+				db.nets = append(db.nets, v4net{base: ip4(p.Addr()) & mask, mask: mask, seg: i})
+			case !p.Addr().Is4In6():
+				db.nets6 = append(db.nets6, v6net{prefix: p.Masked(), seg: i})
+			}
+		}
 	}
 	return db
 }
 
 // subnet4 is SubnetOf for an IPv4 address given as a uint32.
 func (db *DB) subnet4(ip uint32) (int, bool) {
-	for i, n := range db.nets {
-		if n.ok && ip&n.mask == n.base {
-			return i, true
+	for _, n := range db.nets {
+		if ip&n.mask == n.base {
+			return n.seg, true
+		}
+	}
+	return 0, false
+}
+
+// subnet6 is SubnetOf for an IPv6 address (not IPv4-mapped).
+func (db *DB) subnet6(ip netip.Addr) (int, bool) {
+	for _, n := range db.nets6 {
+		if n.prefix.Contains(ip) {
+			return n.seg, true
 		}
 	}
 	return 0, false
@@ -198,7 +278,8 @@ func macOfKey(k uint64) MAC {
 	return MAC{byte(k >> 40), byte(k >> 32), byte(k >> 24), byte(k >> 16), byte(k >> 8), byte(k)}
 }
 
-// claimFor returns the claim of ip, creating an empty one if there is none.
+// claimFor returns the claim of the IPv4 address ip, creating an empty one
+// if there is none.
 func (db *DB) claimFor(ip uint32, sub int) int32 {
 	slot, ok := db.byIP.slot(uint64(ip))
 	if ok {
@@ -207,6 +288,57 @@ func (db *DB) claimFor(ip uint32, sub int) int32 {
 	ci := db.newClaim(ip, sub)
 	db.byIP.set(slot, uint64(ip), ci)
 	return ci
+}
+
+// claimFor6 returns the claim of the IPv6 address a, creating an empty one
+// if there is none.
+func (db *DB) claimFor6(a netip.Addr, sub int) int32 {
+	if ci, ok := db.byIP6[a]; ok {
+		return ci
+	}
+	var slot uint32
+	if n := len(db.free6); n > 0 {
+		slot = db.free6[n-1]
+		db.free6 = db.free6[:n-1]
+		db.addr6[slot] = a
+	} else {
+		slot = uint32(len(db.addr6))
+		db.addr6 = append(db.addr6, a)
+	}
+	ci := db.newClaim(slot, sub)
+	db.claims[ci].v6 = true
+	if db.byIP6 == nil {
+		db.byIP6 = make(map[netip.Addr]int32)
+	}
+	db.byIP6[a] = ci
+	return ci
+}
+
+// addr returns the address claim c claims.
+func (db *DB) addr(c *claim) netip.Addr {
+	if c.v6 {
+		return db.addr6[c.ip]
+	}
+	return addr4(c.ip)
+}
+
+// compareClaims orders claims by address (netip.Addr order: IPv4 first).
+func (db *DB) compareClaims(a, b int32) int {
+	ca, cb := &db.claims[a], &db.claims[b]
+	switch {
+	case ca.v6 != cb.v6:
+		if ca.v6 {
+			return 1
+		}
+		return -1
+	case ca.v6:
+		return db.addr6[ca.ip].Compare(db.addr6[cb.ip])
+	case ca.ip < cb.ip:
+		return -1
+	case ca.ip > cb.ip:
+		return 1
+	}
+	return 0
 }
 
 // newClaim allocates an empty claim, to be indexed by the caller.
@@ -226,18 +358,31 @@ func (db *DB) newClaim(ip uint32, sub int) int32 {
 // findRemote returns where p is among the remote claimants of c: headPos,
 // an index into c.x.remotes, or notFound.
 func (db *DB) findRemote(c *claim, p *Peer) int {
-	if c.id == p.EndpointID && c.mac == p.MAC && db.vteps.vals[c.vtep] == p.VTEP {
+	if c.id == p.EndpointID && c.mac == p.MAC && db.vteps.vals[c.vtep] == p.VTEP && db.otherIs(c, c.hasOther, c.other, p) {
 		return headPos
 	}
 	if c.x != nil {
 		for i := range c.x.remotes {
 			r := &c.x.remotes[i]
-			if r.id == p.EndpointID && r.mac == p.MAC && db.vteps.vals[r.vtep] == p.VTEP {
+			if r.id == p.EndpointID && r.mac == p.MAC && db.vteps.vals[r.vtep] == p.VTEP && db.otherIs(c, r.hasOther, r.other, p) {
 				return i
 			}
 		}
 	}
 	return notFound
+}
+
+// otherIs reports whether a claimant of c whose other address is (hasOther,
+// other) has the other address of p.
+func (db *DB) otherIs(c *claim, hasOther bool, other int32, p *Peer) bool {
+	want := p.IPv6
+	if c.v6 {
+		want = p.IP
+	}
+	if !hasOther || !want.IsValid() {
+		return hasOther == want.IsValid()
+	}
+	return db.addr(&db.claims[other]) == want
 }
 
 const (
@@ -253,12 +398,22 @@ func (db *DB) lessRemote(a, b *remote) bool {
 	if a.mac != b.mac {
 		return macKey(a.mac) < macKey(b.mac)
 	}
-	return db.vteps.vals[a.vtep].Less(db.vteps.vals[b.vtep])
+	if a.vtep != b.vtep {
+		return db.vteps.vals[a.vtep].Less(db.vteps.vals[b.vtep])
+	}
+	if a.hasOther != b.hasOther || !a.hasOther { // no other address first
+		return !a.hasOther && b.hasOther
+	}
+	return db.compareClaims(a.other, b.other) < 0
 }
 
-func (c *claim) head() remote { return remote{id: c.id, mac: c.mac, vtep: c.vtep} }
+func (c *claim) head() remote {
+	return remote{id: c.id, mac: c.mac, vtep: c.vtep, hasOther: c.hasOther, other: c.other}
+}
 
-func (c *claim) setHead(r remote) { c.id, c.mac, c.vtep = r.id, r.mac, r.vtep }
+func (c *claim) setHead(r remote) {
+	c.id, c.mac, c.vtep, c.hasOther, c.other = r.id, r.mac, r.vtep, r.hasOther, r.other
+}
 
 // swapRemove removes s[i], not keeping order, and clears the freed slot.
 func swapRemove[T any](s []T, i int) []T {

@@ -2,6 +2,7 @@ package peerdb
 
 import (
 	"bytes"
+	"cmp"
 	"fmt"
 	"slices"
 	"strings"
@@ -20,7 +21,7 @@ func (db *DB) refreshClaim(ci int32, old contrib) {
 	if old.ok {
 		fi, ok := db.fdbIdx[sub].get(macKey(old.mac))
 		if !ok {
-			panic(fmt.Sprintf("peerdb: internal error: no FDB record for the proposal of %s", addr4(c.ip)))
+			panic(fmt.Sprintf("peerdb: internal error: no FDB record for the proposal of %s", db.addr(c)))
 		}
 		db.noteFDB(fi, sub, old.mac)
 		if cur.ok && cur.mac == old.mac {
@@ -61,6 +62,14 @@ func (db *DB) fdbFor(sub int, mac MAC) int32 {
 	return fi
 }
 
+// moreProposers are the proposers of an FDB record beyond its first one:
+// second inline, as a dual-stack entry proposes its MAC from both its
+// claims (so the common case allocates nothing), the others in rest.
+type moreProposers struct {
+	second int32
+	rest   []int32
+}
+
 func (db *DB) addProposer(fi, ci int32) {
 	r := &db.fdbs[fi]
 	if r.one < 0 {
@@ -68,10 +77,16 @@ func (db *DB) addProposer(fi, ci int32) {
 		return
 	}
 	if db.fdbMore == nil {
-		db.fdbMore = make(map[int32][]int32)
+		db.fdbMore = make(map[int32]moreProposers)
 	}
-	db.fdbMore[fi] = append(db.fdbMore[fi], ci)
-	r.multi = true
+	if !r.multi {
+		db.fdbMore[fi] = moreProposers{second: ci}
+		r.multi = true
+		return
+	}
+	m := db.fdbMore[fi]
+	m.rest = append(m.rest, ci)
+	db.fdbMore[fi] = m
 }
 
 func (db *DB) removeProposer(fi, ci int32) {
@@ -80,27 +95,33 @@ func (db *DB) removeProposer(fi, ci int32) {
 		r.one = -1
 		return
 	}
-	more := db.fdbMore[fi]
-	if r.one == ci {
-		r.one = more[len(more)-1]
-		more = more[:len(more)-1]
-	} else {
-		i := slices.Index(more, ci)
+	m := db.fdbMore[fi]
+	switch {
+	case r.one == ci:
+		r.one, m.second = m.second, -1
+	case m.second == ci:
+		m.second = -1
+	default:
+		i := slices.Index(m.rest, ci)
 		if i < 0 {
-			panic(fmt.Sprintf("peerdb: internal error: no FDB proposal of %s", addr4(db.claims[ci].ip)))
+			panic(fmt.Sprintf("peerdb: internal error: no FDB proposal of %s", db.addr(&db.claims[ci])))
 		}
-		more = swapRemove(more, i)
+		m.rest = swapRemove(m.rest, i)
 	}
-	if len(more) == 0 {
+	if n := len(m.rest); m.second < 0 && n > 0 {
+		m.second, m.rest = m.rest[n-1], m.rest[:n-1]
+	}
+	if m.second < 0 {
 		delete(db.fdbMore, fi)
 		r.multi = false
 	} else {
-		db.fdbMore[fi] = more
+		db.fdbMore[fi] = m
 	}
 }
 
 // recomputeFDB recomputes the desired value of FDB record fi: the VTEP of the
-// proposer with the smallest IP, unless a local entry has the MAC.
+// proposer with the smallest IP (IPv4 before IPv6), unless a local entry has
+// the MAC.
 func (db *DB) recomputeFDB(fi int32) {
 	r := &db.fdbs[fi]
 	if r.local > 0 || r.one < 0 {
@@ -109,8 +130,12 @@ func (db *DB) recomputeFDB(fi int32) {
 	}
 	best := r.one
 	if r.multi {
-		for _, ci := range db.fdbMore[fi] {
-			if db.claims[ci].ip < db.claims[best].ip {
+		m := db.fdbMore[fi]
+		if db.compareClaims(m.second, best) < 0 {
+			best = m.second
+		}
+		for _, ci := range m.rest {
+			if db.compareClaims(ci, best) < 0 {
 				best = ci
 			}
 		}
@@ -119,7 +144,8 @@ func (db *DB) recomputeFDB(fi int32) {
 }
 
 // compareRemote orders remote claimants of one IP: EndpointID, MAC, VTEP
-// (IP last, so the order is total even across IPs).
+// (then IP and IPv6, so the order is total even across IPs; of two
+// claimants of one address, the one without another address comes first).
 func compareRemote(a, b Peer) int {
 	if c := strings.Compare(a.EndpointID, b.EndpointID); c != 0 {
 		return c
@@ -130,5 +156,5 @@ func compareRemote(a, b Peer) int {
 	if c := a.VTEP.Compare(b.VTEP); c != 0 {
 		return c
 	}
-	return a.IP.Compare(b.IP)
+	return cmp.Or(a.IP.Compare(b.IP), a.IPv6.Compare(b.IPv6))
 }

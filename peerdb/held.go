@@ -9,8 +9,10 @@ import "hash/maphash"
 // whole Peer as the value: 112 bytes) cost a hash of both strings on every
 // lookup and insert and were most of the Go heap a peer takes. Here a
 // record is 48 bytes: the origin is interned (a network's records come
-// from few hosts), the IP is IPv4 (validated before it is held) and the
-// VTEP is interned in the DB's vtepTable; only the endpoint id is hashed.
+// from few hosts), the IPv4 address is held as a number, the IPv6 address
+// as its claim (which lives as long as the record: a held record is in the
+// claims of its addresses) and the VTEP is interned in the DB's vtepTable;
+// only the endpoint id is hashed.
 //
 // The index maps the 64-bit hash of a key to its record; keys whose hashes
 // are equal (possible, if improbable) are chained through next, so a
@@ -30,9 +32,12 @@ type heldRec struct {
 	vni    uint32
 	origin uint32 // in heldTable.origins
 	next   int32  // the next record whose key has the same hash, or -1
-	ip     uint32
+	ip     uint32 // IPv4, when has4
 	vtep   uint32 // interned in DB.vteps (a reference of its own)
+	ip6    int32  // the claim of the IPv6 address, when has6
 	mac    MAC
+	has4   bool
+	has6   bool
 }
 
 const noRec = -1
@@ -151,14 +156,27 @@ func (t *heldTable) key(r *heldRec) Key {
 	return Key{VNI: r.vni, Origin: t.origins.vals[r.origin], EndpointID: r.id}
 }
 
-// peer returns the record r holds.
+// heldPeer returns the record r holds.
 func (db *DB) heldPeer(r *heldRec) Peer {
-	return Peer{EndpointID: r.id, IP: addr4(r.ip), MAC: r.mac, VTEP: db.vteps.vals[r.vtep]}
+	p := Peer{EndpointID: r.id, MAC: r.mac, VTEP: db.vteps.vals[r.vtep]}
+	if r.has4 {
+		p.IP = addr4(r.ip)
+	}
+	if r.has6 {
+		p.IPv6 = db.addr(&db.claims[r.ip6])
+	}
+	return p
 }
 
-// heldIs reports whether r holds p (a valid record: its IP is IPv4).
+// heldIs reports whether r holds p (a valid record: IP is IPv4 or absent).
 func (db *DB) heldIs(r *heldRec, p *Peer) bool {
-	return r.ip == ip4(p.IP) && r.mac == p.MAC && r.id == p.EndpointID && db.vteps.vals[r.vtep] == p.VTEP
+	if r.has4 != p.IP.IsValid() || r.has4 && r.ip != ip4(p.IP) {
+		return false
+	}
+	if r.has6 != p.IPv6.IsValid() || r.has6 && db.addr(&db.claims[r.ip6]) != p.IPv6 {
+		return false
+	}
+	return r.mac == p.MAC && r.id == p.EndpointID && db.vteps.vals[r.vtep] == p.VTEP
 }
 
 // nameTable interns strings (the origins of records), counting their

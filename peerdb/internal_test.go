@@ -116,10 +116,11 @@ func TestModelLargeUniverse(t *testing.T) {
 	for i := range 40 {
 		ids = append(ids, fmt.Sprintf("ep-%02d", i))
 	}
-	var ips []netip.Addr
+	var ips, ips6 []netip.Addr
 	for s := range 2 {
 		for i := range 200 {
 			ips = append(ips, netip.AddrFrom4([4]byte{10, 0, byte(s), byte(i)}))
+			ips6 = append(ips6, netip.AddrFrom16([16]byte{0x20, 0x01, 0x0d, 0xb8, 0, byte(s), 14: byte(i >> 3), 15: byte(i)}))
 		}
 	}
 	var macs []MAC
@@ -149,6 +150,16 @@ func TestModelLargeUniverse(t *testing.T) {
 		if rng.IntN(50) == 0 {
 			p.MAC = MAC{} // invalid
 		}
+		switch rng.IntN(4) {
+		case 0: // IPv6 only
+			p.IP, p.IPv6 = netip.Addr{}, ips6[rng.IntN(len(ips6))]
+		case 1: // dual stack, mostly on one segment
+			i := slices.Index(ips, p.IP)
+			if rng.IntN(20) == 0 {
+				i = rng.IntN(len(ips6))
+			}
+			p.IPv6 = ips6[i]
+		}
 		return p
 	}
 
@@ -173,7 +184,7 @@ func TestModelLargeUniverse(t *testing.T) {
 			default:
 				p, q := pick(), peer()
 				if rng.IntN(2) == 0 {
-					q.EndpointID, q.IP = p.EndpointID, p.IP
+					q.EndpointID, q.IP, q.IPv6 = p.EndpointID, p.IP, p.IPv6
 				}
 				return Event{Prev: &p, Next: &q}
 			}

@@ -51,10 +51,14 @@ func checkInvariants(db *DB) error {
 	if err != nil {
 		return fmt.Errorf("byIP: %v", err)
 	}
-	if len(byIP)+len(db.freeClaims) != len(db.claims) {
-		return fmt.Errorf("%d claims indexed + %d free != %d slots", len(byIP), len(db.freeClaims), len(db.claims))
+	if len(byIP)+len(db.byIP6)+len(db.freeClaims) != len(db.claims) {
+		return fmt.Errorf("%d IPv4 + %d IPv6 claims indexed + %d free != %d slots", len(byIP), len(db.byIP6), len(db.freeClaims), len(db.claims))
+	}
+	if len(db.byIP6)+len(db.free6) != len(db.addr6) {
+		return fmt.Errorf("%d IPv6 claims + %d free slots != %d addresses", len(db.byIP6), len(db.free6), len(db.addr6))
 	}
 	used := make([]bool, len(db.claims))
+	var all []int32 // the claims in use
 	for ip64, ci := range byIP {
 		ip := uint32(ip64)
 		if uint64(ip) != ip64 {
@@ -64,44 +68,83 @@ func checkInvariants(db *DB) error {
 			return fmt.Errorf("claim index %d of %s bad or shared", ci, addr4(ip))
 		}
 		used[ci] = true
+		all = append(all, ci)
 		c := &db.claims[ci]
-		if c.ip != ip {
-			return fmt.Errorf("claim %d: ip %s indexed under %s", ci, addr4(c.ip), addr4(ip))
+		if c.ip != ip || c.v6 {
+			return fmt.Errorf("claim %d: ip %s (v6 %v) indexed under %s", ci, db.addr(c), c.v6, addr4(ip))
 		}
 		if s, ok := db.subnet4(ip); !ok || int(c.sub) != s {
 			return fmt.Errorf("claim %s: subnet %d, want %d %v", addr4(ip), c.sub, s, ok)
 		}
+	}
+	slot6 := make([]bool, len(db.addr6))
+	for a, ci := range db.byIP6 {
+		if ci < 0 || int(ci) >= len(db.claims) || used[ci] {
+			return fmt.Errorf("claim index %d of %s bad or shared", ci, a)
+		}
+		used[ci] = true
+		all = append(all, ci)
+		c := &db.claims[ci]
+		if !c.v6 || int(c.ip) >= len(db.addr6) || db.addr6[c.ip] != a || slot6[c.ip] {
+			return fmt.Errorf("claim %d: (v6 %v, slot %d) indexed under %s", ci, c.v6, c.ip, a)
+		}
+		slot6[c.ip] = true
+		if s, ok := db.subnet6(a); !ok || int(c.sub) != s {
+			return fmt.Errorf("claim %s: subnet %d, want %d %v", a, c.sub, s, ok)
+		}
+	}
+	for _, i := range db.free6 {
+		if slot6[i] {
+			return fmt.Errorf("IPv6 slot %d both used and free", i)
+		}
+		slot6[i] = true
+	}
+	for _, ci := range all {
+		c := &db.claims[ci]
+		ip := db.addr(c)
 		if c.empty() {
-			return fmt.Errorf("claim %s is empty", addr4(ip))
+			return fmt.Errorf("claim %s is empty", ip)
 		}
 		if c.mark > db.tx.id {
-			return fmt.Errorf("claim %s: mark %d > txn %d", addr4(ip), c.mark, db.tx.id)
+			return fmt.Errorf("claim %s: mark %d > txn %d", ip, c.mark, db.tx.id)
+		}
+		if c.id != "" {
+			if err := db.checkOther(ci, c.head()); err != nil {
+				return err
+			}
 		}
 		if c.x != nil {
 			if len(c.x.remotes) == 0 && len(c.x.locals) == 0 {
-				return fmt.Errorf("claim %s: empty extra", addr4(ip))
+				return fmt.Errorf("claim %s: empty extra", ip)
 			}
 			if c.id == "" && len(c.x.remotes) > 0 {
-				return fmt.Errorf("claim %s: remotes without a head", addr4(ip))
+				return fmt.Errorf("claim %s: remotes without a head", ip)
 			}
 			h := c.head()
 			for i := range c.x.remotes {
 				r := &c.x.remotes[i]
 				if !db.lessRemote(&h, r) {
-					return fmt.Errorf("claim %s: head %+v is not below %+v", addr4(ip), h, *r)
+					return fmt.Errorf("claim %s: head %+v is not below %+v", ip, h, *r)
 				}
 				for j := range i {
 					if c.x.remotes[j] == *r {
-						return fmt.Errorf("claim %s: remote %+v twice", addr4(ip), *r)
+						return fmt.Errorf("claim %s: remote %+v twice", ip, *r)
 					}
+				}
+				if err := db.checkOther(ci, *r); err != nil {
+					return err
 				}
 			}
 			for i, l := range c.x.locals {
-				if l.IP != addr4(ip) || db.local[l.EndpointID] != l {
-					return fmt.Errorf("claim %s: local %v not in the local table", addr4(ip), l)
+				mine := l.IP
+				if c.v6 {
+					mine = l.IPv6
+				}
+				if mine != ip || db.local[l.EndpointID] != l {
+					return fmt.Errorf("claim %s: local %v not in the local table", ip, l)
 				}
 				if i > 0 && l.EndpointID <= c.x.locals[0].EndpointID {
-					return fmt.Errorf("claim %s: locals[0] is not the smallest", addr4(ip))
+					return fmt.Errorf("claim %s: locals[0] is not the smallest", ip)
 				}
 			}
 		}
@@ -116,20 +159,29 @@ func checkInvariants(db *DB) error {
 		}
 	}
 
-	// Entry counts and the local table.
+	// Entry counts and the local table. A dual-stack entry is in two
+	// claims: it is counted in the IPv4 one.
 	nRemote, nLocal, nNeigh := 0, 0, 0
 	vrefs := make([]int32, len(db.vteps.vals))
-	for _, ci := range byIP {
+	for _, ci := range all {
 		c := &db.claims[ci]
 		if c.id != "" {
-			nRemote++
+			if !c.v6 || !c.hasOther {
+				nRemote++
+			}
 			vrefs[c.vtep]++
 		}
 		if c.x != nil {
-			nRemote += len(c.x.remotes)
-			nLocal += len(c.x.locals)
 			for _, r := range c.x.remotes {
+				if !c.v6 || !r.hasOther {
+					nRemote++
+				}
 				vrefs[r.vtep]++
+			}
+			for _, l := range c.x.locals {
+				if !c.v6 || !l.IP.IsValid() {
+					nLocal++
+				}
 			}
 		}
 		if c.contrib().ok {
@@ -149,7 +201,7 @@ func checkInvariants(db *DB) error {
 		mac uint64
 	}
 	props := map[key][]int32{}
-	for _, ci := range byIP {
+	for _, ci := range all {
 		c := &db.claims[ci]
 		if k := c.contrib(); k.ok {
 			kk := key{int(c.sub), macKey(k.mac)}
@@ -158,7 +210,11 @@ func checkInvariants(db *DB) error {
 	}
 	locals := map[key]int32{}
 	for _, l := range db.local {
-		s, _ := db.subnet4(ip4(l.IP))
+		ip := l.IP
+		if !ip.IsValid() {
+			ip = l.IPv6
+		}
+		s, _ := db.SubnetOf(ip)
 		locals[key{s, macKey(l.MAC)}]++
 	}
 	fused := make([]bool, len(db.fdbs))
@@ -185,10 +241,10 @@ func checkInvariants(db *DB) error {
 			if r.multi {
 				nMulti++
 				more := db.fdbMore[fi]
-				if len(more) == 0 || r.one < 0 {
+				if more.second < 0 || r.one < 0 {
 					return fmt.Errorf("FDB %v: multi without more proposers", k)
 				}
-				got = append(got, more...)
+				got = append(append(got, more.second), more.rest...)
 			} else if _, ok := db.fdbMore[fi]; ok {
 				return fmt.Errorf("FDB %v: stray more proposers", k)
 			}
@@ -252,6 +308,12 @@ func checkInvariants(db *DB) error {
 		}
 		hashes[hash] = true
 		vrefs[r.vtep]++
+		if r.has6 && (r.ip6 < 0 || int(r.ip6) >= len(db.claims) || !used[r.ip6] || !db.claims[r.ip6].v6) {
+			return fmt.Errorf("held record %d (%v): IPv6 claim %d not an IPv6 claim in use", i, k, r.ip6)
+		}
+		if p := db.heldPeer(r); db.findRemote(db.claimOf(p), &p) == notFound {
+			return fmt.Errorf("held record %d (%v): %v is not a remote entry", i, k, p)
+		}
 		origins[r.origin]++
 	}
 	if nHeld != h.n || nHeld+len(h.free) != len(h.recs) || len(hashes) != h.idx.len() {
@@ -301,4 +363,43 @@ func checkInvariants(db *DB) error {
 		}
 	}
 	return nil
+}
+
+// claimOf returns the claim of p's first address (IPv4 if it has one).
+func (db *DB) claimOf(p Peer) *claim {
+	var ci int32
+	var ok bool
+	if p.IP.IsValid() {
+		ci, ok = db.byIP.get(uint64(ip4(p.IP)))
+	} else {
+		ci, ok = db.byIP6[p.IPv6]
+	}
+	if !ok {
+		return &claim{}
+	}
+	return &db.claims[ci]
+}
+
+// checkOther checks that remote claimant r of claim ci and its twin in the
+// claim of its other address name each other.
+func (db *DB) checkOther(ci int32, r remote) error {
+	if !r.hasOther {
+		return nil
+	}
+	c := &db.claims[ci]
+	if r.other < 0 || int(r.other) >= len(db.claims) {
+		return fmt.Errorf("claim %s: claimant %s names claim %d", db.addr(c), r.id, r.other)
+	}
+	o := &db.claims[r.other]
+	if o.v6 == c.v6 || o.sub != c.sub {
+		return fmt.Errorf("claim %s: claimant %s names claim %s of the same family or another segment", db.addr(c), r.id, db.addr(o))
+	}
+	twin := remote{id: r.id, mac: r.mac, vtep: r.vtep, hasOther: true, other: ci}
+	if o.id != "" && o.head() == twin {
+		return nil
+	}
+	if o.x != nil && slices.Contains(o.x.remotes, twin) {
+		return nil
+	}
+	return fmt.Errorf("claim %s: claimant %s has no twin in claim %s", db.addr(c), r.id, db.addr(o))
 }

@@ -172,9 +172,15 @@ func (db *DB) setRemote(k Key, p *Peer) (Rejection, bool) {
 		hashed = false // its origin may have been released and interned anew
 	}
 	r := t.insert(k, h, hashed)
-	r.ip, r.mac, r.vtep = ip4(p.IP), p.MAC, db.vteps.ref(p.VTEP)
+	r.mac, r.vtep = p.MAC, db.vteps.ref(p.VTEP)
+	if p.IP.IsValid() {
+		r.ip, r.has4 = ip4(p.IP), true
+	}
 	if !db.addRemote(p, sub) {
 		db.dups.Add(*p, 1) // another key holds an equal record
+	}
+	if p.IPv6.IsValid() {
+		r.ip6, r.has6 = db.byIP6[p.IPv6], true // claimed by addRemote or an equal record
 	}
 	return Rejection{}, true
 }
@@ -212,8 +218,12 @@ func (db *DB) validateKeyed(k Key, p *Peer) (int, error) {
 			return 0, &InvalidPeerError{EndpointID: p.EndpointID, Field: "VNI",
 				Reason: fmt.Sprintf("VNI %d is not a VNI of this network", k.VNI)}
 		case want != sub:
-			return 0, &InvalidPeerError{EndpointID: p.EndpointID, Field: "IP",
-				Reason: fmt.Sprintf("IP %s is in subnet %s, but VNI %d carries subnet %s", p.IP, db.subnets[sub], k.VNI, db.subnets[want])}
+			field, ip := "IP", p.IP
+			if !ip.IsValid() {
+				field, ip = "IPv6", p.IPv6
+			}
+			return 0, &InvalidPeerError{EndpointID: p.EndpointID, Field: field,
+				Reason: fmt.Sprintf("%s %s is in subnet %s, but VNI %d carries subnet %s", field, ip, db.segString(sub), k.VNI, db.segString(want))}
 		}
 	}
 	return sub, nil

@@ -17,7 +17,7 @@ import (
 // reject the others, whatever the order and batching of updates.
 
 var (
-	keyedVNIs   = []uint32{100, 101} // modelSubnets[0], modelSubnets[1]
+	keyedVNIs   = []uint32{100, 101} // the segments of modelSegments
 	uKeyVNIs    = []uint32{100, 101}
 	uBadKeyVNIs = []uint32{7}
 	uOrigins    = []string{"h1", "h2"}
@@ -28,13 +28,15 @@ type keyedModel struct {
 }
 
 // validFor is the rule written out directly: a valid remote record whose
-// endpoint is its key's and whose IP lies in the subnet of its key's VNI.
+// endpoint is its key's and whose addresses lie on the segment of its
+// key's VNI.
 func validFor(k Key, p Peer) bool {
 	if !modelValid(p, true) || p.EndpointID != k.EndpointID {
 		return false
 	}
+	seg, _ := modelSegment(p)
 	i := slices.Index(keyedVNIs, k.VNI)
-	return i >= 0 && modelSubnets[i].Contains(p.IP)
+	return i >= 0 && i == seg
 }
 
 func (m *keyedModel) held() map[Key]Peer {
@@ -106,7 +108,7 @@ type keyedHarness struct {
 
 func newKeyedHarness(t testing.TB) *keyedHarness {
 	h := newHarness(t)
-	h.db = New(modelSubnets, keyedVNIs...)
+	h.db = NewSegments(modelSegments(true))
 	return &keyedHarness{harness: h, km: &keyedModel{src: map[Key]Peer{}}, local: map[string]Peer{}}
 }
 

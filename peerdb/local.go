@@ -41,8 +41,21 @@ func (db *DB) RemoveLocal(endpointID string) (d Delta, ok bool) {
 
 func (db *DB) addLocal(p Peer, sub int) {
 	db.local[p.EndpointID] = p
-	ip := ip4(p.IP)
-	ci := db.claimFor(ip, sub)
+	if p.IP.IsValid() {
+		db.addLocalClaim(db.claimFor(ip4(p.IP), sub), p)
+	}
+	if p.IPv6.IsValid() {
+		db.addLocalClaim(db.claimFor6(p.IPv6, sub), p)
+	}
+
+	fi := db.fdbFor(sub, p.MAC)
+	db.noteFDB(fi, sub, p.MAC)
+	db.fdbs[fi].local++
+	db.recomputeFDB(fi)
+}
+
+// addLocalClaim adds local entry p to claim ci, one of its addresses'.
+func (db *DB) addLocalClaim(ci int32, p Peer) {
 	db.noteNeigh(ci)
 	c := &db.claims[ci]
 	old := c.contrib()
@@ -55,19 +68,38 @@ func (db *DB) addLocal(p Peer, sub int) {
 	}
 	c.x.locals = ls
 	db.refreshClaim(ci, old)
-
-	fi := db.fdbFor(sub, p.MAC)
-	db.noteFDB(fi, sub, p.MAC)
-	db.fdbs[fi].local++
-	db.recomputeFDB(fi)
 }
 
 func (db *DB) removeLocal(p Peer) {
 	delete(db.local, p.EndpointID)
-	ci, ok := db.byIP.get(uint64(ip4(p.IP)))
-	if !ok {
-		panic(fmt.Sprintf("peerdb: internal error: local %v has no claim", p))
+	sub := -1
+	if p.IP.IsValid() {
+		ci, ok := db.byIP.get(uint64(ip4(p.IP)))
+		if !ok {
+			panic(fmt.Sprintf("peerdb: internal error: local %v has no claim", p))
+		}
+		sub = db.removeLocalClaim(ci, p)
 	}
+	if p.IPv6.IsValid() {
+		ci, ok := db.byIP6[p.IPv6]
+		if !ok {
+			panic(fmt.Sprintf("peerdb: internal error: local %v has no IPv6 claim", p))
+		}
+		sub = db.removeLocalClaim(ci, p)
+	}
+
+	fi, ok := db.fdbIdx[sub].get(macKey(p.MAC))
+	if !ok {
+		panic(fmt.Sprintf("peerdb: internal error: local %v has no FDB record", p))
+	}
+	db.noteFDB(fi, sub, p.MAC)
+	db.fdbs[fi].local--
+	db.recomputeFDB(fi)
+}
+
+// removeLocalClaim removes local entry p from claim ci, one of its
+// addresses', and returns the claim's segment.
+func (db *DB) removeLocalClaim(ci int32, p Peer) int {
 	db.noteNeigh(ci)
 	c := &db.claims[ci]
 	old := c.contrib()
@@ -88,14 +120,6 @@ func (db *DB) removeLocal(p Peer) {
 	}
 	c.x.locals = ls
 	c.tidy()
-	sub := int(c.sub)
 	db.refreshClaim(ci, old)
-
-	fi, ok := db.fdbIdx[sub].get(macKey(p.MAC))
-	if !ok {
-		panic(fmt.Sprintf("peerdb: internal error: local %v has no FDB record", p))
-	}
-	db.noteFDB(fi, sub, p.MAC)
-	db.fdbs[fi].local--
-	db.recomputeFDB(fi)
+	return int(c.sub)
 }

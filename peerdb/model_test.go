@@ -17,11 +17,15 @@ import (
 
 var (
 	modelSubnets = []netip.Prefix{netip.MustParsePrefix("10.0.0.0/24"), netip.MustParsePrefix("10.0.1.0/24")}
+	// modelSubnets6[i] is on the segment of modelSubnets[i].
+	modelSubnets6 = []netip.Prefix{netip.MustParsePrefix("2001:db8::/64"), netip.MustParsePrefix("2001:db8:1::/64")}
 
 	uIDs     = []string{"a", "b", "c", "d"}
 	uBadIDs  = []string{"", strings.Repeat("l", 129)}
 	uIPs     = addrs("10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.1.1", "10.0.1.2")
 	uBadIPs  = addrs("192.168.9.9", "::ffff:10.0.0.1", "2001:db8::1")
+	uIP6s    = addrs("2001:db8::1", "2001:db8::2", "2001:db8::3", "2001:db8:1::1", "2001:db8:1::2")
+	uBadIP6s = addrs("2001:db8:9::1", "::ffff:10.0.0.1", "10.0.0.1", "2001:db8::1%eth0")
 	uMACs    = []MAC{{2, 0, 0, 0, 0, 1}, {2, 0, 0, 0, 0, 2}, {2, 0, 0, 0, 0, 3}}
 	uBadMACs = []MAC{{}, {1, 0, 0x5e, 0, 0, 1}}
 	uVTEPs   = addrs("192.0.2.1", "192.0.2.2", "2001:db8::2")
@@ -43,20 +47,57 @@ type model struct {
 
 func newModel() *model { return &model{local: map[string]Peer{}, remote: map[Peer]bool{}} }
 
+// modelSegments returns the model's segments: one IPv4 and one IPv6
+// subnet each, with VNIs when vnis.
+func modelSegments(vnis bool) []Segment {
+	segs := make([]Segment, len(modelSubnets))
+	for i := range segs {
+		segs[i].Prefixes = []netip.Prefix{modelSubnets[i], modelSubnets6[i]}
+		if vnis {
+			segs[i].VNI = keyedVNIs[i]
+		}
+	}
+	return segs
+}
+
+// modelSubnet returns the segment of ip (IPv4 or IPv6).
 func modelSubnet(ip netip.Addr) (int, bool) {
 	for i, p := range modelSubnets {
 		if ip.Is4() && p.Contains(ip) {
 			return i, true
 		}
 	}
+	for i, p := range modelSubnets6 {
+		if ip.Is6() && !ip.Is4In6() && ip.Zone() == "" && p.Contains(ip) {
+			return i, true
+		}
+	}
 	return 0, false
+}
+
+// modelSegment returns the segment of p's addresses: each present one must
+// be of its family and on it.
+func modelSegment(p Peer) (int, bool) {
+	s4, ok4 := modelSubnet(p.IP)
+	s6, ok6 := modelSubnet(p.IPv6)
+	switch {
+	case p.IP.IsValid() && (!ok4 || !p.IP.Is4()):
+		return 0, false
+	case p.IPv6.IsValid() && (!ok6 || !p.IPv6.Is6()):
+		return 0, false
+	case ok4 && ok6:
+		return s4, s4 == s6
+	case ok4:
+		return s4, true
+	}
+	return s6, ok6
 }
 
 func modelValid(p Peer, remote bool) bool {
 	if p.EndpointID == "" || len(p.EndpointID) > 128 {
 		return false
 	}
-	if _, ok := modelSubnet(p.IP); !ok {
+	if _, ok := modelSegment(p); !ok {
 		return false
 	}
 	if p.MAC == (MAC{}) || p.MAC[0]&1 != 0 {
@@ -87,17 +128,39 @@ func mLess(a, b mClaim) bool {
 	if a.p.MAC != b.p.MAC {
 		return string(a.p.MAC[:]) < string(b.p.MAC[:])
 	}
-	return a.p.VTEP.Less(b.p.VTEP)
+	if a.p.VTEP != b.p.VTEP {
+		return a.p.VTEP.Less(b.p.VTEP)
+	}
+	if a.p.IP != b.p.IP {
+		return a.p.IP.Less(b.p.IP)
+	}
+	return a.p.IPv6.Less(b.p.IPv6)
 }
 
-// claims returns every IP's claimants, sorted best first.
+// addrsOf returns the addresses p claims.
+func addrsOf(p Peer) []netip.Addr {
+	var out []netip.Addr
+	for _, a := range []netip.Addr{p.IP, p.IPv6} {
+		if a.IsValid() {
+			out = append(out, a)
+		}
+	}
+	return out
+}
+
+// claims returns every IP's claimants, sorted best first: each address of
+// an entry is a claim of its own.
 func (m *model) claims() map[netip.Addr][]mClaim {
 	out := map[netip.Addr][]mClaim{}
 	for _, p := range m.local {
-		out[p.IP] = append(out[p.IP], mClaim{p, true})
+		for _, a := range addrsOf(p) {
+			out[a] = append(out[a], mClaim{p, true})
+		}
 	}
 	for p := range m.remote {
-		out[p.IP] = append(out[p.IP], mClaim{p, false})
+		for _, a := range addrsOf(p) {
+			out[a] = append(out[a], mClaim{p, false})
+		}
 	}
 	for _, cs := range out {
 		// insertion sort with mLess: deliberately naive
@@ -127,7 +190,7 @@ func (m *model) desired() State {
 		}
 	}
 	for _, l := range m.local {
-		s, _ := modelSubnet(l.IP)
+		s, _ := modelSegment(l)
 		delete(st.FDB, FDBKey{s, l.MAC})
 	}
 	return st
@@ -188,13 +251,22 @@ func pick[T any](s *byteSource, good, bad []T) T {
 	return good[c%len(good)]
 }
 
+// peer returns a record with an IPv4 address, an IPv6 one or both (the
+// last byte says which: all three kinds mix in every sequence).
 func (s *byteSource) peer() Peer {
-	return Peer{
+	p := Peer{
 		EndpointID: pick(s, uIDs, uBadIDs),
 		IP:         pick(s, uIPs, uBadIPs),
 		MAC:        pick(s, uMACs, uBadMACs),
 		VTEP:       pick(s, uVTEPs, uBadVTEP),
 	}
+	switch s.next() % 4 {
+	case 2: // IPv6 only
+		p.IP, p.IPv6 = netip.Addr{}, pick(s, uIP6s, uBadIP6s)
+	case 3: // dual stack
+		p.IPv6 = pick(s, uIP6s, uBadIP6s)
+	}
+	return p
 }
 
 // existing returns a present remote entry most of the time (so deletes and
@@ -208,7 +280,7 @@ func (s *byteSource) existing(m *model) Peer {
 		}
 		slices.SortFunc(all, func(a, b Peer) int {
 			return cmp.Or(strings.Compare(a.EndpointID, b.EndpointID), a.IP.Compare(b.IP),
-				bytes.Compare(a.MAC[:], b.MAC[:]), a.VTEP.Compare(b.VTEP))
+				bytes.Compare(a.MAC[:], b.MAC[:]), a.VTEP.Compare(b.VTEP), a.IPv6.Compare(b.IPv6))
 		})
 		return all[int(c)%len(all)]
 	}
@@ -217,11 +289,19 @@ func (s *byteSource) existing(m *model) Peer {
 
 // mutate changes one field of p, as moves and reuses do.
 func (s *byteSource) mutate(p Peer) Peer {
-	switch s.next() % 5 {
+	switch s.next() % 7 {
 	case 0:
 		p.EndpointID = pick(s, uIDs, uBadIDs)
 	case 1:
 		p.IP = pick(s, uIPs, uBadIPs)
+	case 5:
+		p.IPv6 = pick(s, uIP6s, uBadIP6s)
+	case 6: // drops one address
+		if s.next()%2 == 0 {
+			p.IP = netip.Addr{}
+		} else {
+			p.IPv6 = netip.Addr{}
+		}
 	case 2:
 		p.MAC = pick(s, uMACs, uBadMACs)
 	case 3:
@@ -260,10 +340,14 @@ type harness struct {
 	m     *model
 	state State // running copy maintained only from deltas
 	steps int
+	// seen counts what the checked states held, so a run can show it
+	// covered IPv6: neighbours of IPv6 addresses, dual-stack remote
+	// entries, conflicts over an IPv6 address.
+	seen struct{ neigh6, dual, conflict6 int }
 }
 
 func newHarness(t testing.TB) *harness {
-	return &harness{t: t, db: New(modelSubnets), m: newModel(),
+	return &harness{t: t, db: NewSegments(modelSegments(false)), m: newModel(),
 		state: State{Neigh: map[NeighKey]MAC{}, FDB: map[FDBKey]netip.Addr{}}}
 }
 
@@ -442,15 +526,26 @@ func (h *harness) check(desc func() string, d Delta) {
 
 	// (c) Active and Conflicts match the model.
 	claims := h.m.claims()
-	for _, ip := range slices.Concat(uIPs, uBadIPs) {
+	for _, ip := range slices.Concat(uIPs, uBadIPs, uIP6s, uBadIP6s) {
 		p, local, ok := h.db.Active(ip)
 		cs := claims[ip]
 		if ok != (len(cs) > 0) || (ok && (p != cs[0].p || local != cs[0].local)) || (!ok && (local || p != Peer{})) {
 			fail("Active(%s) = %v %v %v, model %v", ip, p, local, ok, cs)
 		}
 	}
-	if got, want := h.db.Conflicts(), h.m.conflicts(); !reflect.DeepEqual(got, want) {
-		fail("Conflicts:\n got  %+v\n want %+v", got, want)
+	conflicts := h.db.Conflicts()
+	if want := h.m.conflicts(); !reflect.DeepEqual(conflicts, want) {
+		fail("Conflicts:\n got  %+v\n want %+v", conflicts, want)
+	}
+	for _, c := range conflicts {
+		if c.IP.Is6() {
+			h.seen.conflict6++
+		}
+	}
+	for k := range got.Neigh {
+		if k.IP.Is6() {
+			h.seen.neigh6++
+		}
 	}
 
 	// Entry listings.
@@ -470,6 +565,9 @@ func (h *harness) check(desc func() string, d Delta) {
 		}
 		if i > 0 && remote[i-1].IP.Compare(p.IP) > 0 {
 			fail("Remote not sorted by IP")
+		}
+		if p.IP.IsValid() && p.IPv6.IsValid() {
+			h.seen.dual++
 		}
 	}
 }
@@ -505,6 +603,7 @@ func FuzzDB(f *testing.F) {
 func TestModelRandom(t *testing.T) {
 	rng := rand.New(rand.NewPCG(1, 2))
 	steps := 0
+	var neigh6, dual, conflict6 int
 	for run := 0; run < 40; run++ {
 		h := newHarness(t)
 		data := make([]byte, 1500)
@@ -513,9 +612,10 @@ func TestModelRandom(t *testing.T) {
 		}
 		h.run(data)
 		steps += h.steps
+		neigh6, dual, conflict6 = neigh6+h.seen.neigh6, dual+h.seen.dual, conflict6+h.seen.conflict6
 	}
-	if steps < 3000 {
-		t.Fatalf("only %d steps", steps)
+	if steps < 3000 || neigh6 < 1000 || dual < 1000 || conflict6 < 100 {
+		t.Fatalf("only %d steps, %d IPv6 neighbours, %d dual-stack entries, %d IPv6 conflicts", steps, neigh6, dual, conflict6)
 	}
-	t.Logf("%d steps", steps)
+	t.Logf("%d steps, %d IPv6 neighbours, %d dual-stack entries, %d IPv6 conflicts", steps, neigh6, dual, conflict6)
 }

@@ -2,6 +2,7 @@ package peerdb
 
 import (
 	"iter"
+	"net/netip"
 	"slices"
 )
 
@@ -13,17 +14,25 @@ func (db *DB) reserve(n int, nexts iter.Seq[*Peer]) {
 	if !db.reserveNotes(n) {
 		return
 	}
-	perSubnet := make([]int, len(db.subnets))
-	total := 0
+	perSubnet := make([]int, len(db.segs))
+	total, n4, n6 := 0, 0, 0
 	for p := range nexts {
 		if p.IP.Is4() {
 			if s, ok := db.subnet4(ip4(p.IP)); ok {
 				perSubnet[s]++
 				total++
+				n4++
+				if p.IPv6.IsValid() {
+					n6++
+				}
 			}
+		} else if s, ok := db.SubnetOf(p.IPv6); ok {
+			perSubnet[s]++
+			total++
+			n6++
 		}
 	}
-	db.reserveEntries(total)
+	db.reserveEntries(total, n4, n6)
 	for sub, n := range perSubnet {
 		db.reserveFDB(sub, n)
 	}
@@ -35,10 +44,25 @@ func (db *DB) reserveVNI(vni uint32, n int) {
 	if !db.reserveNotes(n) {
 		return
 	}
-	db.reserveEntries(n)
-	if sub := slices.Index(db.vnis, vni); sub >= 0 {
+	sub := slices.Index(db.vnis, vni)
+	n4, n6 := n, 0
+	if sub >= 0 && !db.segHas4(sub) { // an IPv6-only segment
+		n4, n6 = 0, n
+	}
+	db.reserveEntries(n, n4, n6)
+	if sub >= 0 {
 		db.reserveFDB(sub, n)
 	}
+}
+
+// segHas4 reports whether segment sub has an IPv4 prefix.
+func (db *DB) segHas4(sub int) bool {
+	for _, n := range db.nets {
+		if n.seg == sub {
+			return true
+		}
+	}
+	return false
 }
 
 // reserveNotes makes room for the notes of n changes and reports whether
@@ -47,17 +71,23 @@ func (db *DB) reserveVNI(vni uint32, n int) {
 func (db *DB) reserveNotes(n int) bool {
 	db.tx.neigh = slices.Grow(db.tx.neigh, n)
 	db.tx.fdb = slices.Grow(db.tx.fdb, n)
-	return n >= 64 && db.byIP.len() < n/2
+	return n >= 64 && db.byIP.len()+len(db.byIP6) < n/2
 }
 
 // reserveEntries sizes the claims, the remote records and their indexes
-// for total new entries.
-func (db *DB) reserveEntries(total int) {
+// for total new entries, n4 with an IPv4 address and n6 with an IPv6 one.
+func (db *DB) reserveEntries(total, n4, n6 int) {
 	if total == 0 {
 		return
 	}
-	db.byIP.reserve(db.byIP.len() + total)
-	db.claims = slices.Grow(db.claims, total)
+	if n4 > 0 {
+		db.byIP.reserve(db.byIP.len() + n4)
+	}
+	if n6 > 0 && len(db.byIP6) == 0 { // a Go map cannot grow ahead: only a new one is sized
+		db.byIP6 = make(map[netip.Addr]int32, n6)
+		db.addr6 = slices.Grow(db.addr6, n6)
+	}
+	db.claims = slices.Grow(db.claims, n4+n6)
 	db.fdbs = slices.Grow(db.fdbs, total)
 	db.held.reserve(db.held.n + total)
 }
@@ -69,26 +99,50 @@ func (db *DB) reserveFDB(sub, n int) {
 	}
 }
 
-// addRemote inserts p as a remote claimant of its IP; it returns false if
-// p is there already (set semantics).
+// addRemote inserts p as a remote claimant of its addresses; it returns
+// false if p is there already (set semantics).
 func (db *DB) addRemote(p *Peer, sub int) bool {
-	ip := ip4(p.IP)
-	slot, ok := db.byIP.slot(uint64(ip))
-	var ci int32
-	if ok {
-		ci = db.byIP.at(slot)
-		if db.findRemote(&db.claims[ci], p) != notFound {
+	c4, c6 := int32(-1), int32(-1)
+	if p.IP.IsValid() {
+		ip := ip4(p.IP)
+		slot, ok := db.byIP.slot(uint64(ip))
+		if ok {
+			c4 = db.byIP.at(slot)
+			if db.findRemote(&db.claims[c4], p) != notFound {
+				return false
+			}
+		} else {
+			c4 = db.newClaim(ip, sub)
+			db.byIP.set(slot, uint64(ip), c4)
+		}
+	}
+	if p.IPv6.IsValid() {
+		c6 = db.claimFor6(p.IPv6, sub)
+		// A record in a claim is in all its claims: the IPv4 one
+		// answered already if there is one.
+		if c4 < 0 && db.findRemote(&db.claims[c6], p) != notFound {
 			return false
 		}
-	} else {
-		ci = db.newClaim(ip, sub)
-		db.byIP.set(slot, uint64(ip), ci)
 	}
 	db.nRemote++
+	vtep := db.vteps.ref(p.VTEP)
+	if c4 >= 0 {
+		db.addClaimant(c4, remote{id: p.EndpointID, mac: p.MAC, vtep: vtep, hasOther: c6 >= 0, other: c6})
+	}
+	if c6 >= 0 {
+		if c4 >= 0 {
+			db.vteps.refs[vtep]++ // each claim holds a reference
+		}
+		db.addClaimant(c6, remote{id: p.EndpointID, mac: p.MAC, vtep: vtep, hasOther: c4 >= 0, other: c4})
+	}
+	return true
+}
+
+// addClaimant adds remote claimant r to claim ci.
+func (db *DB) addClaimant(ci int32, r remote) {
 	db.noteNeigh(ci)
 	c := &db.claims[ci]
 	old := c.contrib()
-	r := remote{id: p.EndpointID, mac: p.MAC, vtep: db.vteps.ref(p.VTEP)}
 	switch {
 	case c.id == "":
 		c.setHead(r)
@@ -104,20 +158,32 @@ func (db *DB) addRemote(p *Peer, sub int) bool {
 		}
 	}
 	db.refreshClaim(ci, old)
-	return true
 }
 
 func (db *DB) removeRemote(p *Peer) {
-	ci, ok := db.byIP.get(uint64(ip4(p.IP)))
-	if !ok {
-		return
+	found := false
+	if p.IP.IsValid() {
+		if ci, ok := db.byIP.get(uint64(ip4(p.IP))); ok {
+			found = db.removeClaimant(ci, p)
+		}
 	}
+	if p.IPv6.IsValid() {
+		if ci, ok := db.byIP6[p.IPv6]; ok {
+			found = db.removeClaimant(ci, p) || found
+		}
+	}
+	if found {
+		db.nRemote--
+	}
+}
+
+// removeClaimant removes remote p from claim ci, if it is there.
+func (db *DB) removeClaimant(ci int32, p *Peer) bool {
 	c := &db.claims[ci]
 	pos := db.findRemote(c, p)
 	if pos == notFound {
-		return
+		return false
 	}
-	db.nRemote--
 	db.noteNeigh(ci)
 	old := c.contrib()
 	var gone uint32
@@ -144,4 +210,5 @@ func (db *DB) removeRemote(p *Peer) {
 	c.tidy()
 	db.vteps.unref(gone)
 	db.refreshClaim(ci, old)
+	return true
 }

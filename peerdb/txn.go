@@ -2,6 +2,7 @@ package peerdb
 
 import (
 	"cmp"
+	"net/netip"
 	"slices"
 )
 
@@ -26,6 +27,9 @@ type txn struct {
 	neigh []note
 	fdb   []note
 	out   Delta
+	// has6: a claim of an IPv6 address was noted (its notes need the
+	// slower sort, see DB.sortNeigh).
+	has6 bool
 	// emptied: the last transaction left the table empty (its room is
 	// released if the next one does too).
 	emptied bool
@@ -35,9 +39,11 @@ type txn struct {
 // value before the transaction; finish replaces the value with the one to
 // report.
 type note struct {
-	// key orders the Delta: subnet<<32 | IP for a neighbour, and for an
-	// FDB key subnet<<48 | MAC, or just the subnet when subnet indexes do
-	// not fit in 16 bits (see DB.fdbNoteKey).
+	// key orders the Delta: subnet<<33 | IPv4 for a neighbour of an IPv4
+	// address, subnet<<33 | 1<<32 | its slot in DB.addr6 for an IPv6
+	// address (see neighNoteKey); for an FDB key subnet<<48 | MAC, or just
+	// the subnet when subnet indexes do not fit in 16 bits (see
+	// DB.fdbNoteKey).
 	key  uint64
 	idx  int32  // the claim or FDB record
 	vtep uint32 // FDB: the value (interned VTEP)
@@ -60,6 +66,43 @@ func (db *DB) begin() {
 	}
 	t.neigh = t.neigh[:0]
 	t.fdb = t.fdb[:0]
+	t.has6 = false
+}
+
+// ipv6Note tags the note keys of IPv6 neighbours.
+const ipv6Note = 1 << 32
+
+func neighNoteKey(c *claim) uint64 {
+	k := uint64(c.sub)<<33 | uint64(c.ip)
+	if c.v6 {
+		k |= ipv6Note
+	}
+	return k
+}
+
+// neighOfNote returns the segment and address of a neighbour note.
+func (db *DB) neighOfNote(key uint64) (int, netip.Addr) {
+	if key&ipv6Note != 0 {
+		return int(key >> 33), db.addr6[uint32(key)]
+	}
+	return int(key >> 33), addr4(uint32(key))
+}
+
+// sortNeigh sorts the neighbour notes by segment, then address. IPv4
+// keys sort as numbers (sortNotes); the keys of IPv6 notes sort after
+// the IPv4 ones of their segment but hold slots, not addresses, so a
+// transaction that noted any is sorted by comparing addresses.
+func (db *DB) sortNeigh(s []note) {
+	if !db.tx.has6 {
+		sortNotes(s)
+		return
+	}
+	slices.SortFunc(s, func(a, b note) int {
+		if c := cmp.Compare(a.key>>32, b.key>>32); c != 0 || a.key&ipv6Note == 0 {
+			return cmp.Or(c, cmp.Compare(a.key, b.key))
+		}
+		return db.addr6[uint32(a.key)].Compare(db.addr6[uint32(b.key)])
+	})
 }
 
 func (db *DB) noteNeigh(ci int32) {
@@ -69,7 +112,8 @@ func (db *DB) noteNeigh(ci int32) {
 	}
 	c.mark = db.tx.id
 	k := c.contrib()
-	db.tx.neigh = append(db.tx.neigh, note{key: uint64(c.sub)<<32 | uint64(c.ip), idx: ci, mac: k.mac, ok: k.ok})
+	db.tx.has6 = db.tx.has6 || c.v6
+	db.tx.neigh = append(db.tx.neigh, note{key: neighNoteKey(c), idx: ci, mac: k.mac, ok: k.ok})
 }
 
 func (db *DB) noteFDB(fi int32, sub int, mac MAC) {
@@ -120,7 +164,8 @@ func (db *DB) finish() Delta {
 				db.nNeigh++
 			}
 			if n.ok { // valid with another MAC before: Delta.NeighMoved
-				moved = append(moved, Neigh{Subnet: int(n.key >> 32), IP: addr4(uint32(n.key)), MAC: k.mac})
+				sub, ip := db.neighOfNote(n.key)
+				moved = append(moved, Neigh{Subnet: sub, IP: ip, MAC: k.mac})
 			}
 			n.mac, n.set = k.mac, true
 			out = append(out, n)
@@ -131,7 +176,12 @@ func (db *DB) finish() Delta {
 			nDel++
 		}
 		if keep && c.empty() {
-			db.byIP.del(uint64(c.ip))
+			if c.v6 {
+				delete(db.byIP6, db.addr6[c.ip])
+				db.free6 = append(db.free6, c.ip)
+			} else {
+				db.byIP.del(uint64(c.ip))
+			}
 			*c = claim{}
 			db.freeClaims = append(db.freeClaims, n.idx)
 		}
@@ -165,7 +215,7 @@ func (db *DB) finish() Delta {
 
 	d := Delta{NeighMoved: moved}
 	if nSet+nDel > 0 {
-		sortNotes(t.neigh)
+		db.sortNeigh(t.neigh)
 		if nSet > 0 {
 			d.NeighSet = slices.Grow(t.out.NeighSet[:0], nSet)
 		}
@@ -174,7 +224,8 @@ func (db *DB) finish() Delta {
 		}
 		for i := range t.neigh {
 			n := &t.neigh[i]
-			e := Neigh{Subnet: int(n.key >> 32), IP: addr4(uint32(n.key)), MAC: n.mac}
+			sub, ip := db.neighOfNote(n.key)
+			e := Neigh{Subnet: sub, IP: ip, MAC: n.mac}
 			if n.set {
 				d.NeighSet = append(d.NeighSet, e)
 			} else {
@@ -254,6 +305,9 @@ func (t *txn) release() {
 // keeping their room unless release.
 func (db *DB) reset(release bool) {
 	db.byIP.reset(release)
+	clear(db.byIP6)
+	clear(db.addr6)
+	db.addr6, db.free6 = db.addr6[:0], db.free6[:0]
 	for s := range db.fdbIdx {
 		db.fdbIdx[s].reset(release)
 	}

@@ -64,22 +64,30 @@ func (m MAC) IsZero() bool { return m == MAC{} }
 // IsUnicast reports whether m is a non-zero unicast address (group bit clear).
 func (m MAC) IsUnicast() bool { return !m.IsZero() && m[0]&1 == 0 }
 
-// Peer is one endpoint's record: where the endpoint with this IP and MAC lives.
-// It is a comparable value; two records are the same entry iff all fields are
-// equal.
+// Peer is one endpoint's record: where the endpoint with these addresses and
+// MAC lives. It is a comparable value; two records are the same entry iff all
+// fields are equal.
+//
+// IP is the endpoint's IPv4 address and IPv6 its IPv6 address; either may be
+// the zero Addr (an IPv6-only or an IPv4-only endpoint), not both. Each valid
+// address is a claim of its own (see the package documentation).
 type Peer struct {
 	EndpointID string
 	IP         netip.Addr
 	MAC        MAC
 	VTEP       netip.Addr // the underlay address of the host holding the endpoint
+	IPv6       netip.Addr
 }
 
 func (p Peer) String() string {
+	if p.IPv6.IsValid() {
+		return fmt.Sprintf("%s ip=%s ipv6=%s mac=%s vtep=%s", p.EndpointID, p.IP, p.IPv6, p.MAC, p.VTEP)
+	}
 	return fmt.Sprintf("%s ip=%s mac=%s vtep=%s", p.EndpointID, p.IP, p.MAC, p.VTEP)
 }
 
 // Neigh is a desired permanent neighbour entry (IP -> MAC) on the VXLAN link
-// of subnet Subnet (an index into the DB's subnets).
+// of segment Subnet (an index into the DB's segments). IP is IPv4 or IPv6.
 type Neigh struct {
 	Subnet int
 	IP     netip.Addr
@@ -87,7 +95,7 @@ type Neigh struct {
 }
 
 // FDB is a desired permanent forwarding entry (MAC -> VTEP, "self") on the
-// VXLAN link of subnet Subnet.
+// VXLAN link of segment Subnet.
 type FDB struct {
 	Subnet int
 	MAC    MAC

@@ -35,7 +35,7 @@ func (db *DB) Desired() State {
 	for i := range db.claims {
 		c := &db.claims[i]
 		if k := c.contrib(); k.ok {
-			s.Neigh[NeighKey{Subnet: int(c.sub), IP: addr4(c.ip)}] = k.mac
+			s.Neigh[NeighKey{Subnet: int(c.sub), IP: db.addr(c)}] = k.mac
 		}
 	}
 	for sub := range db.fdbIdx {
@@ -55,22 +55,36 @@ func (db *DB) Desired() State {
 	return s
 }
 
-func (db *DB) peer(ip uint32, r remote) Peer {
-	return Peer{EndpointID: r.id, IP: addr4(ip), MAC: r.mac, VTEP: db.vteps.vals[r.vtep]}
+// peer returns the whole record of remote claimant r of claim c.
+func (db *DB) peer(c *claim, r remote) Peer {
+	p := Peer{EndpointID: r.id, MAC: r.mac, VTEP: db.vteps.vals[r.vtep]}
+	var other netip.Addr
+	if r.hasOther {
+		other = db.addr(&db.claims[r.other])
+	}
+	if c.v6 {
+		p.IP, p.IPv6 = other, db.addr6[c.ip]
+	} else {
+		p.IP, p.IPv6 = addr4(c.ip), other
+	}
+	return p
 }
 
-// Remote returns all remote entries, sorted by IP, then EndpointID, MAC and
-// VTEP.
+// Remote returns all remote entries, sorted by IP (IPv6-only entries,
+// which have none, first), then EndpointID, MAC, VTEP and IPv6.
 func (db *DB) Remote() []Peer {
 	out := make([]Peer, 0, db.nRemote)
 	for i := range db.claims {
 		c := &db.claims[i]
-		if c.id != "" {
-			out = append(out, db.peer(c.ip, c.head()))
+		// A dual-stack entry is listed from the claim of its IPv4 address.
+		if c.id != "" && !(c.v6 && c.hasOther) {
+			out = append(out, db.peer(c, c.head()))
 		}
 		if c.x != nil {
 			for _, r := range c.x.remotes {
-				out = append(out, db.peer(c.ip, r))
+				if !(c.v6 && r.hasOther) {
+					out = append(out, db.peer(c, r))
+				}
 			}
 		}
 	}
@@ -80,7 +94,8 @@ func (db *DB) Remote() []Peer {
 	return out
 }
 
-// Local returns the local entries, sorted by IP then EndpointID.
+// Local returns the local entries, sorted by IP (IPv6-only entries first),
+// then EndpointID.
 func (db *DB) Local() []Peer {
 	out := make([]Peer, 0, len(db.local))
 	for _, p := range db.local {
@@ -92,13 +107,16 @@ func (db *DB) Local() []Peer {
 	return out
 }
 
-// Active returns the winning claimant of ip and whether it is a local entry;
-// ok is false if no entry claims ip.
+// Active returns the winning claimant of ip (IPv4 or IPv6) and whether it
+// is a local entry; ok is false if no entry claims ip.
 func (db *DB) Active(ip netip.Addr) (p Peer, local bool, ok bool) {
-	if !ip.Is4() {
-		return Peer{}, false, false
+	var ci int32
+	switch {
+	case ip.Is4():
+		ci, ok = db.byIP.get(uint64(ip4(ip)))
+	case ip.Is6():
+		ci, ok = db.byIP6[ip]
 	}
-	ci, ok := db.byIP.get(uint64(ip4(ip)))
 	if !ok {
 		return Peer{}, false, false
 	}
@@ -107,13 +125,14 @@ func (db *DB) Active(ip netip.Addr) (p Peer, local bool, ok bool) {
 	case c.hasLocal():
 		return c.x.locals[0], true, true
 	case c.id != "":
-		return db.peer(c.ip, c.head()), false, true
+		return db.peer(c, c.head()), false, true
 	}
 	return Peer{}, false, false
 }
 
-// Conflicts returns the IPs claimed by more than one entry, sorted by IP, each
-// with its winner and the shadowed claimants in precedence order.
+// Conflicts returns the IPs (IPv4 and IPv6) claimed by more than one entry,
+// sorted by IP, each with its winner and the shadowed claimants in
+// precedence order.
 func (db *DB) Conflicts() []Conflict {
 	var out []Conflict
 	for i := range db.claims {
@@ -126,14 +145,14 @@ func (db *DB) Conflicts() []Conflict {
 		})
 		nLocal := len(all)
 		if c.id != "" {
-			all = append(all, db.peer(c.ip, c.head()))
+			all = append(all, db.peer(c, c.head()))
 			for _, r := range c.x.remotes {
-				all = append(all, db.peer(c.ip, r))
+				all = append(all, db.peer(c, r))
 			}
 			slices.SortFunc(all[nLocal:], compareRemote)
 		}
 		out = append(out, Conflict{
-			IP:          addr4(c.ip),
+			IP:          db.addr(c),
 			Active:      all[0],
 			ActiveLocal: nLocal > 0,
 			Shadowed:    all[1:],

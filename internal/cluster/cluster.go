@@ -569,9 +569,14 @@ func (c *Cluster) memberAlive(n *memberlist.Node) {
 		m := c.replica.members[n.Name]
 		d.mu.Lock()
 		d.defsOK = m != nil && m.metaErr == nil && m.meta.ProtoMax >= protoDefs
+		d.ipv6OK = m != nil && m.metaErr == nil && m.meta.ProtoMax >= ProtocolIPv6
+		d.defs6 = d.defsOK && m.meta.ProtoMax >= protoDefs6
 		d.defs = d.defs || fresh != nil
 		d.mu.Unlock()
 	}
+	// Before the new member's first message (its digest below): a member
+	// of an older protocol must never be sent a record with IPv6.
+	wake := c.gateIPv6Locked()
 	if fresh != nil {
 		// Then our digest: a member back from dead (same incarnation)
 		// missed our changes meanwhile and asks for a snapshot if so.
@@ -584,7 +589,30 @@ func (c *Cluster) memberAlive(n *memberlist.Node) {
 		c.start(func() { c.sendLoop(fresh) })
 	}
 	c.mu.Unlock()
+	if wake {
+		c.wakePublisher()
+	}
 	c.membersChanged()
+}
+
+// gateIPv6Locked lets the local records go out with their IPv6 addresses
+// exactly while every alive member speaks ProtocolIPv6 (see wire.go,
+// "IPv6"), logging each change with the members in the way. It reports
+// whether records were re-published (the publisher must run). Expects
+// c.mu held.
+func (c *Cluster) gateIPv6Locked() bool {
+	old := c.replica.olderThanIPv6()
+	changed, n := c.local.setIPv6(len(old) == 0)
+	switch {
+	case !changed:
+	case len(old) > 0:
+		c.log.Warn("a member speaks a protocol without IPv6 records: this node's records go out without their IPv6 addresses (IPv6-only ones withdrawn) until every member speaks it",
+			logkeys.Event, logkeys.IPv6Withheld, "members", old, "records", n, "protocol_needed", ProtocolIPv6)
+	default:
+		c.log.Info("every member speaks IPv6 records: this node's records go out with their IPv6 addresses again",
+			logkeys.Event, logkeys.IPv6Published, "records", n)
+	}
+	return changed && n > 0
 }
 
 // memberGone handles memberlist's leave event (a node dead or left).
@@ -599,7 +627,11 @@ func (c *Cluster) memberGone(n *memberlist.Node) {
 		close(d.stop)
 		delete(c.dests, n.Name)
 	}
+	wake := c.gateIPv6Locked()
 	c.mu.Unlock()
+	if wake {
+		c.wakePublisher()
+	}
 	if n.Name != c.cfg.NodeName {
 		switch {
 		case state == StateLeft:

@@ -26,7 +26,7 @@ const (
 	DropInvalidOrigin   DropReason = "invalid_origin"   // empty or non-UTF-8 origin name
 	DropInvalidVNI      DropReason = "invalid_vni"      // VNI 0 (1..16777215 are valid)
 	DropInvalidEndpoint DropReason = "invalid_endpoint" // endpoint id not printable UTF-8
-	DropInvalidIP       DropReason = "invalid_ip"       // not a unicast IPv4 address
+	DropInvalidIP       DropReason = "invalid_ip"       // IP not a unicast IPv4 address, IPv6 not a unicast IPv6 one, or neither present
 	DropInvalidMAC      DropReason = "invalid_mac"      // not a unicast MAC
 	DropInvalidVTEP     DropReason = "invalid_vtep"     // not a unicast IPv4/IPv6 address
 	// DropInvalidDefinition: a network definition that is not valid
@@ -260,6 +260,13 @@ func decodeRecord(r *reader, rec *record) *decodeError {
 		return derr(DropMalformed, "unknown flags %#x", flags)
 	}
 	rec.Deleted = flags&flagDeleted != 0
+	has6, no4 := flags&flagIPv6 != 0, flags&flagNoIPv4 != 0
+	switch {
+	case rec.Deleted && (has6 || no4):
+		return derr(DropMalformed, "IPv6 flags %#x on a deleted record", flags)
+	case no4 && !has6:
+		return derr(DropMalformed, "flags %#x: a record without IPv4 must have IPv6", flags)
+	}
 	idLen, err := r.u8("endpoint id length")
 	if err != nil {
 		return err
@@ -277,11 +284,13 @@ func decodeRecord(r *reader, rec *record) *decodeError {
 		return err
 	}
 	if !rec.Deleted {
-		ip, err := r.bytes(4, "IP")
-		if err != nil {
-			return err
+		if !no4 {
+			ip, err := r.bytes(4, "IP")
+			if err != nil {
+				return err
+			}
+			rec.IP = netip.AddrFrom4([4]byte(ip))
 		}
-		rec.IP = netip.AddrFrom4([4]byte(ip))
 		mac, err := r.bytes(6, "MAC")
 		if err != nil {
 			return err
@@ -307,6 +316,13 @@ func decodeRecord(r *reader, rec *record) *decodeError {
 		default:
 			return derr(DropInvalidVTEP, "VTEP family %d", fam)
 		}
+		if has6 {
+			v, err := r.bytes(16, "IPv6")
+			if err != nil {
+				return err
+			}
+			rec.IPv6 = netip.AddrFrom16([16]byte(v))
+		}
 	}
 	if reason := validRecord(rec); reason != "" {
 		return derr(reason, "VNI %d endpoint %q: %s", rec.VNI, rec.EndpointID, describeInvalid(rec, reason))
@@ -326,7 +342,9 @@ func validRecord(r *record) DropReason {
 		return DropMalformed
 	case r.Deleted:
 		return ""
-	case !validPeerIP(r.IP):
+	case !r.IP.IsValid() && !r.IPv6.IsValid(),
+		r.IP.IsValid() && !validPeerIP(r.IP),
+		r.IPv6.IsValid() && !validPeerIPv6(r.IPv6):
 		return DropInvalidIP
 	case !r.MAC.IsUnicast():
 		return DropInvalidMAC
@@ -345,7 +363,13 @@ func describeInvalid(r *record, reason DropReason) string {
 	case DropMalformed:
 		return "version 0"
 	case DropInvalidIP:
-		return fmt.Sprintf("IP %v is not a unicast IPv4 address", r.IP)
+		switch {
+		case !r.IP.IsValid() && !r.IPv6.IsValid():
+			return "the record has neither an IPv4 nor an IPv6 address"
+		case r.IP.IsValid() && !validPeerIP(r.IP):
+			return fmt.Sprintf("IP %v is not a unicast IPv4 address", r.IP)
+		}
+		return fmt.Sprintf("IPv6 %v is not a unicast IPv6 address (nor IPv4-mapped, link-local, loopback or zoned)", r.IPv6)
 	case DropInvalidMAC:
 		return fmt.Sprintf("MAC %v is not unicast", r.MAC)
 	case DropInvalidVTEP:
@@ -369,6 +393,14 @@ func validEndpointID(id string) bool {
 // validPeerIP: an endpoint's address is a unicast IPv4 address.
 func validPeerIP(a netip.Addr) bool {
 	return a.Is4() && !a.IsUnspecified() && !a.IsMulticast() && a != netip.AddrFrom4([4]byte{255, 255, 255, 255})
+}
+
+// validPeerIPv6: an endpoint's IPv6 address is a unicast IPv6 address
+// that can be on an overlay segment: not IPv4-mapped, unspecified,
+// loopback, multicast, link-local (the segment's own) or zoned.
+func validPeerIPv6(a netip.Addr) bool {
+	return a.Is6() && !a.Is4In6() && a.Zone() == "" && !a.IsUnspecified() && !a.IsLoopback() &&
+		!a.IsMulticast() && !a.IsLinkLocalUnicast()
 }
 
 // validVTEP: a tunnel endpoint is a unicast IPv4 or (non-mapped) IPv6

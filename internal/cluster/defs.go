@@ -43,6 +43,14 @@ type defRecord struct {
 // protoDefs is the first protocol version that carries definitions.
 const protoDefs byte = 2
 
+// protoDefs6 is the first protocol version whose definitions may have IPv6
+// subnets (subnet flags beyond the gateway bit). A member of an older
+// version would drop the whole set as malformed, so it is sent the set
+// without the definitions that have IPv6: it cannot have a network that
+// agrees with them anyway, and it holds our records of those VNIs back as
+// it does for any VNI whose definition it lacks.
+const protoDefs6 byte = 4
+
 // defFlag bits of an encoded definition.
 const (
 	defEncrypted byte = 1 << 0
@@ -50,10 +58,22 @@ const (
 	knownDefBits      = defEncrypted | defInternal
 )
 
+// Subnet flags of an encoded definition. Protocol 2 and 3 know only
+// subGateway (and refuse any other bit).
+const (
+	subGateway   byte = 1 << 0 // an IPv4 gateway follows
+	subNoIPv4    byte = 1 << 1 // the segment has no IPv4 pool (pool and bits are zero)
+	subIPv6      byte = 1 << 2 // IPv6 subnets follow (protocol 4)
+	knownSubBits      = subGateway | subNoIPv4 | subIPv6
+)
+
 // appendDef appends a definition (valid, see validDef):
 //
 //	def    = vni:u24be flags:u8 mtu:u16be nsub:u8 subnet*nsub
-//	subnet = vni:u24be pool:4 bits:u8 gwFlag:u8 (0|1) [gateway:4]
+//	subnet = vni:u24be pool:4 bits:u8 subFlags:u8 [gateway:4] [n6:u8 subnet6*n6]
+//	subnet6 = pool:16 bits:u8 gwFlag:u8 (0|1) [gateway:16]
+//
+// A definition without IPv6 encodes exactly as in protocol 2.
 func appendDef(b []byte, r *defRecord) []byte {
 	b = append(b, byte(r.VNI>>16), byte(r.VNI>>8), byte(r.VNI))
 	var flags byte
@@ -68,15 +88,40 @@ func appendDef(b []byte, r *defRecord) []byte {
 	b = append(b, byte(len(r.Def.Subnets)))
 	for _, s := range r.Def.Subnets {
 		b = append(b, byte(s.VNI>>16), byte(s.VNI>>8), byte(s.VNI))
-		p := s.Pool.Addr().As4()
-		b = append(b, p[:]...)
-		b = append(b, byte(s.Pool.Bits()))
+		var sf byte
+		if s.Pool.IsValid() {
+			p := s.Pool.Addr().As4()
+			b = append(b, p[:]...)
+			b = append(b, byte(s.Pool.Bits()))
+		} else {
+			b = append(b, 0, 0, 0, 0, 0)
+			sf |= subNoIPv4
+		}
+		if s.Gateway.IsValid() {
+			sf |= subGateway
+		}
+		if len(s.IPv6) > 0 {
+			sf |= subIPv6
+		}
+		b = append(b, sf)
 		if s.Gateway.IsValid() {
 			g := s.Gateway.Addr().As4()
-			b = append(b, 1)
 			b = append(b, g[:]...)
-		} else {
-			b = append(b, 0)
+		}
+		if len(s.IPv6) > 0 {
+			b = append(b, byte(len(s.IPv6)))
+			for _, v := range s.IPv6 {
+				p := v.Pool.Addr().As16()
+				b = append(b, p[:]...)
+				b = append(b, byte(v.Pool.Bits()))
+				if v.Gateway.IsValid() {
+					g := v.Gateway.Addr().As16()
+					b = append(b, 1)
+					b = append(b, g[:]...)
+				} else {
+					b = append(b, 0)
+				}
+			}
 		}
 	}
 	return b
@@ -125,25 +170,78 @@ func decodeDef(r *reader, d *defRecord) *decodeError {
 		if bits > 32 {
 			return derr(DropInvalidDefinition, "definition of VNI %d: subnet %d prefix length %d", d.VNI, i, bits)
 		}
-		s.Pool = netip.PrefixFrom(netip.AddrFrom4([4]byte(pool)), int(bits))
-		gw, err := r.u8("subnet gateway flag")
+		sf, err := r.u8("subnet flags")
+		if err != nil {
+			return err
+		}
+		if sf&^knownSubBits != 0 || sf&(subNoIPv4|subGateway) == subNoIPv4|subGateway {
+			return derr(DropMalformed, "definition of VNI %d: subnet %d flags %#x", d.VNI, i, sf)
+		}
+		switch {
+		case sf&subNoIPv4 == 0:
+			s.Pool = netip.PrefixFrom(netip.AddrFrom4([4]byte(pool)), int(bits))
+		case bits != 0 || [4]byte(pool) != [4]byte{}:
+			return derr(DropMalformed, "definition of VNI %d: subnet %d has no IPv4 pool but pool bytes %v/%d", d.VNI, i, pool, bits)
+		}
+		if sf&subGateway != 0 {
+			g, err := r.bytes(4, "subnet gateway")
+			if err != nil {
+				return err
+			}
+			s.Gateway = netip.PrefixFrom(netip.AddrFrom4([4]byte(g)), int(bits))
+		}
+		if sf&subIPv6 != 0 {
+			if err := decodeSubnets6(r, d.VNI, i, s); err != nil {
+				return err
+			}
+		}
+	}
+	if e := validDef(d); e != nil {
+		return derr(DropInvalidDefinition, "definition of VNI %d: %v", d.VNI, e)
+	}
+	return nil
+}
+
+// decodeSubnets6 reads the IPv6 subnets of subnet i of the definition of
+// vni into s.
+func decodeSubnets6(r *reader, vni uint32, i int, s *netdef.Subnet) *decodeError {
+	n, err := r.u8("IPv6 subnet count")
+	if err != nil {
+		return err
+	}
+	if n == 0 {
+		return derr(DropMalformed, "definition of VNI %d: subnet %d announces IPv6 subnets but has none", vni, i)
+	}
+	s.IPv6 = make([]netdef.Subnet6, n)
+	for k := range s.IPv6 {
+		v := &s.IPv6[k]
+		pool, err := r.bytes(16, "IPv6 subnet pool")
+		if err != nil {
+			return err
+		}
+		bits, err := r.u8("IPv6 subnet prefix length")
+		if err != nil {
+			return err
+		}
+		if bits > 128 {
+			return derr(DropInvalidDefinition, "definition of VNI %d: subnet %d IPv6 subnet %d prefix length %d", vni, i, k, bits)
+		}
+		v.Pool = netip.PrefixFrom(netip.AddrFrom16([16]byte(pool)), int(bits))
+		gw, err := r.u8("IPv6 subnet gateway flag")
 		if err != nil {
 			return err
 		}
 		switch gw {
 		case 0:
 		case 1:
-			g, err := r.bytes(4, "subnet gateway")
+			g, err := r.bytes(16, "IPv6 subnet gateway")
 			if err != nil {
 				return err
 			}
-			s.Gateway = netip.PrefixFrom(netip.AddrFrom4([4]byte(g)), int(bits))
+			v.Gateway = netip.PrefixFrom(netip.AddrFrom16([16]byte(g)), int(bits))
 		default:
-			return derr(DropMalformed, "definition of VNI %d: subnet %d gateway flag %d", d.VNI, i, gw)
+			return derr(DropMalformed, "definition of VNI %d: subnet %d IPv6 subnet %d gateway flag %d", vni, i, k, gw)
 		}
-	}
-	if e := validDef(d); e != nil {
-		return derr(DropInvalidDefinition, "definition of VNI %d: %v", d.VNI, e)
 	}
 	return nil
 }
@@ -248,15 +346,24 @@ func (l *localStore) syncDefs(mark uint64, defs map[uint32]netdef.Definition) (m
 	return errs, changed
 }
 
-// defsMessage returns this node's complete set of definitions.
-func (l *localStore) defsMessage() *message {
+// defsMessage returns this node's complete set of definitions; without
+// withIPv6 (a member older than protoDefs6), those that have IPv6 subnets
+// are left out.
+func (l *localStore) defsMessage(withIPv6 bool) *message {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	return &message{Type: msgDefs, Origin: l.name, Incarnation: l.inc, AsOf: max(l.defsVer, 1), Defs: sortedDefs(l.defs)}
+	defs := sortedDefs(l.defs)
+	if !withIPv6 {
+		defs = slices.DeleteFunc(defs, func(r defRecord) bool { return r.Def.HasIPv6() })
+	}
+	return &message{Type: msgDefs, Origin: l.name, Incarnation: l.inc, AsOf: max(l.defsVer, 1), Defs: defs}
 }
 
 func cloneDef(d netdef.Definition) netdef.Definition {
 	d.Subnets = slices.Clone(d.Subnets)
+	for i := range d.Subnets {
+		d.Subnets[i].IPv6 = slices.Clone(d.Subnets[i].IPv6)
+	}
 	return d
 }
 

@@ -165,3 +165,111 @@ func TestDefinitionsAskedForUntilTheyArrive(t *testing.T) {
 		t.Fatalf("definitions of VNI 7: %+v", d)
 	}
 }
+
+// dualStackDef is a definition of vni with one segment: 198.51.100.0/24
+// (unless v6only) and two IPv6 subnets, the second without a gateway.
+func dualStackDef(vni uint32, v6only bool) netdef.Definition {
+	s := netdef.Subnet{VNI: vni, IPv6: []netdef.Subnet6{
+		{Pool: netip.MustParsePrefix("2001:db8:1::/64"), Gateway: netip.MustParsePrefix("2001:db8:1::1/64")},
+		{Pool: netip.MustParsePrefix("2001:db8:2::/120")},
+	}}
+	if !v6only {
+		s.Pool, s.Gateway = netip.MustParsePrefix("198.51.100.0/24"), netip.MustParsePrefix("198.51.100.1/24")
+	}
+	return netdef.Definition{MTU: 1450, Subnets: []netdef.Subnet{s}}
+}
+
+// Definitions with IPv6 subnets (dual-stack and IPv6-only) cross the wire
+// unchanged; one without IPv6 keeps protocol 2's subnet encoding (its flag
+// byte is the gateway flag 0 or 1 older nodes know).
+func TestDefinitionsWithIPv6Encode(t *testing.T) {
+	m := &message{Type: msgDefs, Origin: "h", Incarnation: 1, AsOf: 3, Defs: []defRecord{
+		{VNI: 300, Def: dualStackDef(300, false)},
+		{VNI: 301, Def: dualStackDef(301, true)},
+		{VNI: 302, Def: sampleDef(1450, false, 302)},
+	}}
+	got, derr := decodeMessage(mustEncode(t, m))
+	if derr != nil {
+		t.Fatal(derr)
+	}
+	for i := range m.Defs {
+		if got.Defs[i].VNI != m.Defs[i].VNI || !netdef.Equal(&got.Defs[i].Def, &m.Defs[i].Def) {
+			t.Errorf("definition %d decodes as %+v, want %+v", i, got.Defs[i], m.Defs[i])
+		}
+	}
+	b := appendDef(nil, &defRecord{VNI: 302, Def: sampleDef(1450, false, 302)})
+	const flagAt = 3 + 1 + 2 + 1 + 3 + 4 + 1 // def header, subnet VNI, pool, bits
+	if b[flagAt] != 1 || len(b) != flagAt+1+4 {
+		t.Errorf("an IPv4 definition encodes as %x: subnet flag %d, want protocol 2's layout", b, b[flagAt])
+	}
+}
+
+// Malformed IPv6 parts of a definition are dropped, naming what is wrong.
+func TestDefinitionsWithIPv6Malformed(t *testing.T) {
+	good := appendDef(nil, &defRecord{VNI: 300, Def: dualStackDef(300, true)})
+	const flagAt = 3 + 1 + 2 + 1 + 3 + 4 + 1
+	for _, tc := range []struct {
+		name   string
+		mutate func(b []byte) []byte
+		reason DropReason
+	}{
+		{"unknown subnet flag", func(b []byte) []byte { b[flagAt] |= 1 << 5; return b }, DropMalformed},
+		{"no IPv4 but a gateway", func(b []byte) []byte { b[flagAt] |= subGateway; return b }, DropMalformed},
+		{"no IPv4 but pool bytes", func(b []byte) []byte { b[flagAt-2] = 7; return b }, DropMalformed},
+		{"IPv6 announced, none given", func(b []byte) []byte { b[flagAt+1] = 0; return b[:flagAt+2] }, DropMalformed},
+		{"IPv6 prefix length 129", func(b []byte) []byte { b[flagAt+2+16] = 129; return b }, DropInvalidDefinition},
+		{"IPv6 gateway flag 2", func(b []byte) []byte { b[flagAt+2+17] = 2; return b }, DropMalformed},
+		{"link-local IPv6 pool", func(b []byte) []byte { b[flagAt+2], b[flagAt+3] = 0xfe, 0x80; return b }, DropInvalidDefinition},
+		{"truncated", func(b []byte) []byte { return b[:len(b)-3] }, DropTruncated},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := &reader{b: tc.mutate(slices.Clone(good))}
+			var d defRecord
+			err := decodeDef(r, &d)
+			if err == nil {
+				t.Fatalf("decoded %+v", d)
+			}
+			if err.Reason != tc.reason {
+				t.Errorf("dropped as %s (%s), want %s", err.Reason, err.Detail, tc.reason)
+			}
+		})
+	}
+}
+
+// A member older than protocol 4 is sent the definitions without IPv6 only
+// (it would drop the whole set as malformed otherwise); members of
+// protocol 4 get them all.
+func TestDefinitionsWithIPv6SpareOlderMembers(t *testing.T) {
+	t.Parallel()
+	nodes := startCluster(t, "d6", hosts("127.0.0.", 171, 2), nodeOpts{})
+	waitMembers(t, 10*time.Second, nodes)
+	cur, old := nodes[0], nodes[1]
+	cur.advertiseProtocol(protoDefs6)
+	old.advertiseProtocol(protoDefs6)
+	dual := dualStackDef(171, false)
+	if err := cur.c.PublishDefinition(171, &dual); err != nil {
+		t.Fatal(err)
+	}
+	waitDefs(t, old, 171, cur.name+"=1450")
+	if got := old.c.Definitions(171); len(got) != 1 || !netdef.Equal(&got[0].Def, &dual) {
+		t.Fatalf("the protocol-4 member holds %+v, want %+v", got, dual)
+	}
+
+	old.advertiseProtocol(protoDefs6 - 1)
+	waitFor(t, 10*time.Second, "the protocol-3 metadata to arrive", func() (bool, string) {
+		for _, m := range cur.c.Status().Members {
+			if m.Name == old.name {
+				return m.Protocol == protoDefs6-1, fmt.Sprint("protocol ", m.Protocol)
+			}
+		}
+		return false, "not a member"
+	})
+	v4 := sampleDef(1400, false, 172)
+	cur.c.SyncDefinitions(cur.c.LocalMark(), map[uint32]netdef.Definition{171: dual, 172: v4})
+	// The set old gets lacks VNI 171 (so it is gone there) but has 172.
+	waitDefs(t, old, 172, cur.name+"=1400")
+	waitDefs(t, old, 171)
+	if st := old.c.Status(); st.Dropped[DropMalformed] != 0 || st.Dropped[DropInvalidDefinition] != 0 {
+		t.Fatalf("the protocol-3 member dropped definitions: %v", st.Dropped)
+	}
+}

@@ -224,8 +224,15 @@ type deltaSets struct {
 	c     *Cluster
 	recs  []record
 	vnis  []uint32 // the batch's distinct VNIs, sorted
-	all   [][]byte // the whole batch, encoded on first use
-	byKey map[string][][]byte
+	all   *deltaSet
+	byKey map[string]*deltaSet
+}
+
+// deltaSet is one selection's deltas, and whether a record of it has an
+// IPv6 address (a member of an older protocol gets a snapshot instead).
+type deltaSet struct {
+	msgs [][]byte
+	has6 bool
 }
 
 func newDeltaSets(c *Cluster, recs []record) *deltaSets {
@@ -238,9 +245,14 @@ func newDeltaSets(c *Cluster, recs []record) *deltaSets {
 	return s
 }
 
+func (s *deltaSets) encode(sel []record) *deltaSet {
+	return &deltaSet{msgs: s.c.encodeDeltas(sel), has6: slices.ContainsFunc(sel, func(r record) bool { return r.hasIPv6() })}
+}
+
 // forInterest returns the batch's deltas for a member that wants want
-// (nil when none of the batch concerns it).
-func (s *deltaSets) forInterest(want interest) [][]byte {
+// (none when none of the batch concerns it), and whether a record of them
+// has an IPv6 address.
+func (s *deltaSets) forInterest(want interest) ([][]byte, bool) {
 	if want != nil {
 		key := make([]byte, (len(s.vnis)+7)/8)
 		n := 0
@@ -252,31 +264,31 @@ func (s *deltaSets) forInterest(want interest) [][]byte {
 		}
 		switch n {
 		case 0:
-			return nil
+			return nil, false
 		case len(s.vnis):
 			// Every VNI of the batch: the whole batch.
 		default:
-			if m, ok := s.byKey[string(key)]; ok {
-				return m
-			}
-			var sel []record
-			for i := range s.recs {
-				if want.wants(s.recs[i].VNI) {
-					sel = append(sel, s.recs[i])
+			set, ok := s.byKey[string(key)]
+			if !ok {
+				var sel []record
+				for i := range s.recs {
+					if want.wants(s.recs[i].VNI) {
+						sel = append(sel, s.recs[i])
+					}
 				}
+				set = s.encode(sel)
+				if s.byKey == nil {
+					s.byKey = make(map[string]*deltaSet)
+				}
+				s.byKey[string(key)] = set
 			}
-			m := s.c.encodeDeltas(sel)
-			if s.byKey == nil {
-				s.byKey = make(map[string][][]byte)
-			}
-			s.byKey[string(key)] = m
-			return m
+			return set.msgs, set.has6
 		}
 	}
 	if s.all == nil {
-		s.all = s.c.encodeDeltas(s.recs)
+		s.all = s.encode(s.recs)
 	}
-	return s.all
+	return s.all.msgs, s.all.has6
 }
 
 // filterOwnInterest drops from a push/pull snapshot of origin name the

@@ -36,7 +36,7 @@ func waitSets(t *testing.T, nodes []*node) {
 					continue
 				}
 				held := n.c.replica.origins[o.name]
-				mine := o.c.local.defsMessage()
+				mine := o.c.local.defsMessage(true)
 				if held == nil || held.defsVer != mine.AsOf {
 					n.c.mu.Unlock()
 					return false, fmt.Sprintf("%s lacks %s's set of clock %d", n.name, o.name, mine.AsOf)

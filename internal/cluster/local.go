@@ -28,10 +28,16 @@ type localStore struct {
 	// interestFlag: advertise interest (Config.Interest; metaInterest).
 	interestFlag bool
 	app          []byte // application state (SetAppState)
-	clock        uint64 // last version issued
-	recs         map[recKey]*lrec
-	live         int
-	hash         uint64
+	// ipv6: every alive member speaks ProtocolIPv6, so records go out
+	// with their IPv6 addresses; while not, they are withheld (see
+	// lrec.full and wire.go, "IPv6"). withheld counts the records
+	// concerned.
+	ipv6     bool
+	withheld int
+	clock    uint64 // last version issued
+	recs     map[recKey]*lrec
+	live     int
+	hash     uint64
 	// byVNI: live and hash per VNI, so a digest of the VNIs one member
 	// wants costs a lookup per VNI (interest.go); a VNI without live
 	// records has no entry.
@@ -51,14 +57,28 @@ type localStore struct {
 }
 
 type lrec struct {
-	rec record
+	rec record    // as published: on the wire, in snapshots and digests
 	at  time.Time // deletion time of a tombstone
+	// full is the record as the driver published it when rec is not it:
+	// its IPv6 address is withheld from a member of an older protocol
+	// (rec lacks it; an IPv6-only record is withdrawn: rec is a
+	// tombstone). nil otherwise.
+	full *record
+}
+
+// wanted returns the record the driver has in force for this key (live is
+// false for a withdrawal).
+func (x *lrec) wanted() (r *record, live bool) {
+	if x.full != nil {
+		return x.full, true
+	}
+	return &x.rec, !x.rec.Deleted
 }
 
 func newLocalStore(name string, inc uint64, vtep netip.Addr, now func() time.Time) *localStore {
 	l := &localStore{
 		mu:   lockorder.New(lockorder.LevelClusterLocal),
-		name: name, inc: inc, vtep: vtep, now: now, protoMax: ProtocolVersion,
+		name: name, inc: inc, vtep: vtep, now: now, protoMax: ProtocolVersion, ipv6: true,
 		recs:       make(map[recKey]*lrec),
 		byVNI:      make(map[uint32]vniSum),
 		dirty:      make(map[recKey]struct{}),
@@ -106,7 +126,7 @@ func (l *localStore) publishLocked(vni uint32, prev, next *peerdb.Peer) (DropRea
 	var reason DropReason
 	changed := false
 	if next != nil {
-		r := record{VNI: vni, EndpointID: next.EndpointID, IP: next.IP, MAC: next.MAC, VTEP: next.VTEP, Version: 1}
+		r := record{VNI: vni, EndpointID: next.EndpointID, IP: next.IP, MAC: next.MAC, VTEP: next.VTEP, IPv6: next.IPv6, Version: 1}
 		reason = validRecord(&r)
 		if reason == "" && next.VTEP != l.vtep {
 			reason = DropVTEPMatch
@@ -124,18 +144,80 @@ func (l *localStore) publishLocked(vni uint32, prev, next *peerdb.Peer) (DropRea
 	if next != nil {
 		k := recKey{vni, next.EndpointID}
 		cur := l.recs[k]
-		if cur == nil || cur.rec.Deleted || cur.rec.peer() != *next {
-			if cur != nil && !cur.rec.Deleted {
-				l.count(&cur.rec, -1)
-			}
-			r := record{VNI: vni, EndpointID: next.EndpointID, IP: next.IP, MAC: next.MAC, VTEP: next.VTEP, Version: l.tick()}
-			l.recs[k] = &lrec{rec: r}
-			l.count(&r, 1)
-			l.dirty[k] = struct{}{}
+		var want *record
+		live := false
+		if cur != nil {
+			want, live = cur.wanted()
+		}
+		if !live || want.peer() != *next {
+			r := record{VNI: vni, EndpointID: next.EndpointID, IP: next.IP, MAC: next.MAC, VTEP: next.VTEP, IPv6: next.IPv6, Version: l.tick()}
+			l.setLocked(k, r)
 			changed = true
 		}
 	}
 	return reason, changed
+}
+
+// setLocked makes r (live, with a new version) the record of k, published
+// as the members' protocols allow, and marks k dirty. Expects l.mu held.
+func (l *localStore) setLocked(k recKey, r record) {
+	if cur := l.recs[k]; cur != nil {
+		if !cur.rec.Deleted {
+			l.count(&cur.rec, -1)
+		}
+		if cur.full != nil {
+			l.withheld--
+		}
+	}
+	x := &lrec{rec: r}
+	if !l.ipv6 && r.IPv6.IsValid() {
+		full := r
+		x.full = &full
+		l.withheld++
+		if r.IP.IsValid() {
+			x.rec.IPv6 = netip.Addr{}
+		} else {
+			x.rec = record{VNI: r.VNI, EndpointID: r.EndpointID, Deleted: true, Version: r.Version}
+			x.at = l.now()
+		}
+	}
+	if !x.rec.Deleted {
+		l.count(&x.rec, 1)
+	}
+	l.recs[k] = x
+	l.dirty[k] = struct{}{}
+}
+
+// setIPv6 says whether every alive member speaks ProtocolIPv6. When that
+// changes, every record with an IPv6 address is published anew (new
+// version) in the form now allowed: with it, or without it (IPv6-only
+// records withdrawn), so every member replaces what it holds. It returns
+// whether it changed and the records with an IPv6 address.
+func (l *localStore) setIPv6(ok bool) (changed bool, n int) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.ipv6 != ok {
+		l.ipv6, changed = ok, true
+	}
+	for k, cur := range l.recs {
+		if want, live := cur.wanted(); live && want.IPv6.IsValid() {
+			n++
+			if changed {
+				r := *want
+				r.Version = l.tick()
+				l.setLocked(k, r)
+			}
+		}
+	}
+	return changed, n
+}
+
+// ipv6State returns whether records go out with their IPv6 addresses and
+// how many are withheld.
+func (l *localStore) ipv6State() (ok bool, withheld int) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.ipv6, l.withheld
 }
 
 // LocalRecord is one record of this node's own endpoints.
@@ -181,7 +263,7 @@ func (l *localStore) sync(mark uint64, recs []LocalRecord) ([]localErr, bool) {
 		}
 	}
 	for k, cur := range l.recs {
-		if !cur.rec.Deleted && !want[k] && cur.rec.Version <= mark {
+		if _, live := cur.wanted(); live && !want[k] && cur.rec.Version <= mark {
 			changed = l.deleteLocked(k) || changed
 		}
 	}
@@ -214,10 +296,18 @@ func (l *localStore) count(r *record, sign int) {
 // deleteLocked turns k's live record into a tombstone. Expects l.mu held.
 func (l *localStore) deleteLocked(k recKey) bool {
 	cur := l.recs[k]
-	if cur == nil || cur.rec.Deleted {
+	if cur == nil {
 		return false
 	}
-	l.count(&cur.rec, -1)
+	if _, live := cur.wanted(); !live {
+		return false
+	}
+	if !cur.rec.Deleted {
+		l.count(&cur.rec, -1)
+	}
+	if cur.full != nil {
+		l.withheld--
+	}
 	l.recs[k] = &lrec{rec: record{VNI: k.VNI, EndpointID: k.EndpointID, Deleted: true, Version: l.tick()}, at: l.now()}
 	l.dirty[k] = struct{}{}
 	return true
@@ -268,7 +358,7 @@ func (l *localStore) reap(now time.Time, ttl time.Duration) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	for k, r := range l.recs {
-		if _, pending := l.dirty[k]; r.rec.Deleted && !pending && now.Sub(r.at) >= ttl {
+		if _, pending := l.dirty[k]; r.rec.Deleted && r.full == nil && !pending && now.Sub(r.at) >= ttl {
 			delete(l.recs, k)
 		}
 	}
@@ -338,15 +428,13 @@ func (l *localStore) setVTEP(v netip.Addr) (old netip.Addr, n int) {
 		b := encodeMeta(l.metaLocked())
 		l.metaBytes.Store(&b)
 		for k, cur := range l.recs {
-			if cur.rec.Deleted || cur.rec.VTEP == v {
+			want, live := cur.wanted()
+			if !live || want.VTEP == v {
 				continue
 			}
-			l.count(&cur.rec, -1)
-			r := cur.rec
+			r := *want
 			r.VTEP, r.Version = v, l.tick()
-			l.recs[k] = &lrec{rec: r}
-			l.count(&r, 1)
-			l.dirty[k] = struct{}{}
+			l.setLocked(k, r)
 			n++
 		}
 	}

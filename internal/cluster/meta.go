@@ -27,11 +27,16 @@ const (
 	// ProtocolVersion is the wire protocol this package speaks; nodes
 	// advertise the range they understand in their metadata.
 	// Version 2 adds the network definitions (msgDefs); version 3 the
-	// application messages (msgApp, the address management's). Nodes of
-	// versions 1 and 2 are still served, without what they lack.
-	ProtocolVersion    byte = 3
+	// application messages (msgApp, the address management's); version 4
+	// IPv6 addresses in peer records (and IPv6 subnets in definitions).
+	// Nodes of versions 1 to 3 are still served, without what they lack.
+	ProtocolVersion    byte = 4
 	protocolVersionMin byte = 1
 )
+
+// ProtocolIPv6 is the first protocol version whose peer records carry
+// IPv6 addresses (see wire.go, "IPv6").
+const ProtocolIPv6 byte = 4
 
 type nodeMeta struct {
 	ProtoMin, ProtoMax byte

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"hash/fnv"
 	"net/netip"
+	"slices"
 	"time"
 
 	"github.com/hashicorp/memberlist"
@@ -252,19 +253,39 @@ func (s *replica) setOrigin(name string, nu *origin) {
 // recordHash is the digest contribution of a live record. It must be the
 // same function on every node (FNV-1a over a fixed layout).
 func recordHash(r *record) uint64 {
-	var b [4 + 1 + maxEndpointIDLen + 8 + 4 + 6 + 16]byte
+	var b [4 + 1 + maxEndpointIDLen + 8 + 4 + 6 + 16 + 16]byte
 	p := binary.BigEndian.AppendUint32(b[:0], r.VNI)
 	p = append(p, byte(len(r.EndpointID)))
 	p = append(p, r.EndpointID...)
 	p = binary.BigEndian.AppendUint64(p, r.Version)
-	ip := r.IP.As4()
+	var ip [4]byte // 0.0.0.0, which no live record has, for none
+	if r.IP.IsValid() {
+		ip = r.IP.As4()
+	}
 	p = append(p, ip[:]...)
 	p = append(p, r.MAC[:]...)
 	v := r.VTEP.As16()
 	p = append(p, v[:]...)
+	if r.IPv6.IsValid() { // a record without one hashes as in protocol 3
+		v6 := r.IPv6.As16()
+		p = append(p, v6[:]...)
+	}
 	h := fnv.New64a()
 	h.Write(p)
 	return h.Sum64()
+}
+
+// olderThanIPv6 returns, sorted, the alive members (other than this node,
+// with usable metadata) that speak a protocol below ProtocolIPv6.
+func (s *replica) olderThanIPv6() []string {
+	var out []string
+	for name, m := range s.members {
+		if name != s.self && m.state == StateAlive && m.metaErr == nil && m.meta.ProtoMax < ProtocolIPv6 {
+			out = append(out, name)
+		}
+	}
+	slices.Sort(out)
+	return out
 }
 
 // inForce reports whether the records of member m (named name) are in
@@ -509,6 +530,10 @@ func (s *replica) apply(m *message, now time.Time) (DropReason, string) {
 		if !r.Deleted && r.VTEP != mem.meta.VTEP {
 			return DropVTEPMatch, fmt.Sprintf("origin %q record VNI %d endpoint %q has VTEP %v, origin advertises %v",
 				m.Origin, r.VNI, r.EndpointID, r.VTEP, mem.meta.VTEP)
+		}
+		if r.hasIPv6() && mem.meta.ProtoMax < ProtocolIPv6 {
+			return DropProtocol, fmt.Sprintf("origin %q record VNI %d endpoint %q has an IPv6 address but the origin advertises protocol %d (IPv6 records need %d)",
+				m.Origin, r.VNI, r.EndpointID, mem.meta.ProtoMax, ProtocolIPv6)
 		}
 	}
 	// Everything is valid: apply.

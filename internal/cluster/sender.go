@@ -3,6 +3,7 @@ package cluster
 import (
 	"log/slog"
 	"math/rand/v2"
+	"net/netip"
 	"time"
 
 	"github.com/hashicorp/memberlist"
@@ -41,6 +42,11 @@ type dest struct {
 	lastHash     uint64
 	lastDefsVer  uint64
 	lastDigestAt time.Time
+	// ipv6OK: the member speaks ProtocolIPv6. It is never sent a record
+	// with an IPv6 address otherwise (it would drop the whole message).
+	ipv6OK bool
+	// defs6: the member speaks protoDefs6 (definitions with IPv6).
+	defs6 bool
 }
 
 // maxQueued bounds a sender's queue; beyond it the queue is replaced by
@@ -69,8 +75,14 @@ func (d *dest) signal() {
 	}
 }
 
-func (d *dest) enqueue(msgs [][]byte) {
+// enqueue queues msgs; has6 says some of their records have IPv6
+// addresses: a member of an older protocol gets a snapshot instead (built
+// when sent, in the form the records then have).
+func (d *dest) enqueue(msgs [][]byte, has6 bool) {
 	d.mu.Lock()
+	if has6 && !d.ipv6OK {
+		d.queue, d.queued, d.snapshot = nil, 0, true
+	}
 	if !d.snapshot {
 		for _, m := range msgs {
 			d.queue = append(d.queue, m)
@@ -104,8 +116,8 @@ func (c *Cluster) sendLoop(d *dest) {
 		for {
 			d.mu.Lock()
 			node := d.node
-			syncReq, snap, queue, digest := d.syncReq, d.snapshot, d.queue, d.digest
-			defs := d.defs && d.defsOK
+			syncReq, snap, queue, digest, ipv6OK := d.syncReq, d.snapshot, d.queue, d.digest, d.ipv6OK
+			defs, defs6 := d.defs && d.defsOK, d.defs6
 			d.syncReq, d.snapshot, d.queue, d.queued, d.digest, d.defs = false, false, nil, 0, nil, false
 			d.sentRecords = d.sentRecords || snap
 			d.mu.Unlock()
@@ -125,7 +137,7 @@ func (c *Cluster) sendLoop(d *dest) {
 			// Definitions before records: a receiver holds back our
 			// records of a VNI until it has our definition of it.
 			if defs && !failed {
-				b, err := encodeMessage(c.local.defsMessage())
+				b, err := encodeMessage(c.local.defsMessage(defs6))
 				if err != nil {
 					c.logLimited(slog.LevelError, "defs", "cannot encode the network definitions", "error", err)
 				} else {
@@ -136,7 +148,11 @@ func (c *Cluster) sendLoop(d *dest) {
 				c.mu.Lock()
 				want := c.replica.interestOf(d.name)
 				c.mu.Unlock()
-				b, err := encodeMessage(c.local.snapshotFor(want))
+				m := c.local.snapshotFor(want)
+				if !ipv6OK {
+					m.Records = withoutIPv6(m.Records)
+				}
+				b, err := encodeMessage(m)
 				if err != nil {
 					c.logLimited(slog.LevelError, "snapshot", "cannot encode the local snapshot", "error", err)
 				} else if c.send(&node, b) != nil {
@@ -236,11 +252,12 @@ func (c *Cluster) publishLoop() {
 				t.d.mu.Unlock()
 			}
 			var msgs [][]byte
+			has6 := false
 			if len(recs) > 0 {
-				msgs = sets.forInterest(t.want)
+				msgs, has6 = sets.forInterest(t.want)
 			}
 			if len(msgs) > 0 || defs {
-				t.d.enqueue(msgs)
+				t.d.enqueue(msgs, has6)
 			}
 		}
 		select {
@@ -248,6 +265,24 @@ func (c *Cluster) publishLoop() {
 		default:
 		}
 	}
+}
+
+// withoutIPv6 returns recs in the form a member of a protocol below
+// ProtocolIPv6 decodes: IPv6 addresses dropped, IPv6-only records left
+// out. The local store publishes that form itself while such a member is
+// alive (localStore.setIPv6); this covers the moment in between.
+func withoutIPv6(recs []record) []record {
+	out := recs[:0]
+	for _, r := range recs {
+		if r.hasIPv6() {
+			if !r.IP.IsValid() {
+				continue
+			}
+			r.IPv6 = netip.Addr{}
+		}
+		out = append(out, r)
+	}
+	return out
 }
 
 // encodeDeltas packs records into UDP-sized deltas when they need at most

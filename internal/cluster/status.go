@@ -2,6 +2,7 @@ package cluster
 
 import (
 	"cmp"
+	"fmt"
 	"net/netip"
 	"slices"
 	"time"
@@ -33,6 +34,18 @@ type NodeStatus struct {
 	KeyFingerprint string     `json:"key_fingerprint"`
 	HealthScore    int        `json:"health_score"` // memberlist's awareness: 0 is healthy
 	Seeds          []string   `json:"seeds,omitempty"`
+	// IPv6Withheld is set while a member speaks a protocol below
+	// ProtocolIPv6: this node's records then go out without their IPv6
+	// addresses (IPv6-only records withdrawn).
+	IPv6Withheld *IPv6Withheld `json:"ipv6_withheld,omitempty"`
+}
+
+// IPv6Withheld says why and how many local records go out without their
+// IPv6 addresses.
+type IPv6Withheld struct {
+	Records int      `json:"records"` // local records with an IPv6 address
+	Members []string `json:"members"` // the alive members below ProtocolIPv6
+	Reason  string   `json:"reason"`
 }
 
 // MemberStatus describes a member as this node sees it (this node
@@ -130,6 +143,10 @@ func (c *Cluster) Status() Status {
 	now := c.now()
 
 	c.mu.Lock()
+	if ok, n := c.local.ipv6State(); !ok {
+		st.Node.IPv6Withheld = &IPv6Withheld{Records: n, Members: c.replica.olderThanIPv6(),
+			Reason: fmt.Sprintf("members speak a protocol below %d, which cannot carry IPv6 addresses: upgrade them", ProtocolIPv6)}
+	}
 	suspicionMax := c.suspicionMaxLocked()
 	for name, m := range c.replica.members {
 		ms := MemberStatus{Name: name, Port: m.node.Port, State: m.state, Since: m.since,

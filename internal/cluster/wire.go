@@ -26,11 +26,24 @@ import (
 //	app       = len:uvarint (1..MaxAppPayload) payload (type 7, protocol 3:
 //	            opaque to this package, see app.go)
 //	record    = vni:u24be flags:u8 id version:uvarint [value]
-//	flags     = bit 0 deleted, bit 1 id is hex-packed; other bits zero
+//	flags     = bit 0 deleted, bit 1 id is hex-packed, bit 2 has IPv6,
+//	            bit 3 has no IPv4 (only with bit 2); other bits zero;
+//	            bits 2 and 3 only in live records, and only from protocol
+//	            4 (see "IPv6" below)
 //	id        = len:u8 (1..255) bytes   (hex-packed: the bytes of a
 //	            lowercase hex string of even length, the string is 2*len)
-//	value     = ip:4 mac:6 vtepFamily:u8 (4|6) vtep:4|16   (absent if deleted)
+//	value     = [ip:4] mac:6 vtepFamily:u8 (4|6) vtep:4|16 [ipv6:16]
+//	            (absent if deleted; ip absent with bit 3, ipv6 present
+//	            with bit 2)
 //
+// IPv6 (protocol 4). A record without an IPv6 address is encoded exactly
+// as in protocol 3, which a node of protocol 3 decodes; one with an IPv6
+// address sets flags a node of protocol 3 refuses (it would drop the whole
+// message as malformed). So a node sends records with IPv6 addresses only
+// while every alive member speaks protocol 4 (localStore.setIPv6): while
+// one does not, its records are published without their IPv6 addresses
+// (IPv6-only records withdrawn), the status says so, and they are
+// published again in full, with new versions, once every member speaks 4.
 // Nothing may follow the last field. The decoder (decode.go) validates the
 // whole message before anything is applied.
 
@@ -47,7 +60,9 @@ const (
 
 	flagDeleted byte = 1 << 0
 	flagHexID   byte = 1 << 1
-	knownFlags       = flagDeleted | flagHexID
+	flagIPv6    byte = 1 << 2 // protocol 4
+	flagNoIPv4  byte = 1 << 3 // protocol 4
+	knownFlags       = flagDeleted | flagHexID | flagIPv6 | flagNoIPv4
 
 	// maxMessageBytes bounds a decoded message (memberlist itself reads at
 	// most 20 MiB of user message or push/pull state).
@@ -68,22 +83,28 @@ const (
 )
 
 // record is one peer record of an origin node on the wire and in the
-// stores. VTEP, IP and MAC are meaningful only if !Deleted.
+// stores. VTEP, IP, IPv6 and MAC are meaningful only if !Deleted; a live
+// record has IP, IPv6 or both.
 type record struct {
 	VNI        uint32
 	EndpointID string
 	Version    uint64
 	Deleted    bool
-	IP         netip.Addr
+	IP         netip.Addr // the zero Addr when the endpoint has no IPv4 address
 	MAC        peerdb.MAC
 	VTEP       netip.Addr
+	IPv6       netip.Addr // the zero Addr when the endpoint has no IPv6 address
 }
 
 func (r *record) key() recKey { return recKey{VNI: r.VNI, EndpointID: r.EndpointID} }
 
 func (r *record) peer() peerdb.Peer {
-	return peerdb.Peer{EndpointID: r.EndpointID, IP: r.IP, MAC: r.MAC, VTEP: r.VTEP}
+	return peerdb.Peer{EndpointID: r.EndpointID, IP: r.IP, MAC: r.MAC, VTEP: r.VTEP, IPv6: r.IPv6}
 }
+
+// hasIPv6 reports whether r is a live record with an IPv6 address: one a
+// node of protocol 3 cannot decode.
+func (r *record) hasIPv6() bool { return !r.Deleted && r.IPv6.IsValid() }
 
 // recKey identifies a record within its origin.
 type recKey struct {
@@ -130,10 +151,16 @@ func recordSize(r *record) int {
 		n += len(r.EndpointID)
 	}
 	if !r.Deleted {
-		n += 4 + 6 + 1
+		n += 6 + 1
+		if r.IP.IsValid() {
+			n += 4
+		}
 		if r.VTEP.Is4() {
 			n += 4
 		} else {
+			n += 16
+		}
+		if r.IPv6.IsValid() {
 			n += 16
 		}
 	}
@@ -167,6 +194,12 @@ func appendRecord(b []byte, r *record) []byte {
 	if packed {
 		flags |= flagHexID
 	}
+	if !r.Deleted && r.IPv6.IsValid() {
+		flags |= flagIPv6
+		if !r.IP.IsValid() {
+			flags |= flagNoIPv4
+		}
+	}
 	b = append(b, flags)
 	if packed {
 		b = append(b, byte(len(r.EndpointID)/2))
@@ -177,8 +210,10 @@ func appendRecord(b []byte, r *record) []byte {
 	}
 	b = binary.AppendUvarint(b, r.Version)
 	if !r.Deleted {
-		ip := r.IP.As4()
-		b = append(b, ip[:]...)
+		if r.IP.IsValid() {
+			ip := r.IP.As4()
+			b = append(b, ip[:]...)
+		}
 		b = append(b, r.MAC[:]...)
 		if r.VTEP.Is4() {
 			v := r.VTEP.As4()
@@ -187,6 +222,10 @@ func appendRecord(b []byte, r *record) []byte {
 		} else {
 			v := r.VTEP.As16()
 			b = append(b, 6)
+			b = append(b, v[:]...)
+		}
+		if r.IPv6.IsValid() {
+			v := r.IPv6.As16()
 			b = append(b, v[:]...)
 		}
 	}

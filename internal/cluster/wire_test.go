@@ -20,8 +20,28 @@ func liveRec(vni uint32, id, ip, vtep string, ver uint64) record {
 	return record{VNI: vni, EndpointID: id, Version: ver, IP: a, MAC: peerdb.MACFromIP(a), VTEP: netip.MustParseAddr(vtep)}
 }
 
+// dualRec is liveRec with an IPv6 address too ("" for ip: IPv6 only).
+func dualRec(vni uint32, id, ip, ip6, vtep string, ver uint64) record {
+	a6 := netip.MustParseAddr(ip6)
+	r := record{VNI: vni, EndpointID: id, Version: ver, MAC: peerdb.MACFromIP(a6), VTEP: netip.MustParseAddr(vtep), IPv6: a6}
+	if ip != "" {
+		r.IP = netip.MustParseAddr(ip)
+	}
+	return r
+}
+
 func sampleMessages() []*message {
 	return []*message{
+		{Type: msgDelta, Origin: "host-6", Incarnation: 3, Records: []record{
+			dualRec(4096, dockerID, "10.0.0.2", "2001:db8::2", "192.168.1.10", 5),
+			dualRec(4096, "v6only", "", "2001:db8::3", "192.168.1.10", 6),
+			dualRec(4097, "v6vtep", "", "2001:db8:1::3", "2001:db8:ffff::1", 7),
+			{VNI: 4096, EndpointID: "gone", Version: 9, Deleted: true},
+		}},
+		{Type: msgSnapshot, Origin: "host-6", Incarnation: 3, AsOf: 100, Records: []record{
+			dualRec(10, "a", "10.0.0.2", "fd00:1::2", "192.168.1.11", 100),
+			dualRec(10, "b", "", "fd00:1::3", "192.168.1.11", 99),
+		}},
 		{Type: msgDelta, Origin: "host-a", Incarnation: 1700000000000000000, Records: []record{
 			liveRec(4096, dockerID, "10.0.0.2", "192.168.1.10", 1700000000000000001),
 			liveRec(MaxVNI, "ep-1", "10.0.0.3", "192.168.1.10", 7),
@@ -171,7 +191,31 @@ func badCases(t testing.TB) []badCase {
 	appLen := func(n uint64) []byte {
 		return binary.AppendUvarint(append([]byte(nil), appBase[:13]...), n)
 	}
+	// Offsets in base6 (a dual-stack record): 17 flags, 22-25 IP,
+	// 26-31 MAC, 32 VTEP family, 33-36 VTEP, 37-52 IPv6.
+	base6 := mustEncode(t, &message{Type: msgDelta, Origin: "ab", Incarnation: 9,
+		Records: []record{dualRec(300, "ep", "10.0.0.2", "2001:db8::2", "192.168.0.1", 5)}})
+	set6 := func(off int, v ...byte) []byte {
+		b := append([]byte(nil), base6...)
+		copy(b[off:], v)
+		return b
+	}
+	mapped := netip.MustParseAddr("::ffff:10.0.0.2").As16()
+	linkLocal := netip.MustParseAddr("fe80::2").As16()
+	multicast6 := netip.MustParseAddr("ff02::1").As16()
 	return []badCase{
+		{"IPv6 v4-mapped", set6(37, mapped[:]...), DropInvalidIP},
+		{"IPv6 link-local", set6(37, linkLocal[:]...), DropInvalidIP},
+		{"IPv6 multicast", set6(37, multicast6[:]...), DropInvalidIP},
+		{"IPv6 unspecified", set6(37, make([]byte, 16)...), DropInvalidIP},
+		{"IPv6 truncated", base6[:len(base6)-1], DropTruncated},
+		{"IPv6 flag on a tombstone", mut(func(b []byte) []byte {
+			b = appendRecord(append(b[:13:13], 1), &record{VNI: 1, EndpointID: "x", Version: 3, Deleted: true})
+			b[17] |= flagIPv6
+			return b
+		}), DropMalformed},
+		{"no IPv4 without IPv6", set(17, flagNoIPv4), DropMalformed},
+		{"IPv6 flag without the address", set(17, flagIPv6), DropTruncated},
 		{"application payload empty", appLen(0), DropMalformed},
 		{"application payload over 1 MiB", append(appLen(MaxAppPayload+1), make([]byte, MaxAppPayload+1)...), DropOversized},
 		{"application payload truncated", appBase[:len(appBase)-1], DropTruncated},

@@ -242,18 +242,22 @@ func renderNetwork(w io.Writer, n driver.NetworkStatus, stale map[string]bool) {
 		if ep.Joined {
 			state = "joined"
 		}
-		fmt.Fprintf(w, "  local  %-18s %s  %-7s %s\n", ep.Address, ep.MAC, state, short(ep.ID))
+		fmt.Fprintf(w, "  local  %-18s %s  %-7s %s\n", joinNonEmpty(ep.Address, ep.AddressIPv6), ep.MAC, state, short(ep.ID))
 	}
 	for _, p := range n.RemotePeers {
-		state := "active"
-		if !p.Active {
-			state = "shadowed"
+		// Each address is a claim of its own: the state is per address.
+		var states []string
+		if p.IP != "" {
+			states = append(states, claimState(p.Active))
+		}
+		if p.IPv6 != "" {
+			states = append(states, claimState(p.ActiveIPv6))
 		}
 		note := ""
 		if stale[p.VTEP] {
 			note = "  stale: its host failed, kept for its return"
 		}
-		fmt.Fprintf(w, "  remote %-18s %s  via %-15s %-8s %s%s\n", p.IP, p.MAC, p.VTEP, state, short(p.EndpointID), note)
+		fmt.Fprintf(w, "  remote %-18s %s  via %-15s %-8s %s%s\n", joinNonEmpty(p.IP, p.IPv6), p.MAC, p.VTEP, strings.Join(states, ","), short(p.EndpointID), note)
 	}
 	for _, c := range n.Conflicts {
 		fmt.Fprintf(w, "  conflict on %s: %s wins over %s\n", c.IP, short(c.Active), strings.Join(c.Shadowed, ","))
@@ -271,6 +275,18 @@ func renderNetwork(w io.Writer, n driver.NetworkStatus, stale map[string]bool) {
 	if n.Error != "" {
 		fmt.Fprintf(w, "  failing: %s\n", n.Error)
 	}
+}
+
+func claimState(active bool) string {
+	if active {
+		return "active"
+	}
+	return "shadowed"
+}
+
+// joinNonEmpty joins the non-empty strings of s with commas.
+func joinNonEmpty(s ...string) string {
+	return strings.Join(slices.DeleteFunc(s, func(v string) bool { return v == "" }), ",")
 }
 
 func short(id string) string {

@@ -84,6 +84,11 @@ const (
 	MemberFailed  = "member_failed"
 	MemberLeft    = "member_left"
 	MemberExpired = "member_expired"
+	// IPv6Withheld: a member speaks a protocol without IPv6 records, so
+	// this node's records go out without their IPv6 addresses;
+	// IPv6Published: every member speaks it again.
+	IPv6Withheld  = "ipv6_withheld"
+	IPv6Published = "ipv6_published"
 )
 
 // Network events.

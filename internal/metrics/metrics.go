@@ -172,6 +172,7 @@ var (
 	dNetworks     = desc("overlayd_networks", "Networks this host has (created by dockerd, or restored).")
 	dEndpoints    = desc("overlayd_endpoints", "Local endpoints by VNI and state (created, or joined to a container).", "vni", "state")
 	dRemotePeers  = desc("overlayd_remote_peers", "Remote peers in the networks' peer tables by VNI and state: active (programmed), or shadowed (its IP is claimed by another record that wins the conflict).", "vni", "state")
+	dAddresses    = desc("overlayd_endpoint_addresses", "Addresses of joined local endpoints and of remote peers by VNI, family (ipv4, ipv6) and kind (local, remote_active, remote_shadowed): each address is a claim of its own.", "vni", "family", "kind")
 	dConflicts    = desc("overlayd_address_conflicts", "IP addresses claimed by more than one endpoint, by VNI.", "vni")
 	dPeerChanges  = desc("overlayd_peer_changes_total", "Neighbour and FDB entries set or deleted in the networks' sandboxes.")
 	dNlMessages   = desc("overlayd_netlink_messages_total", "Netlink requests sent to the kernel to program peers.")
@@ -276,7 +277,11 @@ func collectDriver(st driver.Status, gauge emit, counter emitCount) {
 		vni   uint32
 		state string
 	}
-	eps, peers, conflicts := map[key]int{}, map[key]int{}, map[uint32]int{}
+	type addrKey struct {
+		vni          uint32
+		family, kind string
+	}
+	eps, peers, conflicts, addrs := map[key]int{}, map[key]int{}, map[uint32]int{}, map[addrKey]int{}
 	for _, n := range st.Networks {
 		// Every VNI is reported, from zero: a network's series exist as
 		// long as the network does.
@@ -286,20 +291,44 @@ func collectDriver(st driver.Status, gauge emit, counter emitCount) {
 			peers[key{v, "active"}] += 0
 			peers[key{v, "shadowed"}] += 0
 			conflicts[v] += 0
+			for _, fam := range []string{"ipv4", "ipv6"} {
+				for _, kind := range []string{"local", "remote_active", "remote_shadowed"} {
+					addrs[addrKey{v, fam, kind}] += 0
+				}
+			}
 		}
 		for _, ep := range n.Endpoints {
 			state := "created"
 			if ep.Joined {
 				state = "joined"
+				if ep.Address != "" {
+					addrs[addrKey{ep.VNI, "ipv4", "local"}]++
+				}
+				if ep.AddressIPv6 != "" {
+					addrs[addrKey{ep.VNI, "ipv6", "local"}]++
+				}
 			}
 			eps[key{ep.VNI, state}]++
 		}
+		remoteKind := func(active bool) string {
+			if active {
+				return "remote_active"
+			}
+			return "remote_shadowed"
+		}
 		for _, p := range n.RemotePeers {
+			// A record is active when one of its addresses is.
 			state := "shadowed"
-			if p.Active {
+			if p.Active || p.ActiveIPv6 {
 				state = "active"
 			}
 			peers[key{p.VNI, state}]++
+			if p.IP != "" {
+				addrs[addrKey{p.VNI, "ipv4", remoteKind(p.Active)}]++
+			}
+			if p.IPv6 != "" {
+				addrs[addrKey{p.VNI, "ipv6", remoteKind(p.ActiveIPv6)}]++
+			}
 		}
 		for _, cf := range n.Conflicts {
 			conflicts[cf.VNI]++
@@ -310,6 +339,9 @@ func collectDriver(st driver.Status, gauge emit, counter emitCount) {
 	}
 	for k, v := range peers {
 		gauge(dRemotePeers, float64(v), vniLabel(k.vni), k.state)
+	}
+	for k, v := range addrs {
+		gauge(dAddresses, float64(v), vniLabel(k.vni), k.family, k.kind)
 	}
 	for vni, v := range conflicts {
 		gauge(dConflicts, float64(v), vniLabel(vni))

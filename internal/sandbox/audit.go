@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"slices"
 	"sort"
 
 	"github.com/vishvananda/netlink"
@@ -51,7 +52,7 @@ func (sb *Sandbox) Audit(want peerdb.State, endpoints []Endpoint, reaping bool) 
 			if br.Attrs().Index != sl.bridge {
 				problems = append(problems, fmt.Sprintf("bridge %s: ifindex %d, want %d", brName, br.Attrs().Index, sl.bridge))
 			}
-			problems = append(problems, sb.checkGateway(br, sl.Gateway)...)
+			problems = append(problems, sb.checkGateways(br, sl.gateways())...)
 		}
 		l, ok := byName[vxName]
 		vx, isVX := l.(*netlink.Vxlan)
@@ -154,25 +155,34 @@ func checkUpMTU(l netlink.Link, mtu int) []string {
 	return p
 }
 
-func (sb *Sandbox) checkGateway(br netlink.Link, gw netip.Prefix) []string {
-	addrs, err := sb.h.AddrList(br, unix.AF_INET)
+// checkGateways reports a bridge whose addresses are not exactly gws (of
+// both families; IPv6 link-local addresses are not the sandbox's concern
+// and are skipped).
+func (sb *Sandbox) checkGateways(br netlink.Link, gws []netip.Prefix) []string {
+	addrs, err := sb.h.AddrList(br, unix.AF_UNSPEC)
 	if err != nil {
 		return []string{fmt.Sprintf("bridge %s: cannot list addresses: %v", br.Attrs().Name, err)}
 	}
 	var p []string
-	found := false
+	found := map[netip.Prefix]bool{}
 	for _, a := range addrs {
 		ip, _ := netip.AddrFromSlice(a.IP)
+		ip = ip.Unmap()
+		if ip.IsLinkLocalUnicast() && ip.Is6() {
+			continue
+		}
 		ones, _ := a.Mask.Size()
-		have := netip.PrefixFrom(ip.Unmap(), ones)
-		if gw.IsValid() && have == gw {
-			found = true
+		have := netip.PrefixFrom(ip, ones)
+		if slices.Contains(gws, have) {
+			found[have] = true
 			continue
 		}
 		p = append(p, fmt.Sprintf("bridge %s: address %s not desired", br.Attrs().Name, have))
 	}
-	if gw.IsValid() && !found {
-		p = append(p, fmt.Sprintf("bridge %s: gateway %s missing", br.Attrs().Name, gw))
+	for _, gw := range gws {
+		if !found[gw] {
+			p = append(p, fmt.Sprintf("bridge %s: gateway %s missing", br.Attrs().Name, gw))
+		}
 	}
 	return p
 }

@@ -71,6 +71,14 @@ func (sb *Sandbox) AddEndpoint(ep Endpoint) error {
 		sb.h.LinkDel(veth)
 		return err
 	}
+	if sl.hasIPv6() {
+		// A port has no address of its own: no link-local, so it sends
+		// no DAD, router solicitation or MLD report (see quietIPv6).
+		if err := sb.h.LinkSetIP6AddrGenMode(veth, addrGenModeNone); err != nil {
+			sb.h.LinkDel(veth)
+			return fmt.Errorf("failed to turn off IPv6 address generation on veth %s in sandbox %s: %w", ep.SandboxName, sb.path, err)
+		}
+	}
 	if err := sb.h.LinkSetUp(veth); err != nil {
 		sb.h.LinkDel(veth)
 		return fmt.Errorf("failed to bring up veth %s in sandbox %s: %w", ep.SandboxName, sb.path, err)

@@ -145,6 +145,13 @@ func (sb *Sandbox) Dump() (Kernel, error) {
 		if err != nil {
 			return k, fmt.Errorf("failed to dump neighbours of %s in sandbox %s: %w", VXLANName(sl.VNI), sb.path, err)
 		}
+		// IPv6 neighbours of every segment, not only of those with IPv6:
+		// an entry nobody wants is reported and removed wherever it is.
+		neighs6, err := neighList(sb.h, sl.vxlan, unix.AF_INET6)
+		if err != nil {
+			return k, fmt.Errorf("failed to dump IPv6 neighbours of %s in sandbox %s: %w", VXLANName(sl.VNI), sb.path, err)
+		}
+		neighs = append(neighs, neighs6...)
 		for _, n := range neighs {
 			if n.State&netlink.NUD_PERMANENT == 0 {
 				continue

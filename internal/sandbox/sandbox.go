@@ -59,15 +59,40 @@ type Host struct {
 	IPv6      bool // the underlay is IPv6: VXLAN links get an IPv6 family
 }
 
-// Subnet describes one subnet of a network: its VNI, the gateway address with
-// the pool's prefix length (invalid when Docker gave no gateway), and the MTU
-// of its links.
+// Subnet describes one L2 segment of a network: its VNI, its IPv4 pool (if
+// any) with the gateway address with the pool's prefix length (invalid when
+// Docker gave no gateway), its IPv6 subnets, and the MTU of its links.
 type Subnet struct {
 	VNI     uint32
 	Pool    netip.Prefix
 	Gateway netip.Prefix
+	IPv6    []Subnet6
 	MTU     int
 }
+
+// Subnet6 is an IPv6 subnet of a segment with its gateway (the pool's
+// prefix length; invalid when Docker gave none).
+type Subnet6 struct {
+	Pool    netip.Prefix
+	Gateway netip.Prefix
+}
+
+// gateways returns the addresses the segment's bridge must hold.
+func (s *Subnet) gateways() []netip.Prefix {
+	var out []netip.Prefix
+	if s.Gateway.IsValid() {
+		out = append(out, s.Gateway)
+	}
+	for _, v := range s.IPv6 {
+		if v.Gateway.IsValid() {
+			out = append(out, v.Gateway)
+		}
+	}
+	return out
+}
+
+// hasIPv6 reports whether the segment carries IPv6.
+func (s *Subnet) hasIPv6() bool { return len(s.IPv6) > 0 }
 
 // LinkGroup is the interface group of every link overlayd creates in a
 // sandbox: Destroy deletes them all with one RTM_DELLINK, which the kernel
@@ -208,7 +233,13 @@ func (sb *Sandbox) enableForwarding(index int, name string) error {
 func (sb *Sandbox) createSubnet(s Subnet) (subnetLinks, error) {
 	sl := subnetLinks{Subnet: s}
 	brName, vxName := BridgeName(s.VNI), VXLANName(s.VNI)
-	br := &netlink.Bridge{LinkAttrs: netlink.LinkAttrs{Name: brName, MTU: s.MTU, Flags: net.FlagUp, TxQLen: -1, Group: LinkGroup}}
+	// A segment with IPv6 gets its bridge up only once it has no IPv6
+	// address generation (see quietIPv6).
+	var flags net.Flags
+	if !s.hasIPv6() {
+		flags = net.FlagUp
+	}
+	br := &netlink.Bridge{LinkAttrs: netlink.LinkAttrs{Name: brName, MTU: s.MTU, Flags: flags, TxQLen: -1, Group: LinkGroup}}
 	if err := sb.h.LinkAdd(br); err != nil {
 		return sl, fmt.Errorf("failed to create bridge %s in sandbox %s: %w", brName, sb.path, err)
 	}
@@ -216,10 +247,25 @@ func (sb *Sandbox) createSubnet(s Subnet) (subnetLinks, error) {
 	if err := sb.enableForwarding(br.Index, brName); err != nil {
 		return sl, err
 	}
-	if s.Gateway.IsValid() {
-		addr := &netlink.Addr{IPNet: prefixToIPNet(s.Gateway)}
+	if s.hasIPv6() {
+		if err := sb.quietIPv6(br); err != nil {
+			return sl, err
+		}
+		if err := sb.h.LinkSetUp(br); err != nil {
+			return sl, fmt.Errorf("failed to bring up bridge %s in sandbox %s: %w", brName, sb.path, err)
+		}
+	}
+	for _, gw := range s.gateways() {
+		addr := &netlink.Addr{IPNet: prefixToIPNet(gw)}
+		if gw.Addr().Is6() {
+			// No duplicate address detection: the gateway is this
+			// host's own on a segment no other host answers for it
+			// (each host's bridge holds it), and DAD would only delay
+			// it and send multicast.
+			addr.Flags = unix.IFA_F_NODAD
+		}
 		if err := sb.h.AddrAdd(br, addr); err != nil {
-			return sl, fmt.Errorf("failed to add gateway %s to bridge %s in sandbox %s: %w", s.Gateway, brName, sb.path, err)
+			return sl, fmt.Errorf("failed to add gateway %s to bridge %s in sandbox %s: %w", gw, brName, sb.path, err)
 		}
 	}
 	vx := &netlink.Vxlan{
@@ -247,6 +293,13 @@ func (sb *Sandbox) createSubnet(s Subnet) (subnetLinks, error) {
 		return sl, fmt.Errorf("failed to find VXLAN %s in sandbox %s: %w", vxName, sb.path, err)
 	}
 	sl.vxlan = link.Attrs().Index
+	if s.hasIPv6() {
+		// Its permanent IPv6 neighbours answer the containers' Neighbour
+		// Solicitations (proxy), which needs IPv6 on the link.
+		if err := sb.quietIPv6(link); err != nil {
+			return sl, err
+		}
+	}
 	if err := sb.h.LinkSetMasterByIndex(link, sl.bridge); err != nil {
 		return sl, fmt.Errorf("failed to attach VXLAN %s to bridge %s in sandbox %s: %w", vxName, brName, sb.path, err)
 	}

@@ -42,10 +42,16 @@ var (
 
 // Network is a persisted network.
 type Network struct {
-	ID        string            `json:"id"`
-	VNIs      []uint32          `json:"vnis"`
-	Pools     []string          `json:"pools"`
-	Gateways  []string          `json:"gateways"` // "" where Docker gave none
+	ID       string   `json:"id"`
+	VNIs     []uint32 `json:"vnis"`
+	Pools    []string `json:"pools"`
+	Gateways []string `json:"gateways"` // "" where Docker gave none
+	// Pools6 and Gateways6 are the IPv6 subnets of a network with IPv6,
+	// which has one segment (one VNI; its Pools entry is "" when it has no
+	// IPv4 subnet). Absent in files written before IPv6 and for networks
+	// without it, so those load as they always did.
+	Pools6    []string          `json:"pools6,omitempty"`
+	Gateways6 []string          `json:"gateways6,omitempty"` // "" where Docker gave none
 	MTU       int               `json:"mtu"`
 	Internal  bool              `json:"internal,omitempty"`
 	Encrypted bool              `json:"encrypted,omitempty"`
@@ -56,7 +62,8 @@ type Network struct {
 type Endpoint struct {
 	Network     string `json:"network"`
 	ID          string `json:"id"`
-	Addr        string `json:"addr"`
+	Addr        string `json:"addr"`                // IPv4 with prefix length; "" for an IPv6-only endpoint
+	AddrIPv6    string `json:"addr_ipv6,omitempty"` // IPv6 with prefix length; absent when none
 	MAC         string `json:"mac"`
 	Joined      bool   `json:"joined"`
 	HostName    string `json:"host_name"`

@@ -15,11 +15,12 @@ import (
 
 // Capture counts, on one link of a namespace (both directions, AF_PACKET),
 // the IPv4 packets that matter to encrypted overlays: ESP packets, and
-// clear-text VXLAN packets to one UDP port, per VNI.
+// clear-text VXLAN packets to one UDP port, per VNI, and among those the
+// flooded ones (to a multicast or broadcast inner MAC).
 type Capture struct {
-	esp, clear atomic.Int64
-	mu         sync.Mutex
-	byVNI      map[uint32]int
+	esp, clear, flood atomic.Int64
+	mu                sync.Mutex
+	byVNI             map[uint32]int
 }
 
 // ESP returns the number of ESP packets seen.
@@ -27,6 +28,11 @@ func (c *Capture) ESP() int64 { return c.esp.Load() }
 
 // Clear returns the number of clear-text VXLAN packets seen, all VNIs.
 func (c *Capture) Clear() int64 { return c.clear.Load() }
+
+// Flooded returns the number of clear-text VXLAN packets seen whose inner
+// frame goes to a group address (multicast or broadcast MAC): what a
+// VXLAN link sends only when it floods.
+func (c *Capture) Flooded() int64 { return c.flood.Load() }
 
 // ClearOf returns the number of clear-text VXLAN packets of vni seen.
 func (c *Capture) ClearOf(vni uint32) int {
@@ -96,6 +102,9 @@ func (c *Capture) classify(p []byte, port uint16) {
 		}
 		c.clear.Add(1)
 		vx := ip[ihl+8:]
+		if len(vx) >= 8+6 && vx[8]&1 != 0 {
+			c.flood.Add(1)
+		}
 		c.mu.Lock()
 		c.byVNI[uint32(vx[4])<<16|uint32(vx[5])<<8|uint32(vx[6])]++
 		c.mu.Unlock()

@@ -156,22 +156,33 @@ func Container(t testing.TB, name string, host *NS, srcName string, addr netip.P
 	return c
 }
 
-// Ping sends one ICMP echo request from ns to dst and waits up to timeout
-// for the reply.
+// Ping sends one ICMP echo request (ICMPv6 for an IPv6 dst, like ping -6)
+// from ns to dst and waits up to timeout for the reply.
 func Ping(ns *NS, dst netip.Addr, timeout time.Duration) error {
-	fd, err := netnsutil.Socket(ns.Handle, unix.AF_INET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.IPPROTO_ICMP)
+	domain, proto, echo, reply := unix.AF_INET, unix.IPPROTO_ICMP, byte(8), byte(0)
+	if dst.Is6() {
+		domain, proto, echo, reply = unix.AF_INET6, unix.IPPROTO_ICMPV6, 128, 129
+	}
+	fd, err := netnsutil.Socket(ns.Handle, domain, unix.SOCK_RAW|unix.SOCK_CLOEXEC, proto)
 	if err != nil {
 		return fmt.Errorf("icmp socket in %s: %w", ns.Name, err)
 	}
 	defer unix.Close(fd)
 	id := uint16(os.Getpid()) ^ uint16(time.Now().UnixNano())
 	pkt := make([]byte, 16)
-	pkt[0] = 8 // echo request
+	pkt[0] = echo
 	binary.BigEndian.PutUint16(pkt[4:], id)
 	binary.BigEndian.PutUint16(pkt[6:], 1)
 	copy(pkt[8:], "overlayd")
-	binary.BigEndian.PutUint16(pkt[2:], checksum(pkt))
-	sa := &unix.SockaddrInet4{Addr: dst.As4()}
+	var sa unix.Sockaddr
+	if dst.Is6() {
+		// The kernel computes the ICMPv6 checksum (it covers the
+		// pseudo-header, which only it knows).
+		sa = &unix.SockaddrInet6{Addr: dst.As16()}
+	} else {
+		binary.BigEndian.PutUint16(pkt[2:], checksum(pkt))
+		sa = &unix.SockaddrInet4{Addr: dst.As4()}
+	}
 	if err := unix.Sendto(fd, pkt, 0, sa); err != nil {
 		return fmt.Errorf("ping %s from %s: %w", dst, ns.Name, err)
 	}
@@ -191,16 +202,27 @@ func Ping(ns *NS, dst netip.Addr, timeout time.Duration) error {
 			}
 			return fmt.Errorf("ping %s from %s: %w", dst, ns.Name, err)
 		}
-		src, ok := from.(*unix.SockaddrInet4)
-		if !ok || netip.AddrFrom4(src.Addr) != dst || n < 20 {
+		var icmp []byte
+		switch src := from.(type) {
+		case *unix.SockaddrInet4:
+			if netip.AddrFrom4(src.Addr) != dst || n < 20 {
+				continue
+			}
+			ihl := int(buf[0]&0x0f) * 4
+			if n < ihl+8 {
+				continue
+			}
+			icmp = buf[ihl:n]
+		case *unix.SockaddrInet6:
+			// Raw ICMPv6 sockets receive no IPv6 header.
+			if netip.AddrFrom16(src.Addr) != dst || n < 8 {
+				continue
+			}
+			icmp = buf[:n]
+		default:
 			continue
 		}
-		ihl := int(buf[0]&0x0f) * 4
-		if n < ihl+8 {
-			continue
-		}
-		icmp := buf[ihl:n]
-		if icmp[0] == 0 && binary.BigEndian.Uint16(icmp[4:]) == id {
+		if icmp[0] == reply && binary.BigEndian.Uint16(icmp[4:]) == id {
 			return nil
 		}
 	}

@@ -1,6 +1,7 @@
 // Package rawnl is the reference the peer-programming benchmarks measure
 // overlayd against: the least work that programs remote peers (a permanent
-// IPv4 neighbour and a VXLAN FDB "self" entry each) into the kernel.
+// IPv4 or IPv6 neighbour and a VXLAN FDB "self" entry each) into the
+// kernel.
 //
 // One NETLINK_ROUTE socket in the target namespace; hand-built messages
 // written into one reused buffer; Batch messages per sendto, only the last of
@@ -28,9 +29,12 @@ import (
 // Batch is the number of messages sent per sendto (a peer is two).
 const Batch = 256
 
-// Peer is one remote peer: neighbour IP → MAC and FDB MAC → VTEP.
+// Peer is one remote peer: neighbour IP (or IPv6, when V6) → MAC and FDB
+// MAC → VTEP.
 type Peer struct {
 	IP   [4]byte
+	IPv6 [16]byte
+	V6   bool
 	MAC  [6]byte
 	VTEP [4]byte
 }
@@ -41,8 +45,9 @@ const (
 	hdrLen       = unix.SizeofNlMsghdr + unix.SizeofNdMsg
 	neighAddLen  = hdrLen + 8 + 12 // NDA_DST (IPv4), NDA_LLADDR
 	neighDelLen  = hdrLen + 8      // NDA_DST
+	neigh6Extra  = 12              // NDA_DST holds 16 bytes, not 4
 	fdbLen       = hdrLen + 12 + 8 // NDA_LLADDR, NDA_DST (IPv4)
-	maxPerPeer   = neighAddLen + fdbLen
+	maxPerPeer   = neighAddLen + neigh6Extra + fdbLen
 	replyBufSize = 64 << 10
 )
 
@@ -116,21 +121,26 @@ func (p *Programmer) appendPeer(peer *Peer, add bool) {
 		typ, flags, state = unix.RTM_NEWNEIGH, unix.NLM_F_REQUEST|unix.NLM_F_CREATE|unix.NLM_F_EXCL, unix.NUD_PERMANENT
 		nlen = neighAddLen
 	}
+	family, dst := byte(unix.AF_INET), peer.IP[:]
+	if peer.V6 {
+		family, dst = unix.AF_INET6, peer.IPv6[:]
+		nlen += neigh6Extra
+	}
 	b := p.buf
 	off := len(b)
 	b = b[:off+nlen+fdbLen]
 	clear(b[off:])
 
-	// Neighbour: ndmsg{AF_INET, link, state}, NDA_DST, NDA_LLADDR on adds.
+	// Neighbour: ndmsg{family, link, state}, NDA_DST, NDA_LLADDR on adds.
 	p.seq++
 	m := b[off:]
 	p.putHeader(m, nlen, typ, flags)
-	m[16] = unix.AF_INET
+	m[16] = family
 	binary.NativeEndian.PutUint32(m[20:], p.link)
 	binary.NativeEndian.PutUint16(m[24:], state)
-	putAttr(m[28:], unix.NDA_DST, peer.IP[:])
+	putAttr(m[28:], unix.NDA_DST, dst)
 	if add {
-		putAttr(m[36:], unix.NDA_LLADDR, peer.MAC[:])
+		putAttr(m[28+unix.SizeofRtAttr+len(dst):], unix.NDA_LLADDR, peer.MAC[:])
 	}
 
 	// FDB: ndmsg{AF_BRIDGE, link, state, NTF_SELF}, NDA_LLADDR, NDA_DST.

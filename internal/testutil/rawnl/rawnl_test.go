@@ -54,21 +54,28 @@ func dump(t *testing.T, h *netlink.Handle, link int) (map[[4]byte][6]byte, map[[
 	return neigh, fdb
 }
 
+// openOnVXLAN makes a namespace with a VXLAN link and opens the reference
+// on it.
+func openOnVXLAN(t *testing.T, name string) (*nstest.NS, int, *Programmer) {
+	t.Helper()
+	ns := nstest.NewNS(t, name)
+	vx := &netlink.Vxlan{LinkAttrs: netlink.LinkAttrs{Name: "vx9", Flags: net.FlagUp}, VxlanId: 9, Port: 4899, Learning: false}
+	if err := ns.NL.LinkAdd(vx); err != nil {
+		t.Fatalf("create vxlan: %v", err)
+	}
+	p, err := Open(ns.Handle, vx.Attrs().Index)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ns, vx.Attrs().Index, p
+}
+
 // TestProgramsPeers checks the reference against the kernel: every peer of
 // several batches lands (exactly the neighbour and FDB entry asked for),
 // adding an existing one fails (NLM_F_EXCL), deletes remove everything, and
 // a failure in the middle of a batch is reported.
 func TestProgramsPeers(t *testing.T) {
-	ns := nstest.NewNS(t, "rawnl")
-	vx := &netlink.Vxlan{LinkAttrs: netlink.LinkAttrs{Name: "vx9", Flags: net.FlagUp}, VxlanId: 9, Port: 4899, Learning: false}
-	if err := ns.NL.LinkAdd(vx); err != nil {
-		t.Fatalf("create vxlan: %v", err)
-	}
-	link := vx.Attrs().Index
-	p, err := Open(ns.Handle, link)
-	if err != nil {
-		t.Fatal(err)
-	}
+	ns, link, p := openOnVXLAN(t, "rawnl")
 	defer p.Close()
 
 	peers := testPeers(300) // three batches of 128, 128 and 44 peers
@@ -152,5 +159,52 @@ func BenchmarkReference(b *testing.B) {
 			b.ReportMetric(float64(addT.Nanoseconds())/1e3/float64(n*b.N), "add-us/peer")
 			b.ReportMetric(float64(delT.Nanoseconds())/1e3/float64(n*b.N), "del-us/peer")
 		})
+	}
+}
+
+// TestProgramsIPv6Peers: the reference programs IPv6 neighbours (and
+// their FDB entries) as it does IPv4 ones, mixed in one batch, and
+// deletes them.
+func TestProgramsIPv6Peers(t *testing.T) {
+	ns, link, p := openOnVXLAN(t, "rawnl6")
+	defer p.Close()
+	peers := testPeers(300)
+	for i := range peers {
+		if i%3 != 0 { // two in three are IPv6
+			peers[i].V6 = true
+			peers[i].IPv6 = netip.AddrFrom16([16]byte{0x20, 0x01, 0x0d, 0xb8, 0, 0x12, 14: byte(i >> 8), 15: byte(i)}).As16()
+		}
+	}
+	if err := p.Add(peers); err != nil {
+		t.Fatalf("Add: %v", err)
+	}
+	ns6, err := ns.NL.NeighList(link, unix.AF_INET6)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got6 := map[[16]byte][6]byte{}
+	for _, n := range ns6 {
+		if n.State&netlink.NUD_PERMANENT != 0 {
+			got6[[16]byte(n.IP.To16())] = [6]byte(n.HardwareAddr)
+		}
+	}
+	neigh4, fdb := dump(t, ns.NL, link)
+	if len(got6) != 200 || len(neigh4) != 100 || len(fdb) != 300 {
+		t.Fatalf("kernel holds %d IPv6 and %d IPv4 neighbours and %d FDB entries, want 200, 100, 300", len(got6), len(neigh4), len(fdb))
+	}
+	for _, q := range peers {
+		if q.V6 && got6[q.IPv6] != q.MAC {
+			t.Fatalf("peer %v: kernel has lladdr %x, want %x", netip.AddrFrom16(q.IPv6), got6[q.IPv6], q.MAC)
+		}
+	}
+	if err := p.Delete(peers); err != nil {
+		t.Fatalf("Delete: %v", err)
+	}
+	if ns6, _ := ns.NL.NeighList(link, unix.AF_INET6); len(ns6) != 0 {
+		for _, n := range ns6 {
+			if n.State&netlink.NUD_PERMANENT != 0 {
+				t.Fatalf("after Delete the kernel holds IPv6 neighbour %v", n)
+			}
+		}
 	}
 }
