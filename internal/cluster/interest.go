@@ -28,12 +28,13 @@ import (
 //     encoded once per distinct selection, not once per member);
 //   - digests over those VNIs only: (O's clock, live count and hash of
 //     O's records of them; localStore keeps them per VNI, so a digest
-//     costs one lookup per VNI); and a digest that would tell R what the
-//     previous one did, when O sent R no record since and its own
-//     definitions did not change, is skipped until DigestMaxInterval/2
-//     after the previous one (the idle rate stays): a change of a
-//     5-host network costs 4 deltas and 4 digests, not a digest to
-//     every member;
+//     costs one lookup per VNI); and in the digest rounds that follow a
+//     change, a digest that would tell R what the previous one did (O
+//     sent R no record since, its own definitions did not change) is
+//     skipped; the idle round (DigestMaxInterval) goes to every member
+//     as before, and so does a digest once DigestMaxInterval passed
+//     since the previous one: a change of a 5-host network costs 4
+//     deltas and 4 digests, not a digest to every member;
 //   - snapshots with only those VNIs' records: R drops what it held of O
 //     outside them (a lost interest stops costing anything), and its
 //     floor and tombstones work as before, per origin.

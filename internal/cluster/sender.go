@@ -35,8 +35,9 @@ type dest struct {
 	// to it (deltas or a snapshot) since its last digest, and what that
 	// digest said (count, hash, our definitions' version) and when. A
 	// digest that would repeat the last one to a member sent nothing
-	// since is skipped until DigestMaxInterval/2 has passed: a change of
-	// a 5-host network does not cost a digest to every member.
+	// since is skipped in the rounds that follow a change (not in the
+	// idle round, nor once DigestMaxInterval has passed since the last):
+	// a change of a 5-host network does not cost a digest to every member.
 	sentRecords  bool
 	lastCount    uint64
 	lastHash     uint64
@@ -331,7 +332,7 @@ func (c *Cluster) periodicLoop() {
 				digest.Reset(jitter(step))
 			}
 		case <-digest.C:
-			c.sendDigests()
+			c.sendDigests(step >= c.cfg.DigestMaxInterval)
 			step = min(2*step, c.cfg.DigestMaxInterval)
 			next = c.now().Add(step)
 			digest.Reset(jitter(step))
@@ -359,8 +360,11 @@ func (c *Cluster) periodicLoop() {
 }
 
 // sendDigests queues our digest to every member: over the VNIs it wants
-// (interest.go), the whole one (encoded once) to the others.
-func (c *Cluster) sendDigests() {
+// (interest.go), the whole one (encoded once) to the others. idleRound:
+// the round of the idle rate (DigestMaxInterval), which every member
+// gets; in the rounds that follow a change, a member that wants only some
+// VNIs and would be told what it was told last is skipped.
+func (c *Cluster) sendDigests(idleRound bool) {
 	var whole []byte
 	now := c.now()
 	defsVer := c.local.defsVersion()
@@ -380,8 +384,8 @@ func (c *Cluster) sendDigests() {
 		} else {
 			m := c.local.digestFor(want)
 			d.mu.Lock()
-			repeat := !d.sentRecords && d.lastCount == m.Count && d.lastHash == m.Hash && d.lastDefsVer == defsVer &&
-				now.Sub(d.lastDigestAt) < c.cfg.DigestMaxInterval/2
+			repeat := !idleRound && !d.sentRecords && d.lastCount == m.Count && d.lastHash == m.Hash && d.lastDefsVer == defsVer &&
+				now.Sub(d.lastDigestAt) < c.cfg.DigestMaxInterval
 			if !repeat {
 				d.sentRecords, d.lastCount, d.lastHash, d.lastDefsVer, d.lastDigestAt = false, m.Count, m.Hash, defsVer, now
 			}
