@@ -39,7 +39,8 @@ import (
 // Heavy: OVERLAYD_BENCH_INTEREST=1, sizes in
 // OVERLAYD_BENCH_SIZES (default 10,50), modes in OVERLAYD_BENCH_MODES
 // (default on,off: Interest on and off, off being every record to every
-// member as before).
+// member as before), memberlist timings in OVERLAYD_BENCH_PROFILE (a
+// --gossip-profile value; default lan).
 
 const (
 	benchVNIAll  = 1500
@@ -130,6 +131,13 @@ func TestBenchInterestWorker(t *testing.T) {
 					d := DefaultConfig()
 					c.DigestInterval, c.ReconnectInterval = d.DigestInterval, d.ReconnectInterval
 					c.Interest = cmd.On
+					if p := os.Getenv("OVERLAYD_BENCH_PROFILE"); p != "" {
+						prof, err := ParseProfile(p)
+						if err != nil {
+							t.Fatalf("OVERLAYD_BENCH_PROFILE: %v", err)
+						}
+						c.Profile = prof
+					}
 				}}
 				if i > 0 {
 					o.seeds = []string{cmd.Seed}
@@ -343,7 +351,17 @@ func benchInterest(t *testing.T, n int, on bool) {
 				return
 			}
 			if time.Now().After(deadline) {
-				t.Fatalf("n=%d: %s: lowest %d of %d after %v", n, op, low, want, timeout)
+				// What the members cost while they fail to agree.
+				var s0, s1 benchStats
+				for _, w := range workers {
+					s0.add(w.call(t, benchCmd{Op: "stats"}).Stats)
+				}
+				time.Sleep(5 * time.Second) // the window measured
+				for _, w := range workers {
+					s1.add(w.call(t, benchCmd{Op: "stats"}).Stats)
+				}
+				t.Fatalf("n=%d: %s: lowest %d of %d after %v; CPU %.0f ms/s for the %d members started (%.2f per member), %d member failures in 5 s; load %s",
+					n, op, low, want, timeout, float64(s1.CPU-s0.CPU)/5e6, want, float64(s1.CPU-s0.CPU)/5e6/float64(want), s1.Failures-s0.Failures, loadavg())
 			}
 			time.Sleep(200 * time.Millisecond) // polling other processes
 		}
@@ -362,7 +380,8 @@ func benchInterest(t *testing.T, n int, on bool) {
 		started = next
 		waitAll("members", started, 3*time.Minute)
 	}
-	t.Logf("n=%d interest=%v: %d processes; all members see each other after %v; load %s", n, on, procs, time.Since(start).Round(time.Millisecond), loadavg())
+	t.Logf("n=%d interest=%v: %d processes, gossip profile %q; all members see each other after %v; load %s",
+		n, on, procs, os.Getenv("OVERLAYD_BENCH_PROFILE"), time.Since(start).Round(time.Millisecond), loadavg())
 	five := map[int]bool{}
 	for i := range 5 {
 		five[i*n/5+n/10] = true // spread over the workers
