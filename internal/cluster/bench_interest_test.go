@@ -78,6 +78,28 @@ type benchMsg struct {
 type benchStats struct {
 	Msgs, Bytes, Deltas, Records, Failures, WireBytes uint64
 	CPU                                               int64 // ns of user+system time of the process
+	Wall                                              int64 // the wall clock in ns when CPU was read
+}
+
+// cpuRate returns the CPU the workers used between two per-worker
+// samples, in ms per s of each worker's own window (the samples of
+// different workers are not taken at the same instant).
+func cpuRate(a, b []benchStats) float64 {
+	var r float64
+	for i := range a {
+		if w := b[i].Wall - a[i].Wall; w > 0 {
+			r += float64(b[i].CPU-a[i].CPU) / float64(w) * 1e3
+		}
+	}
+	return r
+}
+
+func sumStats(ws []benchStats) benchStats {
+	var s benchStats
+	for i := range ws {
+		s.add(&ws[i])
+	}
+	return s
 }
 
 func (s *benchStats) add(o *benchStats) {
@@ -197,7 +219,7 @@ func TestBenchInterestWorker(t *testing.T) {
 			}
 			var ru syscall.Rusage
 			if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err == nil {
-				st.CPU = ru.Utime.Nano() + ru.Stime.Nano()
+				st.CPU, st.Wall = ru.Utime.Nano()+ru.Stime.Nano(), time.Now().UnixNano()
 			}
 			reply.Stats = st
 		case "quit":
@@ -352,16 +374,17 @@ func benchInterest(t *testing.T, n int, on bool) {
 			}
 			if time.Now().After(deadline) {
 				// What the members cost while they fail to agree.
-				var s0, s1 benchStats
+				var w0, w1 []benchStats
 				for _, w := range workers {
-					s0.add(w.call(t, benchCmd{Op: "stats"}).Stats)
+					w0 = append(w0, *w.call(t, benchCmd{Op: "stats"}).Stats)
 				}
 				time.Sleep(5 * time.Second) // the window measured
 				for _, w := range workers {
-					s1.add(w.call(t, benchCmd{Op: "stats"}).Stats)
+					w1 = append(w1, *w.call(t, benchCmd{Op: "stats"}).Stats)
 				}
-				t.Fatalf("n=%d: %s: lowest %d of %d after %v; CPU %.0f ms/s for the %d members started (%.2f per member), %d member failures in 5 s; load %s",
-					n, op, low, want, timeout, float64(s1.CPU-s0.CPU)/5e6, want, float64(s1.CPU-s0.CPU)/5e6/float64(want), s1.Failures-s0.Failures, loadavg())
+				cpu := cpuRate(w0, w1)
+				t.Fatalf("n=%d: %s: lowest %d of %d after %v; CPU %.0f ms/s for the %d members started (%.2f per member), %d member failures in ~5 s; load %s",
+					n, op, low, want, timeout, cpu, want, cpu/float64(want), sumStats(w1).Failures-sumStats(w0).Failures, loadavg())
 			}
 			time.Sleep(200 * time.Millisecond) // polling other processes
 		}
@@ -394,13 +417,14 @@ func benchInterest(t *testing.T, n int, on bool) {
 		workerOf(i).call(t, benchCmd{Op: "define", Member: i, VNIs: vnis})
 	}
 	waitAll("sets", n-1, time.Minute)
-	stats := func() benchStats {
-		var s benchStats
+	perWorker := func() []benchStats {
+		var ws []benchStats
 		for _, w := range workers {
-			s.add(w.call(t, benchCmd{Op: "stats"}).Stats)
+			ws = append(ws, *w.call(t, benchCmd{Op: "stats"}).Stats)
 		}
-		return s
+		return ws
 	}
+	stats := func() benchStats { return sumStats(perWorker()) }
 	// Idle: let the joins' traffic settle, then measure the idle rate.
 	settle := time.Now()
 	for s0 := stats(); ; {
@@ -411,15 +435,17 @@ func benchInterest(t *testing.T, n int, on bool) {
 		}
 		s0 = s1
 	}
-	idle0, idleT := stats(), time.Now()
+	idleW0 := perWorker()
+	idle0, idleT := sumStats(idleW0), time.Now()
 	// The idle window being measured: longer than the idle digest round
 	// (DigestMaxInterval, jittered by up to a fifth).
 	time.Sleep(DefaultDigestMaxInterval * 13 / 10)
-	idle1 := stats()
+	idleW1 := perWorker()
+	idle1 := sumStats(idleW1)
 	idleDur := time.Since(idleT).Seconds()
 	idleMsgs := float64(idle1.Msgs-idle0.Msgs) / idleDur
 	idleBytes := float64(idle1.Bytes-idle0.Bytes) / idleDur
-	idleCPU := float64(idle1.CPU-idle0.CPU) / idleDur / 1e6 // ms per s
+	idleCPU := cpuRate(idleW0, idleW1)
 	t.Logf("n=%d interest=%v: idle: %.0f msgs/s %.0f B/s of records and digests, CPU %.0f ms/s (%.2f ms/s per member), member failures so far %d (%d in the idle window); load %s",
 		n, on, idleMsgs, idleBytes, idleCPU, idleCPU/float64(n), idle1.Failures, idle1.Failures-idle0.Failures, loadavg())
 
@@ -431,13 +457,6 @@ func benchInterest(t *testing.T, n int, on bool) {
 		vni     uint32
 		holders []int
 	}{
-		{"network on all hosts", benchVNIAll, func() []int {
-			var h []int
-			for i := range n {
-				h = append(h, i)
-			}
-			return h
-		}()},
 		{"network on 5 hosts", benchVNIFive, slices.Sorted(func(yield func(int) bool) {
 			for i := range five {
 				if !yield(i) {
@@ -445,10 +464,18 @@ func benchInterest(t *testing.T, n int, on bool) {
 				}
 			}
 		})},
+		{"network on all hosts", benchVNIAll, func() []int {
+			var h []int
+			for i := range n {
+				h = append(h, i)
+			}
+			return h
+		}()},
 	} {
 		var lat []time.Duration
 		missed := 0
-		s0, t0 := stats(), time.Now()
+		w0, t0 := perWorker(), time.Now()
+		s0 := sumStats(w0)
 		for range changes {
 			origin := sc.holders[rng.IntN(len(sc.holders))]
 			seq++
@@ -481,13 +508,16 @@ func benchInterest(t *testing.T, n int, on bool) {
 		}
 		dur := time.Since(t0).Seconds()
 		// The digests that follow the changes (DigestInterval after, then
-		// doubling): wait for them, so they are counted.
-		time.Sleep(3 * DefaultDigestInterval) // the digest rounds that follow a change
-		s1 := stats()
+		// doubling): wait for the first two rounds, so they are counted
+		// here and not in the next scenario (the small network goes
+		// first: the rounds of the big one would swamp it).
+		time.Sleep(4 * DefaultDigestInterval) // the digest rounds that follow a change
+		w1 := perWorker()
+		s1 := sumStats(w1)
 		dur2 := time.Since(t0).Seconds()
 		msgs := (float64(s1.Msgs-s0.Msgs) - idleMsgs*dur2) / float64(changes)
 		bytes := (float64(s1.Bytes-s0.Bytes) - idleBytes*dur2) / float64(changes)
-		cpu := float64(s1.CPU-s0.CPU) / dur2 / 1e6
+		cpu := cpuRate(w0, w1)
 		if len(lat) == 0 {
 			lat = append(lat, -1)
 		}
