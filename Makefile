@@ -25,7 +25,7 @@ PKGS      := ./...
 # fetches with apt-get and unpacks into a cache directory) in `engine-26.1`.
 # OVERLAYD_TEST_ENGINE picks the engine; test/docker/engines_test.go.
 
-.PHONY: all build test unit engine-26.1 fuzz lint bench bench-peers bench-intree run clean plugin install
+.PHONY: all build test unit engine-26.1 fuzz lint bench bench-peers bench-gossip bench-intree run clean plugin install
 
 # `make install`: the binary, the systemd unit and (if absent) its settings
 # file. DESTDIR stages the files under another root (packaging, tests): then
@@ -84,6 +84,13 @@ bench:
 BENCH_COUNT ?= 3
 bench-peers:
 	$(GO) test -run '^$$' -bench '^BenchmarkPeers(IPv6|OneByOne)?$$' -benchtime 5x -count $(BENCH_COUNT) ./driver | tee /dev/stderr | sh test/bench/summary.sh
+
+# Gossip cost per change with and without interest (records only to the
+# hosts of a network): members spread over worker processes on loopback,
+# a network on all hosts and one on 5, GOSSIP_SIZES members.
+GOSSIP_SIZES ?= 10,50
+bench-gossip:
+	OVERLAYD_BENCH_INTEREST=1 OVERLAYD_BENCH_SIZES=$(GOSSIP_SIZES) $(GO) test -count=1 -timeout 60m -run '^TestBenchInterest$$' -v ./internal/cluster
 
 # Join and Leave side by side with Docker's in-tree overlay driver (moby's,
 # built in bench/intree, a module of its own): interleaved rounds, ratios.

@@ -138,6 +138,7 @@ func New(cfg Config) (*Cluster, error) {
 		stop:      make(chan struct{}),
 	}
 	c.local = newLocalStore(cfg.NodeName, c.inc, cfg.VTEP, c.now)
+	c.local.advertiseInterest(cfg.Interest)
 	// This node's records before anything is gossiped: a restarted node's
 	// first snapshot must hold them, or the others' restart grace ends on
 	// a snapshot without them and those peers flap.
@@ -159,6 +160,23 @@ func New(cfg Config) (*Cluster, error) {
 	c.replica.dirtyVNI = c.markVNILocked
 	c.replica.requestSync = func(name string) { c.destFlagLocked(name, func(d *dest) { d.syncReq = true }) }
 	c.replica.sendSnapshot = func(name string) { c.destFlagLocked(name, func(d *dest) { d.snapshot, d.defs = true, true }) }
+	c.replica.interest = cfg.Interest
+	c.replica.interestGained = func(name string, vnis []uint32) {
+		if c.local.hasLive(vnis) {
+			c.destFlagLocked(name, func(d *dest) { d.snapshot = true })
+		} else if d := c.dests[name]; d != nil {
+			// Nothing to send, but it may hold records of these VNIs it
+			// kept from before it lost them, which we deleted since: our
+			// next digest must reach it (not be skipped as a repeat).
+			d.mu.Lock()
+			d.sentRecords = true
+			d.mu.Unlock()
+		}
+		select { // digests soon: they repair a lost snapshot, or the above
+		case c.changed <- struct{}{}:
+		default:
+		}
+	}
 	for range cfg.DeliveryShards {
 		c.shards = append(c.shards, &shard{dirty: make(map[uint32]map[pkey]struct{}), wake: make(chan struct{}, 1)})
 	}
@@ -378,7 +396,11 @@ func (c *Cluster) logLimited(level slog.Level, key, msg string, args ...any) {
 // handleMessage decodes, validates and applies a message from the network
 // (memberlist user message or push/pull state). It never waits for the
 // Watcher.
-func (c *Cluster) handleMessage(b []byte) {
+func (c *Cluster) handleMessage(b []byte) { c.receive(b, false) }
+
+// receive is handleMessage; pushPull: b is memberlist's push/pull state
+// (the origin's complete snapshot, whoever receives it).
+func (c *Cluster) receive(b []byte, pushPull bool) {
 	if c.closed.Load() || len(b) == 0 {
 		return
 	}
@@ -389,6 +411,9 @@ func (c *Cluster) handleMessage(b []byte) {
 		return
 	}
 	c.mu.Lock()
+	if pushPull {
+		c.filterOwnInterestLocked(m)
+	}
 	// A leave of a member memberlist already declared dead: the only way
 	// it becomes "left" (memberGone logs the other).
 	mem := c.replica.members[m.Origin]
@@ -555,7 +580,7 @@ func (c *Cluster) memberAlive(n *memberlist.Node) {
 	if fresh != nil {
 		// Then our digest: a member back from dead (same incarnation)
 		// missed our changes meanwhile and asks for a snapshot if so.
-		if b, err := encodeMessage(c.local.digest()); err == nil {
+		if b, err := encodeMessage(c.local.digestFor(c.replica.interestOf(n.Name))); err == nil {
 			fresh.mu.Lock()
 			fresh.digest = b
 			fresh.mu.Unlock()
@@ -685,7 +710,7 @@ func (d *delegate) LocalState(join bool) []byte {
 	return b
 }
 
-func (d *delegate) MergeRemoteState(b []byte, join bool) { d.c.handleMessage(b) }
+func (d *delegate) MergeRemoteState(b []byte, join bool) { d.c.receive(b, true) }
 
 func (d *delegate) NotifyJoin(n *memberlist.Node) {
 	if n.Name != d.c.cfg.NodeName {

@@ -55,8 +55,15 @@ type Config struct {
 	// LocalDefinitions are this node's network definitions at start, by
 	// VNI (see SyncDefinitions).
 	LocalDefinitions map[uint32]netdef.Definition
-	TombstoneTTL     time.Duration
-	Watcher          Watcher // required
+	// Interest: this node's network definitions are its interest. It
+	// advertises so (node metadata), members that also do send it only
+	// the records of the VNIs it has a definition of, and it sends them
+	// only theirs (interest.go). Off, it is sent every record, as by
+	// overlayd before interest. The daemon turns it on; a node that
+	// publishes records without definitions must leave it off.
+	Interest     bool
+	TombstoneTTL time.Duration
+	Watcher      Watcher // required
 	// OnMembersChange, if set, is called when a member joins, leaves, dies
 	// or changes its metadata (its VTEP or application state, see
 	// SetAppState and MemberApps). It is called from memberlist's callbacks

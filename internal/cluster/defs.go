@@ -381,6 +381,7 @@ func (s *replica) applyDefs(name string, o *origin, m *message) {
 	for _, d := range m.Defs {
 		nu[d.VNI] = d.Def
 	}
+	s.gained(name, o, nu) // before o.defs is replaced: it compares with it
 	for vni, d := range o.defs {
 		if n, ok := nu[vni]; !ok || !netdef.Equal(&d, &n) {
 			s.dirtyVNI(vni)
@@ -391,6 +392,8 @@ func (s *replica) applyDefs(name string, o *origin, m *message) {
 			s.dirtyVNI(vni)
 		}
 	}
+	// Replaced whole, never modified in place: interestOf hands the map
+	// out beyond Cluster.mu.
 	o.defs, o.defsVer = nu, m.AsOf
 }
 

@@ -29,7 +29,10 @@
 //
 // Three message kinds carry records, all sent directly from the origin to
 // every member (not relayed: only the origin speaks for its records, so no
-// third party can replay stale ones):
+// third party can replay stale ones) — or, between nodes that advertise
+// interest (Config.Interest), only to the members that have a network
+// definition of the record's VNI, with digests and snapshots over those
+// VNIs only (see interest.go):
 //
 //   - delta: the records that changed since the last delta. A publisher
 //     goroutine takes everything changed since its last run (a burst of

@@ -25,7 +25,9 @@ type localStore struct {
 	// protoMax is the highest protocol version advertised: ProtocolVersion
 	// (the tests lower it to play a node of an earlier version).
 	protoMax byte
-	app      []byte // application state (SetAppState)
+	// interestFlag: advertise interest (Config.Interest; metaInterest).
+	interestFlag bool
+	app          []byte // application state (SetAppState)
 	// ipv6: every alive member speaks ProtocolIPv6, so records go out
 	// with their IPv6 addresses; while not, they are withheld (see
 	// lrec.full and wire.go, "IPv6"). withheld counts the records
@@ -36,7 +38,11 @@ type localStore struct {
 	recs     map[recKey]*lrec
 	live     int
 	hash     uint64
-	dirty    map[recKey]struct{} // changed since the publisher last ran
+	// byVNI: live and hash per VNI, so a digest of the VNIs one member
+	// wants costs a lookup per VNI (interest.go); a VNI without live
+	// records has no entry.
+	byVNI map[uint32]vniSum
+	dirty map[recKey]struct{} // changed since the publisher last ran
 	// defs: this node's network definitions by VNI (defs.go); defsVer is
 	// the clock value of their last change.
 	defs    map[uint32]netdef.Definition
@@ -74,6 +80,7 @@ func newLocalStore(name string, inc uint64, vtep netip.Addr, now func() time.Tim
 		mu:   lockorder.New(lockorder.LevelClusterLocal),
 		name: name, inc: inc, vtep: vtep, now: now, protoMax: ProtocolVersion, ipv6: true,
 		recs:       make(map[recKey]*lrec),
+		byVNI:      make(map[uint32]vniSum),
 		dirty:      make(map[recKey]struct{}),
 		defs:       make(map[uint32]netdef.Definition),
 		defChanged: make(map[uint32]uint64),
@@ -156,8 +163,7 @@ func (l *localStore) publishLocked(vni uint32, prev, next *peerdb.Peer) (DropRea
 func (l *localStore) setLocked(k recKey, r record) {
 	if cur := l.recs[k]; cur != nil {
 		if !cur.rec.Deleted {
-			l.live--
-			l.hash -= recordHash(&cur.rec)
+			l.count(&cur.rec, -1)
 		}
 		if cur.full != nil {
 			l.withheld--
@@ -176,8 +182,7 @@ func (l *localStore) setLocked(k recKey, r record) {
 		}
 	}
 	if !x.rec.Deleted {
-		l.live++
-		l.hash += recordHash(&x.rec)
+		l.count(&x.rec, 1)
 	}
 	l.recs[k] = x
 	l.dirty[k] = struct{}{}
@@ -265,6 +270,29 @@ func (l *localStore) sync(mark uint64, recs []LocalRecord) ([]localErr, bool) {
 	return errs, changed
 }
 
+// count adds (sign 1) or removes (sign -1) the live record r from the
+// totals and its VNI's sum. Expects l.mu held.
+func (l *localStore) count(r *record, sign int) {
+	h := recordHash(r)
+	sum := l.byVNI[r.VNI]
+	if sign > 0 {
+		l.live++
+		l.hash += h
+		sum.live++
+		sum.hash += h
+	} else {
+		l.live--
+		l.hash -= h
+		sum.live--
+		sum.hash -= h
+	}
+	if sum.live == 0 {
+		delete(l.byVNI, r.VNI)
+	} else {
+		l.byVNI[r.VNI] = sum
+	}
+}
+
 // deleteLocked turns k's live record into a tombstone. Expects l.mu held.
 func (l *localStore) deleteLocked(k recKey) bool {
 	cur := l.recs[k]
@@ -275,8 +303,7 @@ func (l *localStore) deleteLocked(k recKey) bool {
 		return false
 	}
 	if !cur.rec.Deleted {
-		l.live--
-		l.hash -= recordHash(&cur.rec)
+		l.count(&cur.rec, -1)
 	}
 	if cur.full != nil {
 		l.withheld--
@@ -358,7 +385,8 @@ func (l *localStore) meta() nodeMeta {
 }
 
 func (l *localStore) metaLocked() nodeMeta {
-	return nodeMeta{ProtoMin: protocolVersionMin, ProtoMax: l.protoMax, Incarnation: l.inc, VTEP: l.vtep, App: l.app}
+	return nodeMeta{ProtoMin: protocolVersionMin, ProtoMax: l.protoMax, Incarnation: l.inc, VTEP: l.vtep, App: l.app,
+		Interest: l.interestFlag}
 }
 
 // currentVTEP returns this node's VTEP.
@@ -366,6 +394,16 @@ func (l *localStore) currentVTEP() netip.Addr {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.vtep
+}
+
+// advertiseInterest sets the metaInterest flag of the metadata (before
+// the node joins: New).
+func (l *localStore) advertiseInterest(on bool) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.interestFlag = on
+	b := encodeMeta(l.metaLocked())
+	l.metaBytes.Store(&b)
 }
 
 // setApp sets the application state (and the metadata).

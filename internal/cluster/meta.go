@@ -10,10 +10,12 @@ import (
 //
 //	metaVersion:u8 (>=1) protoMin:u8 protoMax:u8 incarnation:u64be
 //	vtepFamily:u8 (4|6) vtep:4|16 [since version 2: appLen:u16be app:appLen]
-//	[ignored trailing bytes]
+//	[since version 3: flags:u8] [ignored trailing bytes]
 //
 // app is the application state (SetAppState: the encryption key epochs),
-// opaque to this package.
+// opaque to this package. flags bit 0 (metaInterest): the node's network
+// definitions are its interest, the VNIs whose records it wants (see
+// interest.go); other bits are ignored.
 //
 // Later metadata versions may only append fields, so an older node still
 // reads what it knows. The incarnation is chosen once per process start
@@ -21,7 +23,7 @@ import (
 // other incarnation than the one a node currently advertises are discarded.
 
 const (
-	metaVersion byte = 2
+	metaVersion byte = 3
 	// ProtocolVersion is the wire protocol this package speaks; nodes
 	// advertise the range they understand in their metadata.
 	// Version 2 adds the network definitions (msgDefs); version 3 the
@@ -41,7 +43,14 @@ type nodeMeta struct {
 	Incarnation        uint64
 	VTEP               netip.Addr
 	App                []byte // nil when absent
+	// Interest: the node wants only the records of the VNIs it has a
+	// definition of, and sends members that say the same only theirs
+	// (metaInterest; interest.go).
+	Interest bool
 }
+
+// metaInterest is the flags bit of nodeMeta.Interest.
+const metaInterest byte = 1 << 0
 
 // MaxAppState is the largest application state a node can advertise
 // (memberlist's metadata holds 512 bytes).
@@ -60,7 +69,12 @@ func encodeMeta(m nodeMeta) []byte {
 		b = append(b, v[:]...)
 	}
 	b = binary.BigEndian.AppendUint16(b, uint16(len(m.App)))
-	return append(b, m.App...)
+	b = append(b, m.App...)
+	var flags byte
+	if m.Interest {
+		flags |= metaInterest
+	}
+	return append(b, flags)
 }
 
 func decodeMeta(b []byte) (nodeMeta, error) {
@@ -93,6 +107,13 @@ func decodeMeta(b []byte) (nodeMeta, error) {
 		if n > 0 {
 			m.App = append([]byte{}, rest[2:2+n]...)
 		}
+		rest = rest[2+n:]
+	}
+	if b[0] >= 3 {
+		if len(rest) < 1 {
+			return m, fmt.Errorf("node metadata version %d without its flags", b[0])
+		}
+		m.Interest = rest[0]&metaInterest != 0
 	}
 	switch {
 	case !validVTEP(m.VTEP):

@@ -136,6 +136,7 @@ type storeStats struct {
 	MemberFailures, MemberReturns                  uint64
 	FailedGraceExpired                             uint64
 	Defs, StaleDefs                                uint64 // definition sets applied, and older than held
+	Records                                        uint64 // records received in deltas and snapshots
 }
 
 // replica is the replicated remote state: membership as memberlist reports
@@ -165,6 +166,11 @@ type replica struct {
 	requestSync func(origin string)
 	// sendSnapshot sends this node's snapshot to the member requester.
 	sendSnapshot func(requester string)
+	// interest: this node advertises interest (Config.Interest), so it
+	// sends members that do too only what they want (interest.go).
+	interest bool
+	// interestGained reports that member name's set gained vnis (sorted).
+	interestGained func(name string, vnis []uint32)
 }
 
 func newReplica(self string) *replica {
@@ -178,6 +184,7 @@ func newReplica(self string) *replica {
 		dirtyVNI:        func(uint32) {},
 		requestSync:     func(string) {},
 		sendSnapshot:    func(string) {},
+		interestGained:  func(string, []uint32) {},
 	}
 }
 
@@ -346,6 +353,10 @@ func (s *replica) memberAlive(n *memberlist.Node, now time.Time) {
 			}
 		case !wasInForce || changed:
 			s.markOrigin(n.Name, o)
+		}
+		if oldErr == nil && oldMeta.Interest && !meta.Interest {
+			// It no longer advertises interest: it wants every record now.
+			s.sendSnapshot(n.Name)
 		}
 		if !wasAlive || changed {
 			s.syncFrom(n.Name, o, now)
@@ -560,6 +571,7 @@ func (s *replica) apply(m *message, now time.Time) (DropReason, string) {
 	switch m.Type {
 	case msgDelta:
 		s.stats.Deltas++
+		s.stats.Records += uint64(len(m.Records))
 		for i := range m.Records {
 			s.mergeRecord(m.Origin, o, &m.Records[i], now, false)
 		}
@@ -612,6 +624,7 @@ func (s *replica) applySnapshot(name string, o *origin, m *message, now time.Tim
 		return
 	}
 	s.stats.Snapshots++
+	s.stats.Records += uint64(len(m.Records))
 	in := make(map[recKey]struct{}, len(m.Records))
 	for i := range m.Records {
 		r := &m.Records[i]
@@ -781,5 +794,6 @@ func (s *replica) eachEffective(f func(vni uint32, k pkey, p peerdb.Peer)) {
 // sameMeta reports whether two metadata carry the same replication-relevant
 // fields (the application state does not concern the records).
 func sameMeta(a, b nodeMeta) bool {
-	return a.ProtoMin == b.ProtoMin && a.ProtoMax == b.ProtoMax && a.Incarnation == b.Incarnation && a.VTEP == b.VTEP
+	return a.ProtoMin == b.ProtoMin && a.ProtoMax == b.ProtoMax && a.Incarnation == b.Incarnation && a.VTEP == b.VTEP &&
+		a.Interest == b.Interest
 }

@@ -4,7 +4,6 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"net/netip"
-	"slices"
 	"time"
 
 	"github.com/hashicorp/memberlist"
@@ -32,6 +31,18 @@ type dest struct {
 	// defs: send our definitions (defs.go); defsOK: the member speaks
 	// protocolDefs (it would drop them otherwise).
 	defs, defsOK bool
+	// For a member that wants only some VNIs (interest.go): records went
+	// to it (deltas or a snapshot) since its last digest, and what that
+	// digest said (count, hash, our definitions' version) and when. A
+	// digest that would repeat the last one to a member sent nothing
+	// since is skipped in the rounds that follow a change (not in the
+	// idle round, nor once DigestMaxInterval has passed since the last):
+	// a change of a 5-host network does not cost a digest to every member.
+	sentRecords  bool
+	lastCount    uint64
+	lastHash     uint64
+	lastDefsVer  uint64
+	lastDigestAt time.Time
 	// ipv6OK: the member speaks ProtocolIPv6. It is never sent a record
 	// with an IPv6 address otherwise (it would drop the whole message).
 	ipv6OK bool
@@ -78,6 +89,7 @@ func (d *dest) enqueue(msgs [][]byte, has6 bool) {
 			d.queue = append(d.queue, m)
 			d.queued += len(m)
 		}
+		d.sentRecords = d.sentRecords || len(msgs) > 0
 		if d.queued > maxQueued {
 			d.queue, d.queued, d.snapshot = nil, 0, true
 		}
@@ -108,6 +120,7 @@ func (c *Cluster) sendLoop(d *dest) {
 			syncReq, snap, queue, digest, ipv6OK := d.syncReq, d.snapshot, d.queue, d.digest, d.ipv6OK
 			defs, defs6 := d.defs && d.defsOK, d.defs6
 			d.syncReq, d.snapshot, d.queue, d.queued, d.digest, d.defs = false, false, nil, 0, nil, false
+			d.sentRecords = d.sentRecords || snap
 			d.mu.Unlock()
 			if !syncReq && !snap && len(queue) == 0 && digest == nil && !defs {
 				break
@@ -133,7 +146,10 @@ func (c *Cluster) sendLoop(d *dest) {
 				}
 			}
 			if snap && !failed {
-				m := c.local.snapshot()
+				c.mu.Lock()
+				want := c.replica.interestOf(d.name)
+				c.mu.Unlock()
+				m := c.local.snapshotFor(want)
 				if !ipv6OK {
 					m.Records = withoutIPv6(m.Records)
 				}
@@ -216,25 +232,34 @@ func (c *Cluster) publishLoop() {
 		if len(recs) == 0 && !defs {
 			continue
 		}
-		var msgs [][]byte
-		has6 := false
-		if len(recs) > 0 {
-			msgs = c.encodeDeltas(recs)
-			has6 = slices.ContainsFunc(recs, func(r record) bool { return r.hasIPv6() })
+		// Each member gets the records of the VNIs it wants (interest.go),
+		// as of its interest now: one that gains a VNI later is sent a
+		// snapshot, which holds these records too.
+		type target struct {
+			d    *dest
+			want interest
 		}
 		c.mu.Lock()
-		ds := make([]*dest, 0, len(c.dests))
-		for _, d := range c.dests {
-			ds = append(ds, d)
+		ts := make([]target, 0, len(c.dests))
+		for name, d := range c.dests {
+			ts = append(ts, target{d, c.replica.interestOf(name)})
 		}
 		c.mu.Unlock()
-		for _, d := range ds {
+		sets := newDeltaSets(c, recs)
+		for _, t := range ts {
 			if defs {
-				d.mu.Lock()
-				d.defs = true
-				d.mu.Unlock()
+				t.d.mu.Lock()
+				t.d.defs = true
+				t.d.mu.Unlock()
 			}
-			d.enqueue(msgs, has6)
+			var msgs [][]byte
+			has6 := false
+			if len(recs) > 0 {
+				msgs, has6 = sets.forInterest(t.want)
+			}
+			if len(msgs) > 0 || defs {
+				t.d.enqueue(msgs, has6)
+			}
 		}
 		select {
 		case c.changed <- struct{}{}:
@@ -307,7 +332,7 @@ func (c *Cluster) periodicLoop() {
 				digest.Reset(jitter(step))
 			}
 		case <-digest.C:
-			c.sendDigests()
+			c.sendDigests(step >= c.cfg.DigestMaxInterval)
 			step = min(2*step, c.cfg.DigestMaxInterval)
 			next = c.now().Add(step)
 			digest.Reset(jitter(step))
@@ -334,15 +359,45 @@ func (c *Cluster) periodicLoop() {
 	}
 }
 
-// sendDigests queues our digest to every member.
-func (c *Cluster) sendDigests() {
-	b, err := encodeMessage(c.local.digest())
-	if err != nil {
-		return
-	}
+// sendDigests queues our digest to every member: over the VNIs it wants
+// (interest.go), the whole one (encoded once) to the others. idleRound:
+// the round of the idle rate (DigestMaxInterval), which every member
+// gets; in the rounds that follow a change, a member that wants only some
+// VNIs and would be told what it was told last is skipped.
+func (c *Cluster) sendDigests(idleRound bool) {
+	var whole []byte
+	now := c.now()
+	defsVer := c.local.defsVersion()
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	for _, d := range c.dests {
+	for name, d := range c.dests {
+		want := c.replica.interestOf(name)
+		var b []byte
+		if want == nil {
+			if whole == nil {
+				var err error
+				if whole, err = encodeMessage(c.local.digest()); err != nil {
+					return
+				}
+			}
+			b = whole
+		} else {
+			m := c.local.digestFor(want)
+			d.mu.Lock()
+			repeat := !idleRound && !d.sentRecords && d.lastCount == m.Count && d.lastHash == m.Hash && d.lastDefsVer == defsVer &&
+				now.Sub(d.lastDigestAt) < c.cfg.DigestMaxInterval
+			if !repeat {
+				d.sentRecords, d.lastCount, d.lastHash, d.lastDefsVer, d.lastDigestAt = false, m.Count, m.Hash, defsVer, now
+			}
+			d.mu.Unlock()
+			if repeat {
+				continue
+			}
+			var err error
+			if b, err = encodeMessage(m); err != nil {
+				return
+			}
+		}
 		d.mu.Lock()
 		d.digest = b
 		d.defs = true // repairs a lost definitions packet

@@ -102,6 +102,7 @@ type Stats struct {
 	AppMessagesSent     uint64 `json:"app_messages_sent"`     // application messages (SendApp), also in MessagesSent
 	AppSendErrors       uint64 `json:"app_send_errors"`       // failed SendApp streams, also in SendErrors
 	AppMessagesReceived uint64 `json:"app_messages_received"` // application messages accepted and delivered
+	RecordsReceived     uint64 `json:"records_received"`      // records in the deltas and snapshots applied
 }
 
 // Status returns the current status.
@@ -202,6 +203,7 @@ func (c *Cluster) Status() Status {
 		PeersChangedCalls: c.changeCalls.Load(), PeersChangedKeys: c.changedKeys.Load(),
 		Definitions: ss.Defs, StaleDefinitions: ss.StaleDefs,
 		AppMessagesSent: c.appSent.Load(), AppSendErrors: c.appSendErrors.Load(), AppMessagesReceived: c.appReceived.Load(),
+		RecordsReceived: ss.Records,
 	}
 	return st
 }

@@ -230,16 +230,19 @@ func (cp *controlPlane) tryStart() {
 	c, err := cluster.New(cluster.Config{
 		Local:            localRecords(cp.d),
 		LocalDefinitions: cp.d.LocalDefinitions(),
-		NodeName:         cp.st.NodeName,
-		BindAddr:         bind,
-		BindPort:         cp.st.GossipPort,
-		AdvertiseAddr:    bind,
-		VTEP:             vtep,
-		Key:              cp.key,
-		Profile:          cp.st.GossipProfile,
-		Seeds:            all,
-		Watcher:          cp.d,
-		Logger:           cp.log,
+		// The driver publishes a definition of every VNI of every local
+		// network: the records this host needs are exactly theirs.
+		Interest:      true,
+		NodeName:      cp.st.NodeName,
+		BindAddr:      bind,
+		BindPort:      cp.st.GossipPort,
+		AdvertiseAddr: bind,
+		VTEP:          vtep,
+		Key:           cp.key,
+		Profile:       cp.st.GossipProfile,
+		Seeds:         all,
+		Watcher:       cp.d,
+		Logger:        cp.log,
 		// Members or their adverts changed: the encryption owner steps
 		// the key rotation soon, the address management re-reads the
 		// members (neither blocks).
