@@ -114,19 +114,7 @@ func TestIPv6TwoEngines(t *testing.T) {
 // join, the shared cluster key in its state mount.
 func installStandalonePlugin(h *swarmHost, dir string, key []byte, join string) {
 	h.t.Helper()
-	state := filepath.Join(h.dir, "plugin-state")
-	if err := os.MkdirAll(state, 0o700); err != nil {
-		h.t.Fatal(err)
-	}
-	if err := os.WriteFile(filepath.Join(state, filepath.Base(swarmKeyFile)), key, 0o600); err != nil {
-		h.t.Fatal(err)
-	}
-	h.must("plugin", "create", pluginRef, dir)
-	h.must("plugin", "set", pluginRef, "state.source="+state, "OVERLAYD_LOG_LEVEL=debug",
-		"OVERLAYD_ADVERTISE_ADDR="+h.addr.String(), "OVERLAYD_JOIN="+join,
-		"OVERLAYD_NODE_NAME="+h.name, "OVERLAYD_SECRET_FILE="+swarmKeyFile)
-	h.must("plugin", "enable", pluginRef)
-	h.pluginID = h.must("plugin", "inspect", "-f", "{{.Id}}", pluginRef)
+	h.installPluginWith(dir, key, "OVERLAYD_ADVERTISE_ADDR="+h.addr.String(), "OVERLAYD_JOIN="+join)
 }
 
 // dualStackAcross creates the dual-stack network on both engines, one

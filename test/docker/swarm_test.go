@@ -306,6 +306,16 @@ func (s *swarmLab) installPlugins(l *lab) {
 // the shared cluster key, its own state directory.
 func (h *swarmHost) installPlugin(dir string, key []byte) {
 	h.t.Helper()
+	// No OVERLAYD_ADVERTISE_ADDR and no OVERLAYD_JOIN: the address comes
+	// from the host (then swarm's DiscoverNew), the peers from DiscoverNew.
+	h.installPluginWith(dir, key, "OVERLAYD_SCOPE=global")
+}
+
+// installPluginWith creates the managed plugin on h with its state mount
+// holding the shared cluster key, sets env (beside the settings every host
+// has), and enables it.
+func (h *swarmHost) installPluginWith(dir string, key []byte, env ...string) {
+	h.t.Helper()
 	state := filepath.Join(h.dir, "plugin-state")
 	if err := os.MkdirAll(state, 0o700); err != nil {
 		h.t.Fatal(err)
@@ -314,11 +324,9 @@ func (h *swarmHost) installPlugin(dir string, key []byte) {
 		h.t.Fatal(err)
 	}
 	h.must("plugin", "create", pluginRef, dir)
-	// No OVERLAYD_ADVERTISE_ADDR and no OVERLAYD_JOIN: the address comes
-	// from the host (then swarm's DiscoverNew), the peers from DiscoverNew.
-	h.must("plugin", "set", pluginRef, "state.source="+state,
-		"OVERLAYD_SCOPE=global", "OVERLAYD_LOG_LEVEL=debug",
-		"OVERLAYD_NODE_NAME="+h.name, "OVERLAYD_SECRET_FILE="+swarmKeyFile)
+	set := append([]string{"plugin", "set", pluginRef, "state.source=" + state, "OVERLAYD_LOG_LEVEL=debug",
+		"OVERLAYD_NODE_NAME=" + h.name, "OVERLAYD_SECRET_FILE=" + swarmKeyFile}, env...)
+	h.must(set...)
 	start := time.Now()
 	h.must("plugin", "enable", pluginRef)
 	h.enabled = time.Now()

@@ -1,8 +1,6 @@
 package guest
 
 import (
-	"encoding/binary"
-	"errors"
 	"fmt"
 	"net"
 	"net/netip"
@@ -14,7 +12,6 @@ import (
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
-	"github.com/overlayd/overlayd/internal/netnsutil"
 	"github.com/overlayd/overlayd/internal/testutil/nstest"
 )
 
@@ -63,7 +60,7 @@ func TestDaemonEncryptedDualStackVM(t *testing.T) {
 		if err := nstest.PingEventually(ctrs[i], v4[1-i].Addr(), 30*time.Second); err != nil {
 			t.Fatalf("container %d: no IPv4 ping through the encrypted dual-stack network: %v", i, err)
 		}
-		if err := nstest.Eventually(30*time.Second, 0, func() error { return ping6(ctrs[i], v6[1-i].Addr(), 200*time.Millisecond) }); err != nil {
+		if err := nstest.Eventually(30*time.Second, 0, func() error { return nstest.Ping(ctrs[i], v6[1-i].Addr(), 200*time.Millisecond) }); err != nil {
 			t.Fatalf("container %d: no IPv6 ping through the encrypted dual-stack network: %v", i, err)
 		}
 	}
@@ -72,7 +69,7 @@ func TestDaemonEncryptedDualStackVM(t *testing.T) {
 	esp := [2]int64{capts[0].ESP(), capts[1].ESP()}
 	const burst = 20
 	for n := 0; n < burst; n++ {
-		if err := ping6(ctrs[0], v6[1].Addr(), 2*time.Second); err != nil {
+		if err := nstest.Ping(ctrs[0], v6[1].Addr(), 2*time.Second); err != nil {
 			t.Fatalf("IPv6 echo %d of %d: %v", n+1, burst, err)
 		}
 	}
@@ -107,49 +104,5 @@ func addAddr6(t *testing.T, c *nstest.NS, addr netip.Prefix) {
 	a := &netlink.Addr{IPNet: &net.IPNet{IP: addr.Addr().AsSlice(), Mask: net.CIDRMask(addr.Bits(), 128)}, Flags: unix.IFA_F_NODAD}
 	if err := c.NL.AddrAdd(l, a); err != nil {
 		t.Fatalf("container %s: address %s: %v", c.Name, addr, err)
-	}
-}
-
-// ping6 sends one ICMPv6 echo request from ns to dst and waits up to
-// timeout for its reply (the kernel fills in the ICMPv6 checksum of a raw
-// ICMPv6 socket, and hands it the ICMPv6 message without the IPv6 header).
-func ping6(ns *nstest.NS, dst netip.Addr, timeout time.Duration) error {
-	fd, err := netnsutil.Socket(ns.Handle, unix.AF_INET6, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.IPPROTO_ICMPV6)
-	if err != nil {
-		return fmt.Errorf("icmpv6 socket in %s: %w", ns.Name, err)
-	}
-	defer unix.Close(fd)
-	id := uint16(os.Getpid()) ^ uint16(time.Now().UnixNano())
-	pkt := make([]byte, 16)
-	pkt[0] = 128 // echo request
-	binary.BigEndian.PutUint16(pkt[4:], id)
-	binary.BigEndian.PutUint16(pkt[6:], 1)
-	copy(pkt[8:], "overlayd")
-	if err := unix.Sendto(fd, pkt, 0, &unix.SockaddrInet6{Addr: dst.As16()}); err != nil {
-		return fmt.Errorf("ping %s from %s: %w", dst, ns.Name, err)
-	}
-	deadline := time.Now().Add(timeout)
-	buf := make([]byte, 1500)
-	for {
-		left := time.Until(deadline)
-		if left <= 0 {
-			return fmt.Errorf("ping %s from %s: no reply within %v", dst, ns.Name, timeout)
-		}
-		tv := unix.NsecToTimeval(left.Nanoseconds())
-		unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv)
-		n, from, err := unix.Recvfrom(fd, buf, 0)
-		if err != nil {
-			if errors.Is(err, unix.EAGAIN) || errors.Is(err, unix.EINTR) {
-				continue
-			}
-			return fmt.Errorf("ping %s from %s: %w", dst, ns.Name, err)
-		}
-		src, ok := from.(*unix.SockaddrInet6)
-		if !ok || netip.AddrFrom16(src.Addr) != dst || n < 8 {
-			continue // neighbour discovery and the like
-		}
-		if buf[0] == 129 && binary.BigEndian.Uint16(buf[4:]) == id {
-			return nil
-		}
 	}
 }
