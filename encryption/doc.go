@@ -277,7 +277,10 @@
 // host: the Owner keeps the desired state incrementally. Each share's
 // remotes are a sorted list (an Update's list is compared by one merge,
 // no map); need counts the shares per remote, and needSorted is its sorted
-// index; the remotes whose count crosses zero are the change. The
+// index; the remotes whose count crosses zero are the change (our own
+// VTEP, which the driver passes when our endpoint is seen through another
+// network, is counted but never a pair: when it alone crosses, nothing
+// changes in the kernel). The
 // fingerprint of what was applied ends with a digest of the remotes and
 // their generations (remoteDigest: a sum of one hash per remote) that
 // such a change updates for the crossed remotes only. The Programmer's

@@ -40,9 +40,16 @@ func TestOwnerIncrementalMatchesScratch(t *testing.T) {
 	// model: the remotes of each registered share (nil: clear share).
 	model := map[ShareID]map[netip.Addr]bool{}
 	encrypted := func(id ShareID) bool { return id%2 == 1 }
+	// Now and then our own VTEP (the driver passes every FDB entry's VTEP,
+	// ours included when our endpoint is seen through another network):
+	// counted, but no pair.
 	pick := func() []netip.Addr {
 		var out []netip.Addr
 		for range 1 + rng.IntN(4) {
+			if rng.IntN(8) == 0 {
+				out = append(out, testLocal)
+				continue
+			}
 			out = append(out, pool[rng.IntN(len(pool))])
 		}
 		return out
@@ -103,6 +110,9 @@ func TestOwnerIncrementalMatchesScratch(t *testing.T) {
 					if rng.IntN(3) == 0 {
 						s.Remotes = append(s.Remotes, r)
 					}
+				}
+				if rng.IntN(6) == 0 {
+					s.Remotes = append(s.Remotes, testLocal)
 				}
 				rng.Shuffle(len(s.Remotes), func(i, j int) { s.Remotes[i], s.Remotes[j] = s.Remotes[j], s.Remotes[i] })
 			}
@@ -201,5 +211,54 @@ func checkIncremental(t *testing.T, o *Owner, model map[ShareID]map[netip.Addr]b
 	}
 	if kept := o.keptLocked(&d, ax); !slices.Equal(k.last.KeepOutbound, kept) && len(kept)+len(k.last.KeepOutbound) > 0 {
 		t.Fatalf("%s: the record keeps outbound SAs to %v, from scratch %v", what, k.last.KeepOutbound, kept)
+	}
+}
+
+// TestOwnerIncrementalOwnVTEP: a share gaining or losing our own VTEP (our
+// endpoint seen through another network: the driver passes every FDB
+// entry's VTEP) changes the need counts but no pair, so the kernel must be
+// left as it is. The remote-by-remote path once handed the Programmer a
+// change of no remote, which it planned as a change of every remote with
+// none wanted: it deleted every remote's outbound policy, while the
+// fingerprint said the kernel held the desired state (until a full
+// reconcile repaired it). Checked for AddRemotes, RemoveRemotes and an
+// Update of the remotes alone, each followed by the audit and by a full
+// reconcile that must change nothing.
+func TestOwnerIncrementalOwnVTEP(t *testing.T) {
+	nstest.RequireRoot(t)
+	ns := nstest.NewNS(t, "host")
+	o := newOwner(t, ns, ownerOpts{tick: time.Hour, noNotify: true})
+	remotes := []netip.Addr{testRemote(0), testRemote(1), testRemote(2)}
+	establishKeys(o, remotes)
+	if err := o.SetLocal(testLocal); err != nil {
+		t.Fatal(err)
+	}
+	share := Share{VNIs: []uint32{100}, Encrypted: true, Remotes: remotes}
+	okOrUnsupported(t, "first share", o.Update(1, share, false))
+	if a := o.Audit(); len(a) != 0 {
+		t.Fatalf("audit after the first share: %v", a)
+	}
+	withOwn := share
+	withOwn.Remotes = append(slices.Clone(remotes), testLocal)
+	for _, step := range []struct {
+		what string
+		do   func() error
+	}{
+		{"AddRemotes of the own VTEP", func() error { return o.AddRemotes(1, testLocal) }},
+		{"RemoveRemotes of the own VTEP", func() error { return o.RemoveRemotes(1, testLocal) }},
+		{"Update adding the own VTEP", func() error { return o.Update(1, withOwn, false) }},
+		{"Update dropping the own VTEP", func() error { return o.Update(1, share, false) }},
+	} {
+		before := o.prog.Stats()
+		okOrUnsupported(t, step.what, step.do())
+		if st := o.prog.Stats().Sub(before); st.XfrmDumps+st.NftDumps != 0 {
+			t.Fatalf("%s: the change dumped: %v", step.what, st)
+		}
+		if a := o.Audit(); len(a) != 0 {
+			t.Fatalf("%s: audit: %v", step.what, a)
+		}
+		if changes := fullReconcile(o); changes != 0 {
+			t.Fatalf("%s: the full reconcile after it changed %d objects", step.what, changes)
+		}
 	}
 }

@@ -1196,6 +1196,15 @@ func (o *Owner) applyRemotesLocked(why string, crossed []netip.Addr) bool {
 			reserve = append(reserve, r)
 		}
 	}
+	if len(touched) == 0 {
+		// Only remotes that are never a pair crossed (our own VTEP seen
+		// through another network, or one of the other family): the
+		// desired state, its digest and the kernel are what they were.
+		// The Programmer must not be asked: without touched remotes its
+		// plan would cover every remote, against m that holds none.
+		o.closedErr = nil
+		return true
+	}
 	if !p.remotesApplicable(&m, touched) {
 		return false
 	}

@@ -262,6 +262,12 @@ func (p *Programmer) remotesApplicable(m *Desired, touched []netip.Addr) bool {
 // the host. Errors as applyDelta: the record is then unknown and the
 // caller must reconcile in full.
 func (p *Programmer) applyRemotes(m *Desired, touched []netip.Addr) (execResult, error) {
+	if touched == nil {
+		// runFor plans every remote for a nil touched, and m holds only
+		// the touched ones: that would delete the others' SAs and
+		// policies. No remote touched is a plan of the clear policy alone.
+		touched = []netip.Addr{}
+	}
 	k := p.known
 	p.stats.Deltas++
 	p.stats.RemoteDeltas++
