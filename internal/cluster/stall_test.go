@@ -51,8 +51,13 @@ func TestStalledHostCostsNothing(t *testing.T) {
 	for _, n := range nodes {
 		st, b := n.c.Status().Stats, before[n.name]
 		if n != v {
-			if st.MemberFailures != b.MemberFailures+1 || st.MemberReturns != b.MemberReturns+1 {
-				t.Errorf("%s: failures %d->%d, returns %d->%d: want one of each", n.name, b.MemberFailures, st.MemberFailures, b.MemberReturns, st.MemberReturns)
+			// At least the stall's death and return; on a starved machine
+			// the failure detector may flap once more (another false
+			// death), which must cost nothing either: every failure is
+			// followed by a return, and the checks below still hold.
+			failures, returns := st.MemberFailures-b.MemberFailures, st.MemberReturns-b.MemberReturns
+			if failures < 1 || returns != failures {
+				t.Errorf("%s: failures %d->%d, returns %d->%d: want at least one failure, each followed by a return", n.name, b.MemberFailures, st.MemberFailures, b.MemberReturns, st.MemberReturns)
 			}
 			for _, k := range keys {
 				if r := n.w.removalsOf(k); r != 0 {
