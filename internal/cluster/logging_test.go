@@ -147,7 +147,11 @@ func TestRestartLogsOnlyOutcomes(t *testing.T) {
 	defer capMu.Unlock()
 	for name, lc := range caps {
 		for _, l := range lc.lines() {
-			if strings.Contains(l.attrs, "component=memberlist") && l.level >= slog.LevelInfo {
+			// "UDP probes failed" stays a WARN on purpose (it is how a
+			// firewall dropping the gossip's UDP shows) and has nothing to
+			// do with a restart: on a starved machine a late ack of any
+			// member makes it, so it is not held against the restart.
+			if strings.Contains(l.attrs, "component=memberlist") && l.level >= slog.LevelInfo && !strings.Contains(l.msg, "UDP probes failed") {
 				t.Errorf("%s: memberlist line at %s: %s%s", name, l.level, l.msg, l.attrs)
 			}
 		}
