@@ -152,6 +152,11 @@ func replay(t *testing.T, evs []tev, everyStep bool) replayResult {
 			}
 		}
 		m.syncRemotes(e.src.snapshot())
+		// The model is the state once Leave's handed-over deletions are
+		// done, as at the harness's quiet points: without waiting, a
+		// Leave's veth or sandbox still in the kernel reads as a
+		// divergence and the shrinker chases it instead of the real one.
+		e.d.WaitDeletions()
 		diffs = append(diffs, compareAll(e, m, nil, nil)...)
 		for _, l := range e.logs.take() {
 			diffs = append(diffs, "logged: "+l)
