@@ -340,3 +340,51 @@ func TestMetaInterestFlag(t *testing.T) {
 		t.Fatal("metadata version 3 without its flags byte accepted")
 	}
 }
+
+// TestInterestSkipsDigests: changes of a network on hosts a and b cost c,
+// which has no network of its VNI, no digest in the rounds that follow
+// them (c would be told what it was told last). The idle round
+// (DigestMaxInterval, here longer than the test) would go to every member;
+// it is kept out of the window. The window ends with a change c must be
+// told of (a's definitions): the one digest that tells it, sent after
+// every round of the changes before, must be the only one c got.
+func TestInterestSkipsDigests(t *testing.T) {
+	t.Parallel()
+	tweak := func(c *Config) {
+		withInterest(c)
+		c.DigestInterval = 100 * time.Millisecond
+		c.DigestMaxInterval = 10 * time.Minute
+	}
+	nodes := startCluster(t, "sd", hosts("127.0.14.", 21, 3), nodeOpts{tweak: tweak})
+	waitMembers(t, 10*time.Second, nodes)
+	a, b, c := nodes[0], nodes[1], nodes[2]
+	const vni, other = 1421, 1422
+	defineOnly(a, vni)
+	defineOnly(b, vni)
+	defineOnly(c, other)
+	waitSets(t, nodes)
+	// Every node has sent c a digest of what c wants since the sets
+	// settled: later repeats of it are what is skipped.
+	waitCompleteView(t, c, a)
+	waitCompleteView(t, c, b)
+	cBefore, bBefore := c.c.Status().Stats.Digests, b.c.Status().Stats.Digests
+
+	const changes = 5
+	for i := range changes {
+		a.publish(vni, a.peer(fmt.Sprintf("a%d", i), fmt.Sprintf("198.51.100.%d", 50+i)))
+		waitCompleteView(t, b, a) // b is sent the round's digest
+	}
+	if got := b.c.Status().Stats.Digests - bBefore; got < changes {
+		t.Errorf("b got %d digests for %d changes of its network; want one each at least", got, changes)
+	}
+	defineOnly(a, vni, other)
+	waitFor(t, 10*time.Second, "c's digest of a's new definitions", func() (bool, string) {
+		got := c.c.Status().Stats.Digests - cBefore
+		return got >= 1, fmt.Sprintf("c got %d digests", got)
+	})
+	waitSets(t, nodes)
+	if got := c.c.Status().Stats.Digests - cBefore; got != 1 {
+		t.Errorf("c got %d digests since the changes of VNI %d began (it has no network of it); want 1, the one of a's new definitions", got, vni)
+	}
+	checkAllViolations(t, nodes)
+}
