@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
-	"slices"
 
 	"github.com/overlayd/overlayd/encryption"
 	"github.com/overlayd/overlayd/peerdb"
@@ -50,14 +49,7 @@ func (d *Driver) checkEncryption() error {
 func (n *network) encShare() encryption.Share {
 	s := encryption.Share{VNIs: n.vnis(), Encrypted: n.encrypted}
 	if n.encrypted && n.sb != nil && !n.deleted {
-		seen := map[netip.Addr]bool{}
-		for _, vtep := range n.peers.Desired().FDB {
-			if !seen[vtep] {
-				seen[vtep] = true
-				s.Remotes = append(s.Remotes, vtep)
-			}
-		}
-		slices.SortFunc(s.Remotes, func(a, b netip.Addr) int { return a.Compare(b) })
+		s.Remotes = n.peers.VTEPs(nil) // distinct and sorted
 	}
 	return s
 }

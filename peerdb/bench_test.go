@@ -134,6 +134,21 @@ func BenchmarkDesired20000(b *testing.B) {
 	}
 }
 
+// BenchmarkVTEPs20000 lists the distinct VTEPs of a 20,000-entry DB's
+// desired FDB entries (an encrypted network's remote hosts, asked after
+// each change): compare with BenchmarkDesired20000, what it replaced.
+func BenchmarkVTEPs20000(b *testing.B) {
+	db := loadedDB(b, benchPeers(20000))
+	var buf []netip.Addr
+	b.ReportAllocs()
+	for b.Loop() {
+		buf = db.VTEPs(buf[:0])
+		if len(buf) == 0 {
+			b.Fatal("no VTEPs")
+		}
+	}
+}
+
 // benchUpdates returns the keyed updates that load peers (two VNIs, one
 // per subnet; 50 origins).
 func benchUpdates(peers []Peer) []Update {

@@ -523,6 +523,17 @@ func (h *harness) check(desc func() string, d Delta) {
 	if want := h.m.desired(); !reflect.DeepEqual(got, want) {
 		fail("Desired:\n got  %v\n want %v", got, want)
 	}
+	// VTEPs is the distinct, sorted values of Desired().FDB.
+	var vteps []netip.Addr
+	for _, v := range got.FDB {
+		if !slices.Contains(vteps, v) {
+			vteps = append(vteps, v)
+		}
+	}
+	slices.SortFunc(vteps, func(a, b netip.Addr) int { return a.Compare(b) })
+	if have := h.db.VTEPs([]netip.Addr{netip.MustParseAddr("203.0.113.255")}); len(have) != len(vteps)+1 || !slices.Equal(have[1:], vteps) {
+		fail("VTEPs (after a given element):\n got  %v\n want [203.0.113.255] + %v", have, vteps)
+	}
 
 	// (c) Active and Conflicts match the model.
 	claims := h.m.claims()

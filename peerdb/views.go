@@ -166,3 +166,33 @@ func (db *DB) Conflicts() []Conflict {
 func (db *DB) Len() (local, remote int) {
 	return len(db.local), db.nRemote
 }
+
+// VTEPs appends to dst the distinct VTEPs of the desired FDB entries (the
+// remote hosts the network sends to), in ascending order, and returns it.
+// It is what Desired().FDB's values would give, without building the
+// state: a pass over the FDB index and a mark per interned VTEP (few), so
+// an encrypted network's change does not cost two maps of every peer.
+func (db *DB) VTEPs(dst []netip.Addr) []netip.Addr {
+	if db.nFDB == 0 {
+		return dst
+	}
+	seen := make([]bool, len(db.vteps.vals))
+	start := len(dst)
+	for sub := range db.fdbIdx {
+		x := &db.fdbIdx[sub]
+		if x.len() == 0 {
+			continue
+		}
+		for _, slot := range x.slots {
+			if slot.val == 0 {
+				continue
+			}
+			if r := &db.fdbs[slot.val-1]; r.ok && !seen[r.cur] {
+				seen[r.cur] = true
+				dst = append(dst, db.vteps.vals[r.cur])
+			}
+		}
+	}
+	slices.SortFunc(dst[start:], func(a, b netip.Addr) int { return a.Compare(b) })
+	return dst
+}
