@@ -38,6 +38,15 @@ func (db *DB) Desired() State {
 			s.Neigh[NeighKey{Subnet: int(c.sub), IP: db.addr(c)}] = k.mac
 		}
 	}
+	db.eachDesiredFDB(func(sub int, mac uint64, r *fdbRec) {
+		s.FDB[FDBKey{Subnet: sub, MAC: macOfKey(mac)}] = db.vteps.vals[r.cur]
+	})
+	return s
+}
+
+// eachDesiredFDB calls f for each FDB record with a desired entry: its
+// segment, MAC key and record.
+func (db *DB) eachDesiredFDB(f func(sub int, mac uint64, r *fdbRec)) {
 	for sub := range db.fdbIdx {
 		x := &db.fdbIdx[sub]
 		if x.len() == 0 {
@@ -48,11 +57,10 @@ func (db *DB) Desired() State {
 				continue
 			}
 			if r := &db.fdbs[slot.val-1]; r.ok {
-				s.FDB[FDBKey{Subnet: sub, MAC: macOfKey(slot.key())}] = db.vteps.vals[r.cur]
+				f(sub, slot.key(), r)
 			}
 		}
 	}
-	return s
 }
 
 // peer returns the whole record of remote claimant r of claim c.
@@ -178,21 +186,12 @@ func (db *DB) VTEPs(dst []netip.Addr) []netip.Addr {
 	}
 	seen := make([]bool, len(db.vteps.vals))
 	start := len(dst)
-	for sub := range db.fdbIdx {
-		x := &db.fdbIdx[sub]
-		if x.len() == 0 {
-			continue
+	db.eachDesiredFDB(func(_ int, _ uint64, r *fdbRec) {
+		if !seen[r.cur] {
+			seen[r.cur] = true
+			dst = append(dst, db.vteps.vals[r.cur])
 		}
-		for _, slot := range x.slots {
-			if slot.val == 0 {
-				continue
-			}
-			if r := &db.fdbs[slot.val-1]; r.ok && !seen[r.cur] {
-				seen[r.cur] = true
-				dst = append(dst, db.vteps.vals[r.cur])
-			}
-		}
-	}
+	})
 	slices.SortFunc(dst[start:], func(a, b netip.Addr) int { return a.Compare(b) })
 	return dst
 }
