@@ -10,6 +10,7 @@ import (
 	"testing"
 
 	"github.com/overlayd/overlayd/internal/netdef"
+	"github.com/overlayd/overlayd/internal/testutil/wirecheck"
 	"github.com/overlayd/overlayd/peerdb"
 )
 
@@ -362,28 +363,17 @@ func FuzzDecode(f *testing.F) {
 		}
 	}
 	f.Fuzz(func(t *testing.T, b []byte) {
-		m, derr := decodeMessage(b)
-		if derr != nil {
-			if derr.Reason == "" {
-				t.Fatalf("error without a reason: %v", derr)
+		decode := func(b []byte) (*message, error) {
+			m, derr := decodeMessage(b)
+			if derr != nil {
+				if derr.Reason == "" {
+					t.Fatalf("error without a reason: %v", derr)
+				}
+				return nil, derr
 			}
-			return
+			return m, nil
 		}
-		enc, err := encodeMessage(m)
-		if err != nil {
-			t.Fatalf("decoded message does not re-encode: %v\n%+v", err, m)
-		}
-		m2, derr := decodeMessage(enc)
-		if derr != nil {
-			t.Fatalf("re-encoded message does not decode: %v", derr)
-		}
-		if !reflect.DeepEqual(m, m2) {
-			t.Fatalf("round trip differs:\n%+v\n%+v", m, m2)
-		}
-		enc2, err := encodeMessage(m2)
-		if err != nil || !bytes.Equal(enc, enc2) {
-			t.Fatalf("encoding not stable: %v", err)
-		}
+		wirecheck.RoundTrip(t, b, decode, encodeMessage)
 	})
 }
 

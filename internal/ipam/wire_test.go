@@ -6,6 +6,8 @@ import (
 	"reflect"
 	"strings"
 	"testing"
+
+	"github.com/overlayd/overlayd/internal/testutil/wirecheck"
 )
 
 const testPool = "overlayd:198.51.100.0/24"
@@ -233,24 +235,6 @@ func FuzzDecode(f *testing.F) {
 		}
 	}
 	f.Fuzz(func(t *testing.T, b []byte) {
-		m, err := decodeMessage(b)
-		if err != nil {
-			return
-		}
-		enc, err := encodeMessage(m)
-		if err != nil {
-			t.Fatalf("a decoded message does not re-encode: %v\n%+v", err, m)
-		}
-		m2, err := decodeMessage(enc)
-		if err != nil {
-			t.Fatalf("a re-encoded message does not decode: %v", err)
-		}
-		if !reflect.DeepEqual(m, m2) {
-			t.Fatalf("round trip differs:\n%+v\n%+v", m, m2)
-		}
-		enc2, err := encodeMessage(m2)
-		if err != nil || !bytes.Equal(enc, enc2) {
-			t.Fatalf("encoding not stable: %v", err)
-		}
+		wirecheck.RoundTrip(t, b, decodeMessage, encodeMessage)
 	})
 }
