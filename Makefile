@@ -73,17 +73,21 @@ lint:
 bench:
 	$(GO) test -run '^$$' -bench . -benchmem -benchtime 5x ./driver ./internal/nlbatch ./internal/testutil/rawnl
 	$(GO) test -run '^$$' -bench . -benchmem ./peerdb
+	$(GO) test -run '^$$' -bench '^BenchmarkRecordsToKernel$$' -benchtime 5x ./internal/cluster
 	$(GO) test -run '^$$' -tags testhooks -bench . -benchtime 20000x ./test/stress
 	$(GO) test -run '^$$' -bench 'Local|Obtain' -benchtime 1000x ./internal/ipam
 	$(GO) test -run '^$$' -bench 'Heap' -benchtime 3x ./internal/ipam
 
 # Peer programming against the raw-netlink reference (rawnl), every size,
-# IPv4 peers (BenchmarkPeers) and IPv6 ones (BenchmarkPeersIPv6),
+# IPv4 peers (BenchmarkPeers) and IPv6 ones (BenchmarkPeersIPv6), one
+# record per call (BenchmarkPeersOneByOne) and one record per gossip
+# message through the cluster into the kernel (BenchmarkRecordsToKernel),
 # BENCH_COUNT runs of 5 interleaved rounds each, summarised as the median
 # and range over the runs of every figure (add-ratio_to_raw, peers/s, ...).
 BENCH_COUNT ?= 3
 bench-peers:
-	$(GO) test -run '^$$' -bench '^BenchmarkPeers(IPv6|OneByOne)?$$' -benchtime 5x -count $(BENCH_COUNT) ./driver | tee /dev/stderr | sh test/bench/summary.sh
+	{ $(GO) test -run '^$$' -bench '^BenchmarkPeers(IPv6|OneByOne)?$$' -benchtime 5x -count $(BENCH_COUNT) ./driver; \
+	  $(GO) test -run '^$$' -bench '^BenchmarkRecordsToKernel$$' -benchtime 5x -count $(BENCH_COUNT) ./internal/cluster; } | tee /dev/stderr | sh test/bench/summary.sh
 
 # Gossip cost per change with and without interest (records only to the
 # hosts of a network): members spread over worker processes on loopback,
