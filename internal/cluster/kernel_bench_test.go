@@ -163,7 +163,9 @@ func benchRecordsToKernel(b *testing.B, nets int) {
 			ours[1] += phase(true)
 			if round == 0 {
 				b.StopTimer()
-				wantKernelPeers(b, dir, vnis[0], 0)
+				for i := range nets {
+					wantKernelPeers(b, dir, vnis[i], 0)
+				}
 				b.StartTimer()
 			}
 		}
