@@ -42,10 +42,12 @@ import (
 // that limit.
 //
 // networks=32 spreads the same records over 32 networks (VNIs), which the
-// cluster's delivery shards hand to the driver in parallel.
+// cluster's delivery shards (DefaultDeliveryShards goroutines, a VNI
+// always on the same one) hand to the driver in parallel; shards=1 is the
+// same work delivered by one goroutine, network after network.
 func BenchmarkRecordsToKernel(b *testing.B) {
-	for _, nets := range []int{1, 32} {
-		b.Run(fmt.Sprintf("networks=%d", nets), func(b *testing.B) { benchRecordsToKernel(b, nets) })
+	for _, c := range []struct{ nets, shards int }{{1, DefaultDeliveryShards}, {32, DefaultDeliveryShards}, {32, 1}} {
+		b.Run(fmt.Sprintf("networks=%d/shards=%d", c.nets, c.shards), func(b *testing.B) { benchRecordsToKernel(b, c.nets, c.shards) })
 	}
 }
 
@@ -58,7 +60,7 @@ const (
 // (nothing is sent to it).
 var kernelBenchVTEP = netip.MustParseAddr("192.0.2.99")
 
-func benchRecordsToKernel(b *testing.B, nets int) {
+func benchRecordsToKernel(b *testing.B, nets, shards int) {
 	nstest.RequireRoot(b)
 	src := &lateSource{}
 	d, dir := kernelBenchDriver(b, src)
@@ -72,6 +74,7 @@ func benchRecordsToKernel(b *testing.B, nets int) {
 		quiet(c)
 		c.VTEP = netip.MustParseAddr("192.0.2.98")
 		c.Watcher = w
+		c.DeliveryShards = shards
 	}})
 	src.c.Store(recv.c)
 	waitMembers(b, 30*time.Second, []*node{origin, recv})
