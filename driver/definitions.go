@@ -59,11 +59,21 @@ func (c *contradiction) String() string {
 // that differ from def, by host, and the hosts whose definition of vni
 // has not arrived (see netdef.Remote.Pending).
 func (d *Driver) contradictions(def *netdef.Definition, vni uint32) (out map[string]contradiction, pending []string) {
-	src := d.cfg.Definitions
-	if src == nil {
-		return nil, nil
+	return contradictionsIn(def, vni, d.remoteDefinitions(vni))
+}
+
+// remoteDefinitions returns the definitions of vni other hosts have (none
+// without a definition source).
+func (d *Driver) remoteDefinitions(vni uint32) []netdef.Remote {
+	if d.cfg.Definitions == nil {
+		return nil
 	}
-	for _, r := range src.Definitions(vni) {
+	return d.cfg.Definitions.Definitions(vni)
+}
+
+// contradictionsIn is contradictions among the definitions remotes.
+func contradictionsIn(def *netdef.Definition, vni uint32, remotes []netdef.Remote) (out map[string]contradiction, pending []string) {
+	for _, r := range remotes {
 		if r.Pending {
 			pending = append(pending, r.Host)
 			continue
@@ -108,8 +118,14 @@ func (d *Driver) checkDefinitions(def *netdef.Definition, mtuGiven bool) error {
 // VNI it has a network for). A new contradiction is logged at WARN once,
 // and its end at INFO. Expects n.mu held.
 func (d *Driver) checkRemoteDefinitions(n *network, vni uint32) map[string]bool {
-	def := n.definition()
-	cs, pending := d.contradictions(&def, vni)
+	var cs map[string]contradiction
+	var pending []string
+	// n's definition is built only when there is something to compare it
+	// with: this runs on every pull, one per peer notification.
+	if remotes := d.remoteDefinitions(vni); len(remotes) > 0 {
+		def := n.definition()
+		cs, pending = contradictionsIn(&def, vni, remotes)
+	}
 	old := n.contra[vni]
 	for host, c := range cs {
 		if o, ok := old[host]; ok && slices.Equal(o.diffs, c.diffs) && o.other.VTEP == c.other.VTEP {
