@@ -36,9 +36,20 @@ func (n *network) definition() netdef.Definition {
 
 // definitionOf returns the definition of a network of these segments.
 func definitionOf(subnets []subnetSpec, mtu int, encrypted, internal bool) netdef.Definition {
-	def := netdef.Definition{MTU: mtu, Encrypted: encrypted, Internal: internal}
+	def := definitionIn(nil, subnets, mtu, encrypted, internal)
+	for i := range def.Subnets {
+		def.Subnets[i].IPv6 = slices.Clone(def.Subnets[i].IPv6)
+	}
+	return def
+}
+
+// definitionIn is definitionOf with the subnet list built in room's space
+// (no allocation when the segments fit) and the segments' own IPv6 lists,
+// not copies: a definition only to compare with, never to hand out.
+func definitionIn(room []netdef.Subnet, subnets []subnetSpec, mtu int, encrypted, internal bool) netdef.Definition {
+	def := netdef.Definition{Subnets: room[:0], MTU: mtu, Encrypted: encrypted, Internal: internal}
 	for _, s := range subnets {
-		def.Subnets = append(def.Subnets, netdef.Subnet{VNI: s.vni, Pool: s.pool, Gateway: s.gateway, IPv6: slices.Clone(s.v6)})
+		def.Subnets = append(def.Subnets, netdef.Subnet{VNI: s.vni, Pool: s.pool, Gateway: s.gateway, IPv6: s.v6})
 	}
 	return def
 }
@@ -120,10 +131,13 @@ func (d *Driver) checkDefinitions(def *netdef.Definition, mtuGiven bool) error {
 func (d *Driver) checkRemoteDefinitions(n *network, vni uint32) map[string]bool {
 	var cs map[string]contradiction
 	var pending []string
-	// n's definition is built only when there is something to compare it
-	// with: this runs on every pull, one per peer notification.
+	// This runs on every pull, one per peer notification: n's definition
+	// is built only when there is something to compare it with, and then
+	// on the stack (a network has one segment unless it spans several
+	// VNIs).
 	if remotes := d.remoteDefinitions(vni); len(remotes) > 0 {
-		def := n.definition()
+		var room [1]netdef.Subnet
+		def := definitionIn(room[:], n.subnets, n.mtu, n.encrypted, n.internal)
 		cs, pending = contradictionsIn(&def, vni, remotes)
 	}
 	old := n.contra[vni]

@@ -4,8 +4,11 @@ import (
 	"net/netip"
 	"runtime"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 
+	"github.com/overlayd/overlayd/internal/netdef"
 	"github.com/overlayd/overlayd/internal/testutil/nstest"
 )
 
@@ -15,11 +18,34 @@ import (
 // an allocation per call shows in BenchmarkPeersOneByOne as garbage that
 // the timed loop collects. Allowed: the sandbox's memory of deleted
 // neighbours growing while a burst of deletions comes in (a few per burst,
-// not one per call).
+// not one per call). Both without a definition source and with another
+// host's agreeing definition of the VNI, which every pull compares with
+// the network's. (Not parallel: it counts every allocation beneath
+// PeersChanged in the process.)
 func TestPeersChangedOneKeyAllocs(t *testing.T) {
-	const n = 100
 	hosts, vteps := nstest.Hosts(t, 1, false)
-	d := newTestDriver(t, hosts[0], vteps[0])
+	for _, withDefs := range []bool{false, true} {
+		t.Run(map[bool]string{false: "no-definitions", true: "agreeing-definition"}[withDefs], func(t *testing.T) {
+			var defs *echoDefinitions
+			if withDefs {
+				defs = &echoDefinitions{vtep: netip.MustParseAddr("192.0.2.98")}
+			}
+			oneKeyAllocs(t, hosts[0], vteps[0], defs)
+		})
+	}
+}
+
+func oneKeyAllocs(t *testing.T, host *nstest.NS, vtep netip.Addr, defs *echoDefinitions) {
+	const n = 100
+	cfg := Config{HostNS: host.Handle, NetnsDir: nstest.NetnsDir(t), AdvertiseAddr: vtep, Logger: testLogger(), Peers: newMemSource()}
+	if defs != nil {
+		cfg.Definitions = defs
+	}
+	d, err := New(cfg)
+	if err != nil {
+		t.Fatalf("driver.New: %v", err)
+	}
+	t.Cleanup(func() { d.Close() })
 	pool := netip.MustParsePrefix("198.51.100.0/24")
 	mustCreate(t, d, createReq("n", "100", pool.String()))
 	mustEndpoint(t, d, "n", "local", "198.51.100.2/24")
@@ -47,6 +73,9 @@ func TestPeersChangedOneKeyAllocs(t *testing.T) {
 	src.drop(keys)
 	notify()
 	wantPeers(t, d, "n", map[string]string{}, map[string]string{})
+	if defs != nil && defs.asked.Load() < 2*n {
+		t.Fatalf("the definition source was asked %d times in %d pulls", defs.asked.Load(), 2*n)
+	}
 	const rounds = 5
 	allocs := allocsUnder("driver.(*Driver).PeersChanged", func() {
 		for range rounds {
@@ -70,6 +99,41 @@ func TestPeersChangedOneKeyAllocs(t *testing.T) {
 	if nw.lastErr != nil {
 		t.Fatalf("programming failed: %v", nw.lastErr)
 	}
+	if len(nw.contra) != 0 {
+		t.Fatalf("the agreeing definition was taken as a contradiction: %v", nw.contra)
+	}
+}
+
+// echoDefinitions is the control plane's part for definitions in
+// TestPeersChangedOneKeyAllocs: another host ("other") that defines every
+// VNI as this host publishes it, so the two always agree. Definitions
+// hands out the same list every time, allocating nothing of its own.
+type echoDefinitions struct {
+	vtep  netip.Addr
+	asked atomic.Int64
+	mu    sync.Mutex
+	defs  map[uint32][]netdef.Remote // guarded by mu
+}
+
+func (e *echoDefinitions) Definitions(vni uint32) []netdef.Remote {
+	e.asked.Add(1)
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.defs[vni]
+}
+
+func (e *echoDefinitions) PublishDefinition(vni uint32, def *netdef.Definition) error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if def == nil {
+		delete(e.defs, vni)
+		return nil
+	}
+	if e.defs == nil {
+		e.defs = map[uint32][]netdef.Remote{}
+	}
+	e.defs[vni] = []netdef.Remote{{Host: "other", VTEP: e.vtep, Def: *def}}
+	return nil
 }
 
 // allocsUnder returns how many heap objects f allocates beneath a call of
