@@ -36,9 +36,20 @@ func (n *network) definition() netdef.Definition {
 
 // definitionOf returns the definition of a network of these segments.
 func definitionOf(subnets []subnetSpec, mtu int, encrypted, internal bool) netdef.Definition {
-	def := netdef.Definition{MTU: mtu, Encrypted: encrypted, Internal: internal}
+	def := definitionIn(nil, subnets, mtu, encrypted, internal)
+	for i := range def.Subnets {
+		def.Subnets[i].IPv6 = slices.Clone(def.Subnets[i].IPv6)
+	}
+	return def
+}
+
+// definitionIn is definitionOf with the subnet list built in room's space
+// (no allocation when the segments fit) and the segments' own IPv6 lists,
+// not copies: a definition only to compare with, never to hand out.
+func definitionIn(room []netdef.Subnet, subnets []subnetSpec, mtu int, encrypted, internal bool) netdef.Definition {
+	def := netdef.Definition{Subnets: room[:0], MTU: mtu, Encrypted: encrypted, Internal: internal}
 	for _, s := range subnets {
-		def.Subnets = append(def.Subnets, netdef.Subnet{VNI: s.vni, Pool: s.pool, Gateway: s.gateway, IPv6: slices.Clone(s.v6)})
+		def.Subnets = append(def.Subnets, netdef.Subnet{VNI: s.vni, Pool: s.pool, Gateway: s.gateway, IPv6: s.v6})
 	}
 	return def
 }
@@ -59,11 +70,21 @@ func (c *contradiction) String() string {
 // that differ from def, by host, and the hosts whose definition of vni
 // has not arrived (see netdef.Remote.Pending).
 func (d *Driver) contradictions(def *netdef.Definition, vni uint32) (out map[string]contradiction, pending []string) {
-	src := d.cfg.Definitions
-	if src == nil {
-		return nil, nil
+	return contradictionsIn(def, vni, d.remoteDefinitions(vni))
+}
+
+// remoteDefinitions returns the definitions of vni other hosts have (none
+// without a definition source).
+func (d *Driver) remoteDefinitions(vni uint32) []netdef.Remote {
+	if d.cfg.Definitions == nil {
+		return nil
 	}
-	for _, r := range src.Definitions(vni) {
+	return d.cfg.Definitions.Definitions(vni)
+}
+
+// contradictionsIn is contradictions among the definitions remotes.
+func contradictionsIn(def *netdef.Definition, vni uint32, remotes []netdef.Remote) (out map[string]contradiction, pending []string) {
+	for _, r := range remotes {
 		if r.Pending {
 			pending = append(pending, r.Host)
 			continue
@@ -108,8 +129,17 @@ func (d *Driver) checkDefinitions(def *netdef.Definition, mtuGiven bool) error {
 // VNI it has a network for). A new contradiction is logged at WARN once,
 // and its end at INFO. Expects n.mu held.
 func (d *Driver) checkRemoteDefinitions(n *network, vni uint32) map[string]bool {
-	def := n.definition()
-	cs, pending := d.contradictions(&def, vni)
+	var cs map[string]contradiction
+	var pending []string
+	// This runs on every pull, one per peer notification: n's definition
+	// is built only when there is something to compare it with, and then
+	// on the stack (a network has one segment unless it spans several
+	// VNIs).
+	if remotes := d.remoteDefinitions(vni); len(remotes) > 0 {
+		var room [1]netdef.Subnet
+		def := definitionIn(room[:], n.subnets, n.mtu, n.encrypted, n.internal)
+		cs, pending = contradictionsIn(&def, vni, remotes)
+	}
 	old := n.contra[vni]
 	for host, c := range cs {
 		if o, ok := old[host]; ok && slices.Equal(o.diffs, c.diffs) && o.other.VTEP == c.other.VTEP {

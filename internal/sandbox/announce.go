@@ -49,11 +49,16 @@ func goneKey(n *peerdb.Neigh) (uint64, bool) {
 // (d.NeighMoved) and those deleted by an earlier change within goneMemory
 // with another MAC. It records d's deletions for later changes. Called
 // with the network's lock held, as every Sandbox method.
-func (sb *Sandbox) movedNeighs(d peerdb.Delta, wall time.Time) []peerdb.Neigh {
+func (sb *Sandbox) movedNeighs(d peerdb.Delta, clock func() time.Time) []peerdb.Neigh {
 	if sb.fresh {
 		return nil // no container has anything cached
 	}
-	now := wall.Sub(sb.born)
+	if len(sb.gone) == 0 && len(d.NeighDel) == 0 {
+		// Nothing remembered to compare with, nothing to remember: the
+		// clock is not read (this runs once per peer notification).
+		return d.NeighMoved
+	}
+	now := clock().Sub(sb.born)
 	moved := d.NeighMoved
 	if len(sb.gone) > 0 {
 		for i := range d.NeighSet {

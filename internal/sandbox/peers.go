@@ -67,7 +67,7 @@ func (sb *Sandbox) ApplyDelta(d peerdb.Delta) error {
 	// An address that moved to another MAC: tell the containers, which
 	// may have the old one cached. Only those: announcing every new
 	// neighbour would cost a broadcast per peer on every bulk change.
-	if err := sb.announce(sb.movedNeighs(d, time.Now())); err != nil {
+	if err := sb.announce(sb.movedNeighs(d, time.Now)); err != nil {
 		w.bad = append(w.bad, err)
 	}
 	return errors.Join(w.bad...)
