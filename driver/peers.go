@@ -57,14 +57,23 @@ func (d *Driver) pull(n *network, vni uint32, keys []peerdb.Key) error {
 	}
 	var delta peerdb.Delta
 	var rej []peerdb.Rejection
-	// The records of hosts whose definition of vni contradicts n's are
-	// refused: taken as absent, so they are removed if programmed.
-	bad := d.checkRemoteDefinitions(n, vni)
+	// The records of hosts whose definition of vni contradicts n's (or
+	// has not arrived) are refused: taken as absent, so they are removed
+	// if programmed. With a DefinitionLookup a keyed pull asks only about
+	// the origins of its records; full pulls (keys nil) compare and log
+	// every host's definition.
+	look, perOrigin := d.cfg.Definitions.(DefinitionLookup)
+	perOrigin = perOrigin && keys != nil
+	var bad map[string]bool
+	if !perOrigin {
+		bad = d.checkRemoteDefinitions(n, vni)
+	}
 	if keys == nil {
 		delta, rej = n.peers.SyncVNI(vni, withoutHosts(src.Peers(vni), bad))
 	} else {
+		check := originCheck{look: look, n: n, vni: vni}
 		delta, rej = n.peers.Pull(vni, keys, func(k peerdb.Key) (peerdb.Peer, bool) {
-			if bad[k.Origin] {
+			if bad[k.Origin] || perOrigin && check.refuses(k.Origin) {
 				return peerdb.Peer{}, false
 			}
 			return src.Peer(k)

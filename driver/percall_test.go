@@ -24,18 +24,20 @@ import (
 // PeersChanged in the process.)
 func TestPeersChangedOneKeyAllocs(t *testing.T) {
 	hosts, vteps := nstest.Hosts(t, 1, false)
-	for _, withDefs := range []bool{false, true} {
-		t.Run(map[bool]string{false: "no-definitions", true: "agreeing-definition"}[withDefs], func(t *testing.T) {
-			var defs *echoDefinitions
-			if withDefs {
-				defs = &echoDefinitions{vtep: netip.MustParseAddr("192.0.2.98")}
-			}
-			oneKeyAllocs(t, hosts[0], vteps[0], defs)
-		})
-	}
+	t.Run("no-definitions", func(t *testing.T) { oneKeyAllocs(t, hosts[0], vteps[0], nil, nil) })
+	t.Run("agreeing-definition", func(t *testing.T) {
+		defs := &echoDefinitions{vtep: netip.MustParseAddr("192.0.2.98")}
+		oneKeyAllocs(t, hosts[0], vteps[0], defs, &defs.asked)
+	})
+	// With a DefinitionLookup, as the daemon's control plane has: the
+	// pull asks about the record's origin only.
+	t.Run("agreeing-definition-lookup", func(t *testing.T) {
+		defs := echoLookup{&echoDefinitions{vtep: netip.MustParseAddr("192.0.2.98")}}
+		oneKeyAllocs(t, hosts[0], vteps[0], defs, &defs.asked)
+	})
 }
 
-func oneKeyAllocs(t *testing.T, host *nstest.NS, vtep netip.Addr, defs *echoDefinitions) {
+func oneKeyAllocs(t *testing.T, host *nstest.NS, vtep netip.Addr, defs DefinitionSource, asked *atomic.Int64) {
 	const n = 100
 	cfg := Config{HostNS: host.Handle, NetnsDir: nstest.NetnsDir(t), AdvertiseAddr: vtep, Logger: testLogger(), Peers: newMemSource()}
 	if defs != nil {
@@ -73,8 +75,8 @@ func oneKeyAllocs(t *testing.T, host *nstest.NS, vtep netip.Addr, defs *echoDefi
 	src.drop(keys)
 	notify()
 	wantPeers(t, d, "n", map[string]string{}, map[string]string{})
-	if defs != nil && defs.asked.Load() < 2*n {
-		t.Fatalf("the definition source was asked %d times in %d pulls", defs.asked.Load(), 2*n)
+	if asked != nil && asked.Load() < 2*n {
+		t.Fatalf("the definition source was asked %d times in %d pulls", asked.Load(), 2*n)
 	}
 	const rounds = 5
 	allocs := allocsUnder("driver.(*Driver).PeersChanged", func() {
@@ -134,6 +136,20 @@ func (e *echoDefinitions) PublishDefinition(vni uint32, def *netdef.Definition) 
 	}
 	e.defs[vni] = []netdef.Remote{{Host: "other", VTEP: e.vtep, Def: *def}}
 	return nil
+}
+
+// echoLookup is echoDefinitions with a DefinitionLookup: every host asked
+// about defines the VNI as this host publishes it.
+type echoLookup struct{ *echoDefinitions }
+
+func (e echoLookup) DefinitionOf(vni uint32, host string) (netdef.Remote, bool) {
+	e.asked.Add(1)
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if rs := e.defs[vni]; len(rs) > 0 {
+		return netdef.Remote{Host: host, VTEP: e.vtep, Def: rs[0].Def}, true
+	}
+	return netdef.Remote{}, false
 }
 
 // allocsUnder returns how many heap objects f allocates beneath a call of

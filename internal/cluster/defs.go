@@ -412,19 +412,29 @@ func (s *replica) markDefs(o *origin) {
 func (s *replica) definitions(vni uint32) []netdef.Remote {
 	var out []netdef.Remote
 	for name, m := range s.members {
-		if !s.inForce(name, m) || m.meta.ProtoMax < protoDefs {
-			continue
+		if r, ok := s.definitionOf(vni, name, m); ok {
+			r.Def = cloneDef(r.Def)
+			out = append(out, r)
 		}
-		r := netdef.Remote{Host: name, VTEP: m.meta.VTEP, Pending: true}
-		if o := s.origins[name]; o != nil && o.inc == m.meta.Incarnation {
-			if d, ok := o.defs[vni]; ok {
-				r.Def, r.Pending = cloneDef(d), false
-			}
-		}
-		out = append(out, r)
 	}
 	slices.SortFunc(out, func(a, b netdef.Remote) int { return cmp.Compare(a.Host, b.Host) })
 	return out
+}
+
+// definitionOf is member m's (named name) entry in definitions(vni), if it
+// has one (it is in force and speaks protocolDefs). The definition is the
+// origin's own, not a copy: read it under Cluster.mu, or copy it.
+func (s *replica) definitionOf(vni uint32, name string, m *member) (netdef.Remote, bool) {
+	if !s.inForce(name, m) || m.meta.ProtoMax < protoDefs {
+		return netdef.Remote{}, false
+	}
+	r := netdef.Remote{Host: name, VTEP: m.meta.VTEP, Pending: true}
+	if o := s.origins[name]; o != nil && o.inc == m.meta.Incarnation {
+		if d, ok := o.defs[vni]; ok {
+			r.Def, r.Pending = d, false
+		}
+	}
+	return r, true
 }
 
 // --- API ---
@@ -473,4 +483,18 @@ func (c *Cluster) Definitions(vni uint32) []netdef.Remote {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	return c.replica.definitions(vni)
+}
+
+// DefinitionOf returns host's entry in Definitions(vni) without listing the
+// others: ok is false when host has none (not a member in force, this
+// node, or of protocol 1). It costs a few map lookups, not a visit of
+// every member: a pull of some hosts' records asks only about them. Def
+// shares memory with the cluster's (which replaces a host's definitions
+// whole, never in place): read it, never modify it. Safe for concurrent
+// use; it takes only Cluster.mu briefly, so callers may hold a network
+// lock.
+func (c *Cluster) DefinitionOf(vni uint32, host string) (r netdef.Remote, ok bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.replica.definitionOf(vni, host, c.replica.members[host])
 }

@@ -7,6 +7,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/hashicorp/memberlist"
+
 	"github.com/overlayd/overlayd/internal/netdef"
 )
 
@@ -20,6 +22,33 @@ func defsAt(n *node, vni uint32) []string {
 		out = append(out, fmt.Sprintf("%s=%d", r.Host, r.Def.MTU))
 	}
 	return out
+}
+
+// checkDefinitionOf fails unless n's DefinitionOf(vni, host) is exactly
+// host's entry in n's Definitions(vni), for every host named, and absent
+// for the hosts not listed.
+func checkDefinitionOf(t *testing.T, n *node, vni uint32, hosts ...string) {
+	t.Helper()
+	// Both under one hold of the lock, so that they see the same state.
+	n.c.mu.Lock()
+	list := n.c.replica.definitions(vni)
+	one := make(map[string]netdef.Remote)
+	for _, h := range hosts {
+		if r, ok := n.c.replica.definitionOf(vni, h, n.c.replica.members[h]); ok {
+			one[h] = r
+		}
+	}
+	n.c.mu.Unlock()
+	for _, want := range list {
+		got, ok := one[want.Host]
+		if !ok || got.Host != want.Host || got.VTEP != want.VTEP || got.Pending != want.Pending || !netdef.Equal(&got.Def, &want.Def) {
+			t.Fatalf("%s: DefinitionOf(%d, %q) = %+v (listed %v), Definitions lists %+v", n.name, vni, want.Host, got, ok, want)
+		}
+		delete(one, want.Host)
+	}
+	for h, r := range one {
+		t.Fatalf("%s: DefinitionOf(%d, %q) = %+v, but Definitions does not list it", n.name, vni, h, r)
+	}
 }
 
 func waitDefs(t *testing.T, n *node, vni uint32, want ...string) {
@@ -48,6 +77,11 @@ func TestDefinitionsReplicate(t *testing.T) {
 	waitDefs(t, c, 151, a.name+"=1450", b.name+"=1400")
 	waitDefs(t, c, 152, b.name+"=1400")
 	waitDefs(t, a, 151, b.name+"=1400") // never its own
+	names := []string{a.name, b.name, c.name, "nobody"}
+	for _, n := range nodes {
+		checkDefinitionOf(t, n, 151, names...)
+		checkDefinitionOf(t, n, 152, names...) // pending ones too
+	}
 	if p := a.c.Definitions(152); len(p) != 2 || p[0].Pending || p[1].Host != c.name || !p[1].Pending {
 		t.Fatalf("%s's definitions of VNI 152: %+v, want %s's and %s pending (it has none)", a.name, p, b.name, c.name)
 	}
@@ -74,6 +108,7 @@ func TestDefinitionsReplicate(t *testing.T) {
 	// have them again once healed.
 	part.set(hs[:1], hs[1:])
 	waitDefs(t, c, 151)
+	checkDefinitionOf(t, c, 151, names...) // a is not in force
 	part.heal()
 	waitDefs(t, c, 151, a.name+"=1450")
 
@@ -85,6 +120,8 @@ func TestDefinitionsReplicate(t *testing.T) {
 	}})
 	waitDefs(t, c, 151, a.name+"=1450", b.name+"=1450")
 	waitDefs(t, c, 152)
+	checkDefinitionOf(t, c, 151, names...)
+	checkDefinitionOf(t, c, 152, names...)
 	checkAllViolations(t, nodes)
 }
 
@@ -125,6 +162,9 @@ func TestDefinitionsSpareProtocol1Members(t *testing.T) {
 	}
 	if d := cur.c.Definitions(161); len(d) != 0 {
 		t.Fatalf("the protocol-1 member is listed for VNI 161: %+v (its records would wait for a definition that never comes)", d)
+	}
+	if r, ok := cur.c.DefinitionOf(161, old.name); ok {
+		t.Fatalf("DefinitionOf lists the protocol-1 member for VNI 161: %+v", r)
 	}
 }
 
@@ -271,5 +311,45 @@ func TestDefinitionsWithIPv6SpareOlderMembers(t *testing.T) {
 	waitDefs(t, old, 171)
 	if st := old.c.Status(); st.Dropped[DropMalformed] != 0 || st.Dropped[DropInvalidDefinition] != 0 {
 		t.Fatalf("the protocol-3 member dropped definitions: %v", st.Dropped)
+	}
+}
+
+// BenchmarkDefinitions: what a pull's question about definitions costs the
+// cluster with 10 and 100 members, 5 of which define the VNI (the rest
+// are listed as pending): the whole list (Definitions, which a full pull
+// compares) against one host's entry (DefinitionOf, which a keyed pull
+// asks for each origin of its records).
+func BenchmarkDefinitions(b *testing.B) {
+	for _, members := range []int{10, 100} {
+		s := newReplica("me")
+		def := sampleDef(1450, false, 7)
+		for i := range members {
+			name := fmt.Sprintf("m%03d", i)
+			vtep := netip.AddrFrom4([4]byte{10, 0, byte(i >> 8), byte(i)})
+			s.memberAlive(&memberlist.Node{Name: name, Addr: vtep.AsSlice(), Port: 7947,
+				Meta: encodeMeta(nodeMeta{ProtoMin: 1, ProtoMax: ProtocolIPv6, Incarnation: 1, VTEP: vtep})}, time.Unix(0, 0))
+			if i < 5 {
+				m := &message{Type: msgDefs, Origin: name, Incarnation: 1, AsOf: 1, Defs: []defRecord{{VNI: 7, Def: def}}}
+				if reason, d := s.apply(m, time.Unix(0, 0)); reason != "" {
+					b.Fatal(reason, d)
+				}
+			}
+		}
+		b.Run(fmt.Sprintf("members=%d/all", members), func(b *testing.B) {
+			b.ReportAllocs()
+			for b.Loop() {
+				if len(s.definitions(7)) != members {
+					b.Fatal("wrong count")
+				}
+			}
+		})
+		b.Run(fmt.Sprintf("members=%d/one", members), func(b *testing.B) {
+			b.ReportAllocs()
+			for b.Loop() {
+				if r, ok := s.definitionOf(7, "m002", s.members["m002"]); !ok || r.Pending {
+					b.Fatal("not defined")
+				}
+			}
+		})
 	}
 }

@@ -126,6 +126,14 @@ func (cp *controlPlane) Definitions(vni uint32) []netdef.Remote {
 	return nil
 }
 
+// DefinitionOf implements driver.DefinitionLookup.
+func (cp *controlPlane) DefinitionOf(vni uint32, host string) (netdef.Remote, bool) {
+	if c := cp.c.Load(); c != nil {
+		return c.DefinitionOf(vni, host)
+	}
+	return netdef.Remote{}, false
+}
+
 // PublishDefinition implements driver.DefinitionSource. Definitions
 // published before the cluster starts are published by start (and every
 // reconcile).
