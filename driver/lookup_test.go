@@ -91,16 +91,7 @@ func (h *hostDefinitions) PublishDefinition(vni uint32, def *netdef.Definition) 
 func TestKeyedPullAsksOnlyItsOrigins(t *testing.T) {
 	hosts, vteps := nstest.Hosts(t, 1, false)
 	defs := &hostDefinitions{published: map[uint32]netdef.Definition{}, idle: 50}
-	d, err := New(Config{HostNS: hosts[0].Handle, NetnsDir: nstest.NetnsDir(t), AdvertiseAddr: vteps[0],
-		Logger: testLogger(), Peers: newMemSource(), Definitions: defs})
-	if err != nil {
-		t.Fatalf("driver.New: %v", err)
-	}
-	t.Cleanup(func() { d.Close() })
-	pool := netip.MustParsePrefix("198.51.100.0/24")
-	mustCreate(t, d, createReq("n", "100", pool.String()))
-	mustEndpoint(t, d, "n", "local", "198.51.100.2/24")
-	mustJoin(t, d, "n", "local")
+	d, _ := definitionsDriver(t, hosts[0], vteps[0], defs)
 
 	// Three records of each host.
 	var evs []PeerEvent

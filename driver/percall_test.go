@@ -39,19 +39,7 @@ func TestPeersChangedOneKeyAllocs(t *testing.T) {
 
 func oneKeyAllocs(t *testing.T, host *nstest.NS, vtep netip.Addr, defs DefinitionSource, asked *atomic.Int64) {
 	const n = 100
-	cfg := Config{HostNS: host.Handle, NetnsDir: nstest.NetnsDir(t), AdvertiseAddr: vtep, Logger: testLogger(), Peers: newMemSource()}
-	if defs != nil {
-		cfg.Definitions = defs
-	}
-	d, err := New(cfg)
-	if err != nil {
-		t.Fatalf("driver.New: %v", err)
-	}
-	t.Cleanup(func() { d.Close() })
-	pool := netip.MustParsePrefix("198.51.100.0/24")
-	mustCreate(t, d, createReq("n", "100", pool.String()))
-	mustEndpoint(t, d, "n", "local", "198.51.100.2/24")
-	mustJoin(t, d, "n", "local")
+	d, pool := definitionsDriver(t, host, vtep, defs)
 	src := source(d)
 	peers := remotePeers(pool, n, netip.MustParseAddr("192.0.2.99"))
 	add := make([]PeerEvent, n)
@@ -104,6 +92,27 @@ func oneKeyAllocs(t *testing.T, host *nstest.NS, vtep netip.Addr, defs Definitio
 	if len(nw.contra) != 0 {
 		t.Fatalf("the agreeing definition was taken as a contradiction: %v", nw.contra)
 	}
+}
+
+// definitionsDriver returns a driver whose control plane's part for
+// definitions is defs (none if nil), with network "n" (VNI 100, pool
+// returned) joined by a local endpoint.
+func definitionsDriver(t *testing.T, host *nstest.NS, vtep netip.Addr, defs DefinitionSource) (*Driver, netip.Prefix) {
+	t.Helper()
+	cfg := Config{HostNS: host.Handle, NetnsDir: nstest.NetnsDir(t), AdvertiseAddr: vtep, Logger: testLogger(), Peers: newMemSource()}
+	if defs != nil {
+		cfg.Definitions = defs
+	}
+	d, err := New(cfg)
+	if err != nil {
+		t.Fatalf("driver.New: %v", err)
+	}
+	t.Cleanup(func() { d.Close() })
+	pool := netip.MustParsePrefix("198.51.100.0/24")
+	mustCreate(t, d, createReq("n", "100", pool.String()))
+	mustEndpoint(t, d, "n", "local", "198.51.100.2/24")
+	mustJoin(t, d, "n", "local")
+	return d, pool
 }
 
 // echoDefinitions is the control plane's part for definitions in
