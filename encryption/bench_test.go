@@ -44,8 +44,9 @@ func benchExtra(i int) netip.Addr {
 // Reported per add and per remove: milliseconds (wall clock, and the
 // process's CPU time, kernel included: less disturbed by other processes
 // on a shared machine), kernel dumps (xfrm dumps
-// and nftables list requests) and kernel requests that change something
-// (each one netlink round trip; an nftables transaction counts one).
+// and nftables list requests), kernel requests that change something (an
+// nftables transaction counts one) and the round trips (datagrams) that
+// carried the xfrm requests: they are batched (xfrmbatch).
 func BenchmarkOwnerRemotes(b *testing.B) {
 	nstest.RequireRoot(b)
 	for _, n := range []int{10, 100, 1000} {
