@@ -138,3 +138,47 @@ func TestBatchRefusedRequestReported(t *testing.T) {
 		}
 	})
 }
+
+// TestBatchPolicyExistsRetried: a policy the record does not know of but
+// the kernel holds (added behind overlayd's back since the last
+// reconcile) makes the batched add fail with EEXIST; it is retried as an
+// update in the next round, so the change succeeds and the kernel holds
+// overlayd's policy, not the planted one. Policies only: runs here.
+func TestBatchPolicyExistsRetried(t *testing.T) {
+	nstest.RequireRoot(t)
+	ns := nstest.NewNS(t, "host")
+	p, err := NewProgrammer(ns.Handle)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	base := testDesired(2)
+	base.NoSAs = true
+	if err := p.Apply(base); err != nil {
+		t.Fatal(err)
+	}
+	d := testDesired(3)
+	d.NoSAs = true
+	added := testRemote(2)
+	dx, err := xfrmOf(&d)
+	if err != nil {
+		t.Fatal(err)
+	}
+	k := remoteKey(d.Local, added, d.Port)
+	planted := k.netlink(dx.policies[k], d.Local)
+	planted.Priority = 7
+	if err := xfrmHandle(t, ns).XfrmPolicyAdd(planted); err != nil {
+		t.Fatal(err)
+	}
+	before := p.Stats()
+	_, err, ok := p.applyDelta(&d)
+	if !ok || err != nil {
+		t.Fatalf("delta: planned %v, error %v", ok, err)
+	}
+	if st := p.Stats().Sub(before); st.PolicyAdds != 1 || st.PolicyUpdates != 1 || st.XfrmSends != 2 {
+		t.Fatalf("want the add refused and retried as an update in a second round trip: %v, %d round trips", st, st.XfrmSends)
+	}
+	if a := p.Audit(d); len(a) != 0 {
+		t.Fatalf("audit: %v", a)
+	}
+}

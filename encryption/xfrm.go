@@ -632,6 +632,11 @@ func (p *Programmer) execute(pl *xfrmPlan, a *actualXfrm, port int, local netip.
 		}
 		p.flush()
 	}
+	// Whatever a round's outcomes queued (an add refused because the
+	// policy exists, retried as an update) is sent too.
+	for p.batch.Len() > 0 {
+		p.flush()
+	}
 	if unsupportedErr != nil {
 		res.unsupported = true
 		errs = append([]error{unsupportedErr}, errs...)
