@@ -17,6 +17,17 @@ import (
 	"github.com/overlayd/overlayd/internal/testutil/nstest"
 )
 
+// newTestProgrammer returns a Programmer for ns, closed when the test ends.
+func newTestProgrammer(t *testing.T, ns *nstest.NS) *Programmer {
+	t.Helper()
+	p, err := NewProgrammer(ns.Handle)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { p.Close() })
+	return p
+}
+
 // plantInbound installs, behind overlayd's back, an SA with the SPI and
 // addresses of remote r's inbound SA in d but another key: the kernel
 // then refuses overlayd's add of that SA (EEXIST), and only that one.
@@ -58,11 +69,7 @@ func TestBatchRefusedRequestReported(t *testing.T) {
 	}
 	t.Run("Programmer", func(t *testing.T) {
 		ns := nstest.NewNS(t, "host")
-		p, err := NewProgrammer(ns.Handle)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer p.Close()
+		p := newTestProgrammer(t, ns)
 		if err := p.Apply(testDesired(2)); err != nil {
 			t.Fatal(err)
 		}
@@ -147,11 +154,7 @@ func TestBatchRefusedRequestReported(t *testing.T) {
 func TestBatchPolicyExistsRetried(t *testing.T) {
 	nstest.RequireRoot(t)
 	ns := nstest.NewNS(t, "host")
-	p, err := NewProgrammer(ns.Handle)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer p.Close()
+	p := newTestProgrammer(t, ns)
 	base := testDesired(2)
 	base.NoSAs = true
 	if err := p.Apply(base); err != nil {
