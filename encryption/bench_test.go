@@ -1,6 +1,7 @@
 package encryption
 
 import (
+	"errors"
 	"fmt"
 	"net/netip"
 	"slices"
@@ -11,6 +12,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/overlayd/overlayd/internal/testutil/nstest"
+	"github.com/overlayd/overlayd/internal/xfrmbatch"
 )
 
 // benchRemote is the i-th remote VTEP of the benchmarks: IPv6 documentation
@@ -42,8 +44,9 @@ func benchExtra(i int) netip.Addr {
 // Reported per add and per remove: milliseconds (wall clock, and the
 // process's CPU time, kernel included: less disturbed by other processes
 // on a shared machine), kernel dumps (xfrm dumps
-// and nftables list requests) and kernel requests that change something
-// (each one netlink round trip; an nftables transaction counts one).
+// and nftables list requests), kernel requests that change something (an
+// nftables transaction counts one) and the round trips (datagrams) that
+// carried the xfrm requests: they are batched (xfrmbatch).
 func BenchmarkOwnerRemotes(b *testing.B) {
 	nstest.RequireRoot(b)
 	for _, n := range []int{10, 100, 1000} {
@@ -129,7 +132,7 @@ func BenchmarkOwnerRemotes(b *testing.B) {
 			if a := o.Audit(); len(a) != 0 {
 				b.Fatalf("audit after the benchmark: %v", a[:min(len(a), 5)])
 			}
-			rawAdd, rawDel := rawRemoteCost(b, ns, o, b.N)
+			rawAdd, rawDel, batchAdd, batchDel := rawRemoteCost(b, ns, o, b.N)
 			per := func(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 / float64(b.N) }
 			count := func(v int) float64 { return float64(v) / float64(b.N) }
 			b.ReportMetric(per(addDur), "add-ms")
@@ -140,11 +143,17 @@ func BenchmarkOwnerRemotes(b *testing.B) {
 			b.ReportMetric(count(delStats.XfrmDumps+delStats.NftDumps), "remove-dumps")
 			b.ReportMetric(count(addStats.Changes()), "add-requests")
 			b.ReportMetric(count(delStats.Changes()), "remove-requests")
+			b.ReportMetric(count(addStats.XfrmSends), "add-round-trips")
+			b.ReportMetric(count(delStats.XfrmSends), "remove-round-trips")
+			b.ReportMetric(count(addStats.XfrmSends), "add-round-trips")
+			b.ReportMetric(count(delStats.XfrmSends), "remove-round-trips")
 			b.ReportMetric(per(upAddDur), "update-add-ms")
 			b.ReportMetric(per(upDelDur), "update-remove-ms")
 			b.ReportMetric(count(upStats.XfrmDumps+upStats.NftDumps), "update-dumps")
 			b.ReportMetric(per(rawAdd), "raw-add-ms")
 			b.ReportMetric(per(rawDel), "raw-remove-ms")
+			b.ReportMetric(per(batchAdd), "raw-batch-add-ms")
+			b.ReportMetric(per(batchDel), "raw-batch-remove-ms")
 		})
 	}
 }
@@ -154,18 +163,34 @@ func BenchmarkOwnerRemotes(b *testing.B) {
 // ESP, its policy), sent directly, one netlink request each, with the
 // Owner's n remotes in place (the Owner is idle: no loop), then removed
 // again; rounds times. Nothing else is done, so this is the least an
-// overlayd Update could cost.
-func rawRemoteCost(b *testing.B, ns *nstest.NS, o *Owner, rounds int) (add, del time.Duration) {
+// overlayd Update could cost with a round trip per request. batchAdd and
+// batchDel are the same requests sent together (xfrmbatch: the adds in
+// one datagram, the removal's policy then its SAs in two, as the Owner
+// sends them): the least it can cost now.
+func rawRemoteCost(b *testing.B, ns *nstest.NS, o *Owner, rounds int) (add, del, batchAdd, batchDel time.Duration) {
 	b.Helper()
 	h, err := netlink.NewHandleAt(ns.Handle, unix.NETLINK_XFRM)
 	if err != nil {
 		b.Fatal(err)
 	}
 	defer h.Close()
+	xb, err := xfrmbatch.Open(ns.Handle)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer xb.Close()
 	o.mu.Lock()
 	d := o.desiredLocked()
 	o.mu.Unlock()
-	for i := 0; i < rounds; i++ {
+	var batch xfrmbatch.Batch
+	send := func(what string) {
+		errs, _ := xb.Send(&batch)
+		batch.Reset()
+		if err := errors.Join(errs...); err != nil {
+			b.Fatalf("%s: %v", what, err)
+		}
+	}
+	for i := 0; i < 2*rounds; i++ {
 		r := benchExtra(1<<20 + i)
 		d := d
 		d.Remotes, d.RemoteGens = []netip.Addr{r}, map[netip.Addr]uint64{r: 7}
@@ -179,6 +204,30 @@ func rawRemoteCost(b *testing.B, ns *nstest.NS, o *Owner, rounds int) (add, del 
 		}
 		k := remoteKey(d.Local, r, d.Port)
 		pol := k.netlink(dx.policies[k], d.Local)
+		if i%2 == 1 {
+			t0 := time.Now()
+			for _, s := range states {
+				if err := batch.AddState(s); err != nil {
+					b.Fatal(err)
+				}
+			}
+			if err := batch.SetPolicy(pol, false); err != nil {
+				b.Fatal(err)
+			}
+			send("batched add")
+			batchAdd += time.Since(t0)
+			t0 = time.Now()
+			batch.DelPolicy(pol)
+			send("batched policy delete")
+			for _, s := range states {
+				batch.DelState(s)
+			}
+			if len(states) > 0 {
+				send("batched SA delete")
+			}
+			batchDel += time.Since(t0)
+			continue
+		}
 		t0 := time.Now()
 		for _, s := range states {
 			if err := h.XfrmStateAdd(s); err != nil {
@@ -200,7 +249,7 @@ func rawRemoteCost(b *testing.B, ns *nstest.NS, o *Owner, rounds int) (add, del 
 		}
 		del += time.Since(t0)
 	}
-	return add, del
+	return add, del, batchAdd, batchDel
 }
 
 // cpuTime is the CPU time the process used so far (user and system).

@@ -267,8 +267,24 @@
 // A change of one remote is its own requests only (an inbound and an
 // outbound SA and a policy to add; the policy and the inbound SA to
 // delete, the outbound SA being kept until the epoch or generation
-// changes), one netlink round trip each, no dump
-// (BenchmarkOwnerRemotes).
+// changes), no dump (BenchmarkOwnerRemotes).
+//
+// The xfrm requests of an apply are not sent one by one: they are queued
+// and sent together (internal/xfrmbatch: one netlink datagram per 128
+// requests on a NETLINK_XFRM socket of their own, only the last
+// acknowledged, the kernel's error replies mapped back to their requests
+// by sequence number), in at most three rounds that keep the order above:
+// (A) the clear policy, the SAs, the policies whose installation does not
+// depend on an SA's outcome, then the policies no longer desired; (B) the
+// policy updates that must not happen if their remote's new SA was
+// refused (the remote stays on its old SA), adds refused because the
+// policy exists retried as updates; (C) only when everything before
+// succeeded, the SAs no longer desired. Adding a remote is one round trip
+// (three requests), removing one two. A refused request is reported as
+// before, naming its object (SA spi, source and destination; policy
+// selector), and fails the delta like any refusal: the Owner reconciles
+// in full. Until the kernel has accepted one SA, the first SA add of an
+// apply goes alone, so that a kernel without ESP is asked once.
 //
 // # Changes of remotes alone: incremental desired state
 //

@@ -464,7 +464,8 @@ func normShare(id ShareID, s Share) (*share, error) {
 	if !s.Encrypted {
 		return sh, nil
 	}
-	sh.remotes = make([]netip.Addr, 0, len(s.Remotes))
+	// Room to grow: AddRemotes inserts in place.
+	sh.remotes = make([]netip.Addr, 0, len(s.Remotes)+len(s.Remotes)/8+4)
 	for _, r := range s.Remotes {
 		if err := checkRemote(id, r); err != nil {
 			return nil, err
@@ -1096,7 +1097,7 @@ func (o *Owner) applyLocked(why string, fromUpdate bool) error {
 	}
 	o.applyErr = err
 	if err == nil {
-		o.programmed = programmed{enc: d.VNIs, clear: d.ClearVNIs, remotes: d.Remotes}
+		o.programmed = programmed{enc: d.VNIs, clear: d.ClearVNIs, remotes: withRoom(d.Remotes)}
 		o.pruneLocked()
 		if perr := o.persistLocked(); perr != nil {
 			o.noteErrLocked(perr)

@@ -12,11 +12,16 @@ import (
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
+
+	"github.com/overlayd/overlayd/internal/xfrmbatch"
 )
 
 // Stats counts the kernel requests a Programmer made.
 type Stats struct {
-	XfrmDumps     int // state and policy dumps (one request each, retries included)
+	XfrmDumps int // state and policy dumps (one request each, retries included)
+	// XfrmSends counts the datagrams that carried the xfrm requests
+	// below (each one netlink round trip).
+	XfrmSends     int
 	StateAdds     int
 	StateDels     int
 	PolicyAdds    int
@@ -44,7 +49,7 @@ func (s Stats) Changes() int {
 // Sub returns s - o.
 func (s Stats) Sub(o Stats) Stats {
 	return Stats{
-		XfrmDumps: s.XfrmDumps - o.XfrmDumps, StateAdds: s.StateAdds - o.StateAdds, StateDels: s.StateDels - o.StateDels,
+		XfrmDumps: s.XfrmDumps - o.XfrmDumps, XfrmSends: s.XfrmSends - o.XfrmSends, StateAdds: s.StateAdds - o.StateAdds, StateDels: s.StateDels - o.StateDels,
 		PolicyAdds: s.PolicyAdds - o.PolicyAdds, PolicyUpdates: s.PolicyUpdates - o.PolicyUpdates, PolicyDels: s.PolicyDels - o.PolicyDels,
 		NftDumps: s.NftDumps - o.NftDumps, NftBatches: s.NftBatches - o.NftBatches, NftRebuilds: s.NftRebuilds - o.NftRebuilds,
 		NftElements: s.NftElements - o.NftElements, Deltas: s.Deltas - o.Deltas, DeltaFailures: s.DeltaFailures - o.DeltaFailures,
@@ -65,10 +70,18 @@ func (s Stats) String() string {
 // A Programmer is not safe for concurrent use: its owner (Owner, under its
 // lock) serialises calls.
 type Programmer struct {
-	nsfd  int // our own duplicate of the namespace handle
-	nl    *netlink.Handle
-	nft   *nftables.Conn
-	stats Stats
+	nsfd int             // our own duplicate of the namespace handle
+	nl   *netlink.Handle // dumps
+	// xb sends the xfrm changes, batch by batch; pending holds the
+	// bookkeeping of the requests queued in batch (see flush).
+	xb      *xfrmbatch.Conn
+	batch   xfrmbatch.Batch
+	pending []func(error)
+	// espWorks: the kernel accepted an SA (it has ESP and the AEAD), so
+	// SA adds no longer go alone (see execute).
+	espWorks bool
+	nft      *nftables.Conn
+	stats    Stats
 	// changed counts the requests that succeeded in changing the kernel
 	// (Stats counts attempts).
 	changed int
@@ -99,13 +112,20 @@ func NewProgrammer(ns netns.NsHandle) (*Programmer, error) {
 		unix.Close(fd)
 		return nil, fmt.Errorf("failed to open xfrm netlink socket: %w", err)
 	}
+	xb, err := xfrmbatch.Open(netns.NsHandle(fd))
+	if err != nil {
+		nl.Close()
+		unix.Close(fd)
+		return nil, err
+	}
 	nft, err := newNftConn(fd)
 	if err != nil {
+		xb.Close()
 		nl.Close()
 		unix.Close(fd)
 		return nil, fmt.Errorf("failed to open nftables connection: %w", err)
 	}
-	return &Programmer{nsfd: fd, nl: nl, nft: nft, derived: &deriveCache{}}, nil
+	return &Programmer{nsfd: fd, nl: nl, xb: xb, nft: nft, derived: &deriveCache{}}, nil
 }
 
 // Close releases the Programmer's sockets. It leaves the kernel state as it
@@ -116,6 +136,7 @@ func (p *Programmer) Close() error {
 	}
 	p.nl.Close()
 	p.nl = nil
+	p.xb.Close()
 	p.nft.CloseLasting()
 	return unix.Close(p.nsfd)
 }

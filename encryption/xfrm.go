@@ -340,65 +340,111 @@ func planXfrm(d *desiredXfrm, a *actualXfrm, port int, local netip.Addr) *xfrmPl
 	return pl
 }
 
-// xfrm operations, each counted and each error naming its object.
+// xfrm operations, each counted and each error naming its object. They are
+// queued into the Programmer's batch and sent together by flush (one
+// netlink datagram per xfrmbatch.MaxPerDatagram requests); then, in the
+// order they were queued, each request's outcome is recorded (journal) and
+// passed to its then (nil: applied).
 
-func (p *Programmer) addState(w *wantState, port int) error {
+// queue adds the bookkeeping of the request just queued.
+func (p *Programmer) queue(done func(error)) { p.pending = append(p.pending, done) }
+
+// flush sends the queued requests and runs their bookkeeping in order.
+func (p *Programmer) flush() {
+	if p.batch.Len() == 0 {
+		return
+	}
+	errs, sent := p.xb.Send(&p.batch)
+	p.stats.XfrmSends += sent
+	pending := p.pending
+	p.pending = p.pending[:0]
+	p.batch.Reset()
+	for i, done := range pending {
+		done(errs[i])
+	}
+}
+
+func (p *Programmer) addState(w *wantState, port int, then func(error)) {
 	p.stats.StateAdds++
 	st := w.netlink(port)
-	err := p.nl.XfrmStateAdd(st)
-	if err != nil {
+	fail := func(err error) error {
 		return fmt.Errorf("failed to add %s SA spi 0x%08x src %v dst %v (epoch %d, generation %016x): %w", w.dir(), w.key.spi, w.src, w.key.dst, w.epoch, w.gen, err)
 	}
-	p.journal = append(p.journal, journalEntry{op: journalSetState, sk: w.key, state: *st})
-	p.changed++
-	return nil
-}
-
-func (p *Programmer) delState(s *netlink.XfrmState) error {
-	p.stats.StateDels++
-	err := p.nl.XfrmStateDel(&netlink.XfrmState{Src: s.Src, Dst: s.Dst, Proto: s.Proto, Spi: s.Spi, Mark: s.Mark})
-	if err != nil && !errors.Is(err, unix.ESRCH) && !errors.Is(err, unix.ENOENT) {
-		return fmt.Errorf("failed to delete SA spi 0x%08x src %v dst %v: %w", uint32(s.Spi), addrOf(s.Src), addrOf(s.Dst), err)
+	if err := p.batch.AddState(st); err != nil {
+		then(fail(err))
+		return
 	}
-	p.journal = append(p.journal, journalEntry{op: journalDelState, sk: stateKey{addrOf(s.Dst), uint32(s.Spi)}})
-	p.changed++
-	return nil
+	p.queue(func(err error) {
+		if err != nil {
+			then(fail(err))
+			return
+		}
+		p.journal = append(p.journal, journalEntry{op: journalSetState, sk: w.key, state: *st})
+		p.changed++
+		then(nil)
+	})
 }
 
-func (p *Programmer) setPolicy(k polKey, w *wantPolicy, local netip.Addr, op int) error {
+func (p *Programmer) delState(s *netlink.XfrmState, then func(error)) {
+	p.stats.StateDels++
+	p.batch.DelState(&netlink.XfrmState{Src: s.Src, Dst: s.Dst, Proto: s.Proto, Spi: s.Spi, Mark: s.Mark})
+	p.queue(func(err error) {
+		if err != nil && !errors.Is(err, unix.ESRCH) && !errors.Is(err, unix.ENOENT) {
+			then(fmt.Errorf("failed to delete SA spi 0x%08x src %v dst %v: %w", uint32(s.Spi), addrOf(s.Src), addrOf(s.Dst), err))
+			return
+		}
+		p.journal = append(p.journal, journalEntry{op: journalDelState, sk: stateKey{addrOf(s.Dst), uint32(s.Spi)}})
+		p.changed++
+		then(nil)
+	})
+}
+
+// setPolicy queues the add (op polAdd) or update of k's policy. An add
+// the kernel refuses because the policy exists is retried as an update
+// with the next flush; then gets the final outcome.
+func (p *Programmer) setPolicy(k polKey, w *wantPolicy, local netip.Addr, op int, then func(error)) {
 	pol := k.netlink(w, local)
-	var err error
 	if op == polAdd {
 		p.stats.PolicyAdds++
-		err = p.nl.XfrmPolicyAdd(pol)
-		if errors.Is(err, unix.EEXIST) {
-			p.stats.PolicyUpdates++
-			err = p.nl.XfrmPolicyUpdate(pol)
-		}
 	} else {
 		p.stats.PolicyUpdates++
-		err = p.nl.XfrmPolicyUpdate(pol)
 	}
-	if err != nil {
+	fail := func(err error) error {
 		if w.clear {
 			return fmt.Errorf("failed to set %v: %w", k, err)
 		}
 		return fmt.Errorf("failed to set %v -> spi 0x%08x: %w", k, w.spi, err)
 	}
-	p.journal = append(p.journal, journalEntry{op: journalSetPolicy, pk: k, policy: *pol})
-	p.changed++
-	return nil
+	if err := p.batch.SetPolicy(pol, op != polAdd); err != nil {
+		then(fail(err))
+		return
+	}
+	p.queue(func(err error) {
+		switch {
+		case op == polAdd && errors.Is(err, unix.EEXIST):
+			p.setPolicy(k, w, local, polUpdate, then)
+		case err != nil:
+			then(fail(err))
+		default:
+			p.journal = append(p.journal, journalEntry{op: journalSetPolicy, pk: k, policy: *pol})
+			p.changed++
+			then(nil)
+		}
+	})
 }
 
-func (p *Programmer) delPolicy(pol *netlink.XfrmPolicy) error {
+func (p *Programmer) delPolicy(pol *netlink.XfrmPolicy, then func(error)) {
 	p.stats.PolicyDels++
-	err := p.nl.XfrmPolicyDel(&netlink.XfrmPolicy{Src: pol.Src, Dst: pol.Dst, Proto: pol.Proto, DstPort: pol.DstPort, SrcPort: pol.SrcPort, Dir: pol.Dir, Mark: pol.Mark, Ifindex: pol.Ifindex, Ifid: pol.Ifid})
-	if err != nil && !errors.Is(err, unix.ENOENT) {
-		return fmt.Errorf("failed to delete policy dir %v src %v dst %v dport %d: %w", pol.Dir, pol.Src, pol.Dst, pol.DstPort, err)
-	}
-	p.journal = append(p.journal, journalEntry{op: journalDelPolicy, pk: polKeyOf(pol), policy: *pol})
-	p.changed++
-	return nil
+	p.batch.DelPolicy(&netlink.XfrmPolicy{Src: pol.Src, Dst: pol.Dst, Proto: pol.Proto, DstPort: pol.DstPort, SrcPort: pol.SrcPort, Dir: pol.Dir, Mark: pol.Mark, Ifindex: pol.Ifindex, Ifid: pol.Ifid})
+	p.queue(func(err error) {
+		if err != nil && !errors.Is(err, unix.ENOENT) {
+			then(fmt.Errorf("failed to delete policy dir %v src %v dst %v dport %d: %w", pol.Dir, pol.Src, pol.Dst, pol.DstPort, err))
+			return
+		}
+		p.journal = append(p.journal, journalEntry{op: journalDelPolicy, pk: polKeyOf(pol), policy: *pol})
+		p.changed++
+		then(nil)
+	})
 }
 
 // execResult is what an execution did that its caller must know.
@@ -419,97 +465,177 @@ type execResult struct {
 
 // execute applies pl. See Apply for the order and why it never opens a
 // clear-text window.
+//
+// The requests go to the kernel in at most three rounds (each one netlink
+// datagram per xfrmbatch.MaxPerDatagram requests), the kernel processing
+// every round in order: (A) the clear policy, SAs, and the policies that
+// do not depend on an SA's outcome, then the policies no longer desired;
+// (B) the policy updates that must not happen when their remote's new SA
+// was refused (the remote then stays on its old SA), adds retried as
+// updates, and the deletions of policies if (B) has updates; (C) only when
+// everything before succeeded, the SAs no longer desired. Adding a remote
+// is one round, removing one two.
 func (p *Programmer) execute(pl *xfrmPlan, a *actualXfrm, port int, local netip.Addr) (execResult, error) {
 	var res execResult
 	var errs []error
 	var unsupportedErr error
-	apply := func(c *stateChange) error {
-		if unsupportedErr != nil {
-			return unsupportedErr
+	p.batch.Reset()
+	p.pending = p.pending[:0]
+	// stateErr records a refused SA request; outbound ones are reported in
+	// failedOut.
+	stateErr := func(err error, out *wantState) {
+		if out != nil {
+			res.failedOut = append(res.failedOut, out.remote)
 		}
-		if c.replace {
-			old := a.states[c.want.key]
-			if err := p.delState(&old); err != nil {
-				return err
+		if unsupported(err) {
+			if unsupportedErr == nil {
+				unsupportedErr = fmt.Errorf("%w: %w", ErrKernelUnsupported, err)
 			}
+			return
 		}
-		err := p.addState(c.want, port)
-		if err != nil && unsupported(err) {
-			unsupportedErr = fmt.Errorf("%w: %w", ErrKernelUnsupported, err)
-			return unsupportedErr
-		}
-		return err
+		errs = append(errs, err)
 	}
-	// 1. The clear policy, before any remote's policy needs it.
-	if pl.clear != nil {
-		if err := p.setPolicy(pl.clear.key, pl.clear.want, local, pl.clear.op); err != nil {
+	policyErr := func(err error) {
+		if err != nil {
 			errs = append(errs, err)
 			res.failClosed = append(res.failClosed, err)
 		}
 	}
-	// 2. Inbound SAs of every accepted epoch.
-	for i := range pl.inbound {
-		if err := apply(&pl.inbound[i]); err != nil && err != unsupportedErr {
-			errs = append(errs, err)
+	// apply queues a state change: the existing SA of that key deleted
+	// first when it is replaced. failed (may be nil) learns whether the
+	// add was refused.
+	probed := false
+	apply := func(c *stateChange, outbound bool, failed *bool) {
+		var out *wantState
+		if outbound {
+			out = c.want
 		}
-	}
-	// 3. Per remote: the outbound SA, then the policy that points at it.
-	keep := map[stateKey]bool{}
-	for _, rc := range pl.remotes {
-		if rc.sa != nil {
-			if err := apply(rc.sa); err != nil {
-				res.failedOut = append(res.failedOut, rc.sa.want.remote)
-				if err != unsupportedErr {
+		if unsupportedErr != nil {
+			// The kernel said it cannot: no further SA is tried.
+			if failed != nil {
+				*failed = true
+			}
+			if out != nil {
+				res.failedOut = append(res.failedOut, out.remote)
+			}
+			return
+		}
+		if c.replace {
+			old := a.states[c.want.key]
+			p.delState(&old, func(err error) {
+				if err != nil {
 					errs = append(errs, err)
 				}
-				// Keep the remote as it was when its policy points at an SA
-				// that still exists: traffic continues with the old epoch.
-				// Otherwise the policy is still installed: with no SA it
-				// drops.
-				if rc.policy == polUpdate {
-					if a.has(stateKey{rc.key.dst.Addr(), rc.oldSPI}) {
-						keep[stateKey{rc.key.dst.Addr(), rc.oldSPI}] = true
-						continue
-					}
-				}
-			}
+			})
 		}
-		if rc.policy != polNone {
-			if err := p.setPolicy(rc.key, rc.want, local, rc.policy); err != nil {
-				errs = append(errs, err)
-				res.failClosed = append(res.failClosed, err)
+		p.addState(c.want, port, func(err error) {
+			if err == nil {
+				p.espWorks = true
+				return
 			}
+			if failed != nil {
+				*failed = true
+			}
+			stateErr(err, out)
+		})
+		if !p.espWorks && !probed {
+			// Until the kernel accepted an SA, the first one goes alone:
+			// a kernel without ESP refuses it, and nothing more is tried.
+			probed = true
+			p.flush()
+		}
+	}
+	// (A) 1. The clear policy, before any remote's policy needs it.
+	if pl.clear != nil {
+		p.setPolicy(pl.clear.key, pl.clear.want, local, pl.clear.op, policyErr)
+	}
+	// 2. Inbound SAs of every accepted epoch.
+	for i := range pl.inbound {
+		apply(&pl.inbound[i], false, nil)
+	}
+	// 3. Per remote: the outbound SA, then the policy that points at it.
+	type deferred struct {
+		rc     *remoteChange
+		failed bool
+	}
+	var later []*deferred
+	keep := map[stateKey]bool{}
+	for i := range pl.remotes {
+		rc := &pl.remotes[i]
+		if rc.sa == nil {
+			if rc.policy != polNone {
+				p.setPolicy(rc.key, rc.want, local, rc.policy, policyErr)
+			}
+			continue
+		}
+		if rc.policy == polUpdate && a.has(stateKey{rc.key.dst.Addr(), rc.oldSPI}) {
+			// Keep the remote as it was when its new SA is refused:
+			// traffic continues with the old SA. Decided after (A).
+			d := &deferred{rc: rc}
+			apply(rc.sa, true, &d.failed)
+			later = append(later, d)
+			continue
+		}
+		// Otherwise the policy is installed even if the SA is refused:
+		// with no SA it drops.
+		apply(rc.sa, true, nil)
+		if rc.policy != polNone {
+			p.setPolicy(rc.key, rc.want, local, rc.policy, policyErr)
 		}
 	}
 	for i := range pl.kept {
-		if err := apply(&pl.kept[i]); err != nil {
-			res.failedOut = append(res.failedOut, pl.kept[i].want.remote)
-			if err != unsupportedErr {
-				errs = append(errs, err)
-			}
-		}
+		apply(&pl.kept[i], true, nil)
 	}
 	// 4. Policies no longer desired (per remote first, the clear policy
-	// last).
-	for i := range pl.polDel {
-		if err := p.delPolicy(&pl.polDel[i]); err != nil {
-			errs = append(errs, err)
+	// last), after every policy set.
+	delPolicies := func() {
+		for i := range pl.polDel {
+			p.delPolicy(&pl.polDel[i], func(err error) {
+				if err != nil {
+					errs = append(errs, err)
+				}
+			})
 		}
 	}
-	// 5. SAs no longer desired: retired epochs, old outbound SAs, removed
-	// remotes, old generations. Only when everything above succeeded:
-	// after a failure the caller may go back to the previous state, whose
-	// SAs must still be there (re-creating one would reuse its key).
+	if len(later) == 0 {
+		delPolicies()
+	}
+	p.flush()
+	// (B)
+	for _, d := range later {
+		if d.failed {
+			keep[stateKey{d.rc.key.dst.Addr(), d.rc.oldSPI}] = true
+			continue
+		}
+		p.setPolicy(d.rc.key, d.rc.want, local, d.rc.policy, policyErr)
+	}
+	if len(later) > 0 {
+		delPolicies()
+	}
+	p.flush()
+	// (C) 5. SAs no longer desired: retired epochs, old outbound SAs,
+	// removed remotes, old generations. Only when everything above
+	// succeeded: after a failure the caller may go back to the previous
+	// state, whose SAs must still be there (re-creating one would reuse
+	// its key).
 	if len(errs) == 0 && unsupportedErr == nil {
 		for i := range pl.stateDel {
 			s := &pl.stateDel[i]
 			if keep[stateKey{addrOf(s.Dst), uint32(s.Spi)}] {
 				continue
 			}
-			if err := p.delState(s); err != nil {
-				errs = append(errs, err)
-			}
+			p.delState(s, func(err error) {
+				if err != nil {
+					errs = append(errs, err)
+				}
+			})
 		}
+		p.flush()
+	}
+	// Whatever a round's outcomes queued (an add refused because the
+	// policy exists, retried as an update) is sent too.
+	for p.batch.Len() > 0 {
+		p.flush()
 	}
 	if unsupportedErr != nil {
 		res.unsupported = true

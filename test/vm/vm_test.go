@@ -24,10 +24,11 @@ var guestPackages = []struct{ name, pkg, run string }{
 	{"guest.test", "./test/vm/guest", ""},
 	{"encryption.test", "./encryption", ""},
 	{"driver.test", "./driver", "^TestEncryptedNetwork"},
+	{"xfrmbatch.test", "./internal/xfrmbatch", ""},
 }
 
 // mustPass are guest tests that must have passed (not skipped) in the VM.
-var mustPass = []string{"TestDaemonEncryptedDualStackVM", "TestDaemonEncryptedFlushesVM", "TestEncryptedNetworkRealPath", "TestEncryptedOverlay", "TestOwnerFlushesVM", "TestOwnerGenerationsVM", "TestOwnerRepairsOnNotification", "TestOwnerRotation"}
+var mustPass = []string{"TestDaemonEncryptedDualStackVM", "TestDaemonEncryptedFlushesVM", "TestEncryptedNetworkRealPath", "TestEncryptedOverlay", "TestOwnerFlushesVM", "TestOwnerGenerationsVM", "TestOwnerRepairsOnNotification", "TestOwnerRotation", "TestBatchRefusedRequestReported", "TestSendStates"}
 
 func moduleRoot(t *testing.T) string {
 	out, err := exec.Command("go", "env", "GOMOD").Output()
