@@ -147,6 +147,29 @@ func Socket(ns netns.NsHandle, domain, typ, proto int) (int, error) {
 	return fd, err
 }
 
+// BindToKernel binds the netlink socket fd to a port of its own and
+// connects it to the kernel, so that it refuses unicasts from other ports
+// (another process cannot inject replies), and returns the port: the
+// sender of the socket's requests, which the kernel's replies carry.
+func BindToKernel(fd int) (port uint32, err error) {
+	kernel := &unix.SockaddrNetlink{Family: unix.AF_NETLINK}
+	if err := unix.Bind(fd, kernel); err != nil {
+		return 0, fmt.Errorf("bind: %w", err)
+	}
+	if err := unix.Connect(fd, kernel); err != nil {
+		return 0, fmt.Errorf("connect: %w", err)
+	}
+	sa, err := unix.Getsockname(fd)
+	if err != nil {
+		return 0, fmt.Errorf("getsockname: %w", err)
+	}
+	nsa, ok := sa.(*unix.SockaddrNetlink)
+	if !ok {
+		return 0, fmt.Errorf("getsockname: unexpected address %T", sa)
+	}
+	return nsa.Pid, nil
+}
+
 // MakeSharedMount makes dir a mount point with shared propagation, binding it
 // onto itself first if it is not one (as iproute2 does for /run/netns). Mount
 // namespaces created later (other engines, services with private mounts)

@@ -130,22 +130,11 @@ func (c *Conn) setup() error {
 	if err := c.setReplyTimeout(c.replyTimeout); err != nil {
 		return err
 	}
-	if err := unix.Bind(fd, &unix.SockaddrNetlink{Family: unix.AF_NETLINK}); err != nil {
-		return fmt.Errorf("bind: %w", err)
-	}
-	// Connected to the kernel, the socket refuses unicasts from other ports.
-	if err := unix.Connect(fd, &unix.SockaddrNetlink{Family: unix.AF_NETLINK}); err != nil {
-		return fmt.Errorf("connect: %w", err)
-	}
-	sa, err := unix.Getsockname(fd)
+	port, err := netnsutil.BindToKernel(fd)
 	if err != nil {
-		return fmt.Errorf("getsockname: %w", err)
+		return err
 	}
-	nsa, ok := sa.(*unix.SockaddrNetlink)
-	if !ok {
-		return fmt.Errorf("getsockname: unexpected address %T", sa)
-	}
-	c.portID = nsa.Pid
+	c.portID = port
 	return c.readBufSizes()
 }
 

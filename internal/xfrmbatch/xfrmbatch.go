@@ -90,22 +90,11 @@ func (c *Conn) setup() error {
 	if err := unix.SetsockoptTimeval(c.fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv); err != nil {
 		return fmt.Errorf("SO_RCVTIMEO: %w", err)
 	}
-	if err := unix.Bind(c.fd, &unix.SockaddrNetlink{Family: unix.AF_NETLINK}); err != nil {
-		return fmt.Errorf("bind: %w", err)
-	}
-	// Connected to the kernel: unicasts from other ports are refused.
-	if err := unix.Connect(c.fd, &unix.SockaddrNetlink{Family: unix.AF_NETLINK}); err != nil {
-		return fmt.Errorf("connect: %w", err)
-	}
-	sa, err := unix.Getsockname(c.fd)
+	port, err := netnsutil.BindToKernel(c.fd)
 	if err != nil {
-		return fmt.Errorf("getsockname: %w", err)
+		return err
 	}
-	nsa, ok := sa.(*unix.SockaddrNetlink)
-	if !ok {
-		return fmt.Errorf("getsockname: unexpected address %T", sa)
-	}
-	c.portID = nsa.Pid
+	c.portID = port
 	return nil
 }
 

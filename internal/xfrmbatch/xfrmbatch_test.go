@@ -58,24 +58,32 @@ func dumpPolicies(t *testing.T, h *netlink.Handle) []string {
 	return out
 }
 
-// TestSendReportsEachRefusedRequest: requests sent together are applied
-// in order, and the requests the kernel refuses, and only those, get an
-// error, also across datagrams (more requests than MaxPerDatagram) and
-// when the refused one is a datagram's last (the acknowledged one). What
-// the batch installs is what netlink's own XfrmPolicyAdd installs.
-func TestSendReportsEachRefusedRequest(t *testing.T) {
+// openInNewNS opens a Conn in a new namespace, and a netlink handle there
+// to read what it did; both close when the test ends.
+func openInNewNS(t *testing.T) (*Conn, *netlink.Handle) {
+	t.Helper()
 	nstest.RequireRoot(t)
 	ns := nstest.NewNS(t, "xb")
 	c, err := Open(ns.Handle)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer c.Close()
+	t.Cleanup(func() { c.Close() })
 	h, err := netlink.NewHandleAt(ns.Handle, unix.NETLINK_XFRM)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer h.Close()
+	t.Cleanup(h.Close)
+	return c, h
+}
+
+// TestSendReportsEachRefusedRequest: requests sent together are applied
+// in order, and the requests the kernel refuses, and only those, get an
+// error, also across datagrams (more requests than MaxPerDatagram) and
+// when the refused one is a datagram's last (the acknowledged one). What
+// the batch installs is what netlink's own XfrmPolicyAdd installs.
+func TestSendReportsEachRefusedRequest(t *testing.T) {
+	c, h := openInNewNS(t)
 
 	// The library's own encoding, as the reference.
 	ref := testPolicy(0)
@@ -160,18 +168,7 @@ func TestSendReportsEachRefusedRequest(t *testing.T) {
 // machine), it is refused and the error says so; where it has (test/vm),
 // the SA is installed as netlink's dump reads it back.
 func TestSendStates(t *testing.T) {
-	nstest.RequireRoot(t)
-	ns := nstest.NewNS(t, "xb")
-	c, err := Open(ns.Handle)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	h, err := netlink.NewHandleAt(ns.Handle, unix.NETLINK_XFRM)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer h.Close()
+	c, h := openInNewNS(t)
 	src, dst := netip.MustParseAddr("192.0.2.1"), netip.MustParseAddr("192.0.2.2")
 	st := &netlink.XfrmState{
 		Src: src.AsSlice(), Dst: dst.AsSlice(), Proto: netlink.XFRM_PROTO_ESP, Mode: netlink.XFRM_MODE_TRANSPORT,
