@@ -409,15 +409,26 @@ func (s *replica) markDefs(o *origin) {
 // order, and as Pending every member in force that speaks protocolDefs
 // but has none of vni in force (it has no network of vni, or its set has
 // not arrived yet). It visits the members, not the records.
+//
+// The names are sorted, not the entries: moving whole entries (with their
+// pointers) about cost most of the time at 100 members.
 func (s *replica) definitions(vni uint32) []netdef.Remote {
-	var out []netdef.Remote
+	names := make([]string, 0, len(s.members))
 	for name, m := range s.members {
-		if r, ok := s.definitionOf(vni, name, m); ok {
-			r.Def = cloneDef(r.Def)
-			out = append(out, r)
+		if s.inForce(name, m) && m.meta.ProtoMax >= protoDefs {
+			names = append(names, name)
 		}
 	}
-	slices.SortFunc(out, func(a, b netdef.Remote) int { return cmp.Compare(a.Host, b.Host) })
+	if len(names) == 0 {
+		return nil
+	}
+	slices.Sort(names)
+	out := make([]netdef.Remote, 0, len(names))
+	for _, name := range names {
+		r, _ := s.definitionOf(vni, name, s.members[name])
+		r.Def = cloneDef(r.Def)
+		out = append(out, r)
+	}
 	return out
 }
 
