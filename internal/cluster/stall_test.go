@@ -43,6 +43,17 @@ func TestStalledHostCostsNothing(t *testing.T) {
 	back := waitAliveAs(t, 15*time.Second, obs, v)
 	waitMembers(t, 15*time.Second, nodes)
 	waitConverged(t, 10*time.Second, nodes)
+	// On a starved machine the failure detector may flap once more after
+	// the stall; wait until every failure it counted has its return.
+	waitFor(t, 15*time.Second, "every failure followed by a return", func() (bool, string) {
+		for _, n := range obs {
+			st, b := n.c.Status().Stats, before[n.name]
+			if f, r := st.MemberFailures-b.MemberFailures, st.MemberReturns-b.MemberReturns; f != r {
+				return false, fmt.Sprintf("%s: %d failures, %d returns", n.name, f, r)
+			}
+		}
+		return true, ""
+	})
 	samples, misses := smp.finish()
 	t.Logf("declared dead after a stall of %v, alive again everywhere %v after it ended (%d samples)", took, back, samples)
 	if len(misses) != 0 {
