@@ -43,7 +43,7 @@ func TestLegacyPlugin(t *testing.T) {
 		if mtu := e.must("exec", "c1", "cat", "/sys/class/net/eth0/mtu"); mtu != "1450" {
 			t.Errorf("c1 eth0 MTU %s, want 1450 (underlay 1500 - 50)", mtu)
 		}
-		if st, err := o.status(); err != nil || !strings.Contains(st, "4201") {
+		if st, err := o.status(); err != nil || !hasNumber(st, 4201) {
 			t.Errorf("overlayd status does not show n1 (VNI 4201): %v\n%s", err, st)
 		}
 		files, _ := o.sandboxes()
@@ -203,7 +203,7 @@ func TestLegacyPlugin(t *testing.T) {
 				t.Errorf("network create %v failed but network n is listed", tc.args)
 				e.dockerQuiet("network", "rm", "n")
 			}
-			if st, err := o.status(); err != nil || strings.Contains(st, "5019") {
+			if st, err := o.status(); err != nil || hasNumber(st, 5019) {
 				t.Errorf("overlayd status after the refusal (want no VNI 5019): %v\n%s", err, st)
 			}
 		}

@@ -2,7 +2,6 @@ package docker
 
 import (
 	"strconv"
-	"strings"
 	"testing"
 	"time"
 )
@@ -52,7 +51,7 @@ func TestOverlaydRestart(t *testing.T) {
 		t.Errorf("lost %d of %d pings across an overlayd restart; the kernel state should carry them", sent-got, sent)
 	}
 	e.mustPing("c2", "192.0.2.2")
-	if st, err := o.status(); err != nil || !strings.Contains(st, "4601") {
+	if st, err := o.status(); err != nil || !hasNumber(st, 4601) {
 		t.Errorf("overlayd status after the restart does not show the network (VNI 4601): %v\n%s", err, st)
 	}
 

@@ -269,7 +269,7 @@ func TestManagedPlugin(t *testing.T) {
 
 	// `overlayd status` reaches the plugin from the host (dockerd's mount
 	// namespace) through its control socket.
-	if out, err := e.inMount(overlayd, "status", "--json", "--control-socket", "/run/docker/plugins/"+id+"/control.sock"); err != nil || !strings.Contains(out, "4401") {
+	if out, err := e.inMount(overlayd, "status", "--json", "--control-socket", "/run/docker/plugins/"+id+"/control.sock"); err != nil || !hasNumber(out, 4401) {
 		t.Errorf("overlayd status of the managed plugin: %v: %s", err, out)
 	}
 
