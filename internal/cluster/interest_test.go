@@ -383,8 +383,12 @@ func TestInterestSkipsDigests(t *testing.T) {
 		return got >= 1, fmt.Sprintf("c got %d digests", got)
 	})
 	waitSets(t, nodes)
-	if got := c.c.Status().Stats.Digests - cBefore; got != 1 {
-		t.Errorf("c got %d digests since the changes of VNI %d began (it has no network of it); want 1, the one of a's new definitions", got, vni)
+	// One digest tells c of a's new definitions; under load (CI, once)
+	// a second came in the round after it. Without the skipping c gets
+	// one every round of the changes (7 here), so at most 2 still shows
+	// that the rounds of VNI 1421's changes skipped c.
+	if got := c.c.Status().Stats.Digests - cBefore; got < 1 || got > 2 {
+		t.Errorf("c got %d digests since the changes of VNI %d began (it has no network of it); want 1 (2 under load), the one of a's new definitions", got, vni)
 	}
 	checkAllViolations(t, nodes)
 }
