@@ -1,9 +1,14 @@
 package encryption
 
 import (
+	"bytes"
+	"encoding/base64"
 	"errors"
+	"flag"
 	"fmt"
 	"net/netip"
+	"runtime"
+	"runtime/pprof"
 	"slices"
 	"testing"
 	"time"
@@ -26,6 +31,36 @@ func benchRemote(i int) netip.Addr {
 // host each time (2001:db8:2::/48), never one whose SA is kept.
 func benchExtra(i int) netip.Addr {
 	return netip.AddrFrom16([16]byte{0x20, 0x01, 0x0d, 0xb8, 0, 2, 12: byte(i >> 24), 13: byte(i >> 16), 14: byte(i >> 8), 15: byte(i)})
+}
+
+// consoleProfile makes BenchmarkOwnerRemotes write a CPU profile of its
+// measured loop to stdout, base64 in lines starting "CPUPROFILE: ": in the
+// VM (test/vm, OVERLAYD_VM_BENCH_PROFILE=1) stdout is the serial console,
+// the only way out of the guest, and test/vm saves it as a file.
+var consoleProfile = flag.Bool("encryption.console-profile", false, "BenchmarkOwnerRemotes: write a CPU profile of the measured loop to stdout (base64)")
+
+// startConsoleProfile starts the CPU profile of consoleProfile, sampling
+// at 1 kHz (a benchmark under emulation runs for a few seconds only); the
+// returned function stops it and writes it out.
+func startConsoleProfile(b *testing.B) func() {
+	if !*consoleProfile {
+		return func() {}
+	}
+	var buf bytes.Buffer
+	runtime.SetCPUProfileRate(1000)
+	if err := pprof.StartCPUProfile(&buf); err != nil {
+		b.Fatalf("starting the CPU profile: %v", err)
+	}
+	return func() {
+		pprof.StopCPUProfile()
+		enc := base64.StdEncoding.EncodeToString(buf.Bytes())
+		for len(enc) > 0 {
+			n := min(len(enc), 96)
+			fmt.Printf("CPUPROFILE: %s\n", enc[:n])
+			enc = enc[n:]
+		}
+		fmt.Printf("CPUPROFILE-END: %s\n", b.Name())
+	}
 }
 
 // BenchmarkOwnerRemotes measures what one network's share gaining one
@@ -86,6 +121,7 @@ func BenchmarkOwnerRemotes(b *testing.B) {
 			}
 			var addDur, delDur, addCPU, delCPU, upAddDur, upDelDur time.Duration
 			var addStats, delStats, upStats Stats
+			stopProfile := startConsoleProfile(b)
 			b.ResetTimer()
 			for i := 0; i < b.N; i++ {
 				extra := benchExtra(2*i + 1)
@@ -129,6 +165,7 @@ func BenchmarkOwnerRemotes(b *testing.B) {
 				upStats = upStats.Sub(Stats{}.Sub(o.prog.Stats().Sub(s3)))
 			}
 			b.StopTimer()
+			stopProfile()
 			if a := o.Audit(); len(a) != 0 {
 				b.Fatalf("audit after the benchmark: %v", a[:min(len(a), 5)])
 			}
@@ -259,4 +296,35 @@ func cpuTime() time.Duration {
 		return 0
 	}
 	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// BenchmarkDeriveSA is the derivation of one SA's SPI and key: one-shot,
+// as the specification states it (hkdf.Key: extract, then expand, for each
+// of the two), and as the Programmer's cache does it (deriver: the
+// extraction once per secret, the expansion with an HMAC keyed once).
+// Both give the same bytes (TestDerivationIsOneShotHKDF).
+func BenchmarkDeriveSA(b *testing.B) {
+	b.Run("one-shot", func(b *testing.B) {
+		b.ReportAllocs()
+		for i := 0; i < b.N; i++ {
+			if _, err := SPI(testSecret, hostA, hostB, 1, uint64(i)); err != nil {
+				b.Fatal(err)
+			}
+			if _, err := SAKey(testSecret, hostA, hostB, 1, uint64(i)); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+	b.Run("keyed", func(b *testing.B) {
+		b.ReportAllocs()
+		d, err := newDeriver(testSecret)
+		if err != nil {
+			b.Fatal(err)
+		}
+		for i := 0; i < b.N; i++ {
+			if _, _, err := d.sa(hostA, hostB, 1, uint64(i)); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
 }

@@ -30,6 +30,7 @@ type derivedSA struct {
 // serialisation (the Owner's lock).
 type deriveCache struct {
 	secret  []byte
+	deriver *deriver // of secret: its HKDF extraction done once
 	entries map[deriveKey]*derivedSA
 	round   uint64
 	used    int // entries used in this round
@@ -42,7 +43,11 @@ func (c *deriveCache) derive(secret []byte, src, dst netip.Addr, epoch uint32, g
 		return deriveSA(secret, src, dst, epoch, gen)
 	}
 	if !bytes.Equal(c.secret, secret) || c.entries == nil {
-		c.secret = bytes.Clone(secret)
+		d, err := newDeriver(secret)
+		if err != nil {
+			return 0, nil, err
+		}
+		c.secret, c.deriver = bytes.Clone(secret), d
 		c.entries = map[deriveKey]*derivedSA{}
 		c.used = 0
 	}
@@ -54,7 +59,7 @@ func (c *deriveCache) derive(secret []byte, src, dst netip.Addr, epoch uint32, g
 		}
 		return e.spi, e.key, nil
 	}
-	spi, key, err := deriveSA(secret, src, dst, epoch, gen)
+	spi, key, err := c.deriver.sa(src, dst, epoch, gen)
 	if err != nil {
 		return 0, nil, err
 	}
@@ -81,11 +86,20 @@ func (c *deriveCache) endRound() {
 }
 
 func deriveSA(secret []byte, src, dst netip.Addr, epoch uint32, gen uint64) (uint32, []byte, error) {
-	spi, err := SPI(secret, src, dst, epoch, gen)
+	d, err := newDeriver(secret)
 	if err != nil {
 		return 0, nil, err
 	}
-	key, err := SAKey(secret, src, dst, epoch, gen)
+	return d.sa(src, dst, epoch, gen)
+}
+
+// sa derives the SPI and key of one SA.
+func (d *deriver) sa(src, dst netip.Addr, epoch uint32, gen uint64) (uint32, []byte, error) {
+	spi, err := d.spi(src, dst, epoch, gen)
+	if err != nil {
+		return 0, nil, err
+	}
+	key, err := d.saKey(src, dst, epoch, gen)
 	if err != nil {
 		return 0, nil, err
 	}

@@ -1,11 +1,14 @@
 package encryption
 
 import (
+	"bytes"
 	"crypto/hkdf"
+	"crypto/hmac"
 	"crypto/sha256"
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"hash"
 	"net/netip"
 )
 
@@ -53,13 +56,11 @@ var ErrBadSecret = errors.New("cluster secret must be at least 16 bytes")
 // direction of each pair of hosts, each epoch and each send generation gets
 // its own key, so no two SA instances ever share a (key, nonce) space.
 func SAKey(secret []byte, src, dst netip.Addr, epoch uint32, gen uint64) ([]byte, error) {
-	if len(secret) < MinSecretLen {
-		return nil, ErrBadSecret
+	d, err := newDeriver(secret)
+	if err != nil {
+		return nil, err
 	}
-	if !src.IsValid() || !dst.IsValid() {
-		return nil, fmt.Errorf("invalid address in key derivation: src %v dst %v", src, dst)
-	}
-	return hkdf.Key(sha256.New, secret, []byte(hkdfSalt), string(saInfo(infoKey, src, dst, epoch, gen, 0)), KeyLen)
+	return d.saKey(src, dst, epoch, gen)
 }
 
 // SPI derives the Security Parameter Index of the SA from src to dst for
@@ -78,18 +79,67 @@ func SAKey(secret []byte, src, dst netip.Addr, epoch uint32, gen uint64) ([]byte
 // generation, which re-derives the SPIs (a repeat collision has probability
 // 2^-32).
 func SPI(secret []byte, src, dst netip.Addr, epoch uint32, gen uint64) (uint32, error) {
-	if len(secret) < MinSecretLen {
-		return 0, ErrBadSecret
+	d, err := newDeriver(secret)
+	if err != nil {
+		return 0, err
 	}
+	return d.spi(src, dst, epoch, gen)
+}
+
+// deriver derives SPIs and keys under one cluster secret. Both are HKDF
+// outputs (RFC 5869) with a fixed salt, so the extraction step — the
+// pseudorandom key PRK, one HMAC of the secret — is the same for every SA
+// and is done once, in newDeriver. Every output is at most one hash long,
+// so its expansion is the first block alone, T(1) = HMAC(PRK, info | 0x01),
+// computed with an HMAC keyed once (crypto/hmac keeps the keyed inner and
+// outer states, so a use hashes the info and the inner digest only: 2
+// SHA-256 blocks instead of the 8 of a one-shot hkdf.Key). The outputs are
+// hkdf.Key's exactly (TestDerivationIsOneShotHKDF).
+//
+// A deriver is not safe for concurrent use (its HMAC is reused); the
+// Programmer's cache uses one under the Owner's lock.
+type deriver struct {
+	mac  hash.Hash // HMAC-SHA-256 keyed with the PRK
+	info []byte    // scratch for the HKDF info
+	out  []byte    // scratch for the HMAC's output
+}
+
+func newDeriver(secret []byte) (*deriver, error) {
+	if len(secret) < MinSecretLen {
+		return nil, ErrBadSecret
+	}
+	prk, err := hkdf.Extract(sha256.New, secret, []byte(hkdfSalt))
+	if err != nil {
+		return nil, err
+	}
+	return &deriver{mac: hmac.New(sha256.New, prk)}, nil
+}
+
+// expand is HKDF-Expand(PRK, info, n) for n up to one SHA-256 output.
+func (d *deriver) expand(label string, src, dst netip.Addr, epoch uint32, gen uint64, counter uint32, n int) []byte {
+	d.info = appendSAInfo(d.info[:0], label, src, dst, epoch, gen, counter)
+	d.info = append(d.info, 1) // the block counter of T(1)
+	d.mac.Reset()
+	d.mac.Write(d.info)
+	d.out = d.mac.Sum(d.out[:0])
+	return d.out[:n]
+}
+
+// saKey is SAKey under the deriver's secret.
+func (d *deriver) saKey(src, dst netip.Addr, epoch uint32, gen uint64) ([]byte, error) {
+	if !src.IsValid() || !dst.IsValid() {
+		return nil, fmt.Errorf("invalid address in key derivation: src %v dst %v", src, dst)
+	}
+	return bytes.Clone(d.expand(infoKey, src, dst, epoch, gen, 0, KeyLen)), nil
+}
+
+// spi is SPI under the deriver's secret.
+func (d *deriver) spi(src, dst netip.Addr, epoch uint32, gen uint64) (uint32, error) {
 	if !src.IsValid() || !dst.IsValid() {
 		return 0, fmt.Errorf("invalid address in SPI derivation: src %v dst %v", src, dst)
 	}
 	for i := uint32(0); ; i++ {
-		b, err := hkdf.Key(sha256.New, secret, []byte(hkdfSalt), string(saInfo(infoSPI, src, dst, epoch, gen, i)), 4)
-		if err != nil {
-			return 0, err
-		}
-		if spi := binary.BigEndian.Uint32(b); spi >= spiReserved {
+		if spi := binary.BigEndian.Uint32(d.expand(infoSPI, src, dst, epoch, gen, i, 4)); spi >= spiReserved {
 			return spi, nil
 		}
 	}
@@ -99,7 +149,10 @@ func SPI(secret []byte, src, dst netip.Addr, epoch uint32, gen uint64) (uint32, 
 // its IPv6-mapped form, so an address has one encoding), the sender's send
 // generation and a counter.
 func saInfo(label string, src, dst netip.Addr, epoch uint32, gen uint64, counter uint32) []byte {
-	b := make([]byte, 0, len(label)+1+4+16+16+8+4)
+	return appendSAInfo(make([]byte, 0, len(label)+1+4+16+16+8+4), label, src, dst, epoch, gen, counter)
+}
+
+func appendSAInfo(b []byte, label string, src, dst netip.Addr, epoch uint32, gen uint64, counter uint32) []byte {
 	b = append(b, label...)
 	b = append(b, 0)
 	b = binary.BigEndian.AppendUint32(b, epoch)

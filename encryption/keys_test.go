@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"crypto/hkdf"
 	"crypto/sha256"
+	"encoding/binary"
 	"encoding/hex"
 	"net/netip"
 	"testing"
@@ -192,3 +193,55 @@ const (
 	pinnedKey = "fa8c7a21da756d47d58f8e4f4df07a2045aebcce"
 	pinnedSPI = 0xc076a071
 )
+
+// TestDerivationIsOneShotHKDF checks that deriving with the extraction done
+// once per secret (deriver, and the Programmer's cache across a change of
+// secret) gives exactly the one-shot HKDF of the specification (doc.go):
+// hkdf.Key(SHA-256, secret, salt, info, length) for every SA, IPv4 and
+// IPv6, so hosts running builds before and after the change agree.
+func TestDerivationIsOneShotHKDF(t *testing.T) {
+	other := []byte("fedcba9876543210fedcba9876543210")
+	ref := func(secret []byte, label string, src, dst netip.Addr, epoch uint32, gen uint64, n int) []byte {
+		t.Helper()
+		b, err := hkdf.Key(sha256.New, secret, []byte(hkdfSalt), string(saInfo(label, src, dst, epoch, gen, 0)), n)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return b
+	}
+	var cache deriveCache
+	for i := range 200 {
+		secret := testSecret
+		if i%3 == 2 {
+			secret = other // the cache must follow a change of secret
+		}
+		src, dst := netip.AddrFrom4([4]byte{192, 0, 2, byte(i)}), netip.AddrFrom4([4]byte{198, 51, 100, byte(i * 7)})
+		if i%2 == 1 {
+			src = netip.AddrFrom16([16]byte{0x20, 0x01, 0x0d, 0xb8, 14: byte(i >> 8), 15: byte(i)})
+			dst = netip.AddrFrom16([16]byte{0x20, 0x01, 0x0d, 0xb8, 1, 14: byte(i), 15: 1})
+		}
+		epoch, gen := uint32(i%5+1), uint64(i)*0x9e3779b97f4a7c15
+		wantKey := ref(secret, infoKey, src, dst, epoch, gen, KeyLen)
+		wantSPI := binary.BigEndian.Uint32(ref(secret, infoSPI, src, dst, epoch, gen, 4))
+		if wantSPI < spiReserved {
+			t.Fatalf("case %d: reference SPI %d in the reserved range: pick another case", i, wantSPI)
+		}
+		key, err := SAKey(secret, src, dst, epoch, gen)
+		if err != nil || !bytes.Equal(key, wantKey) {
+			t.Fatalf("case %d: SAKey = %x, %v; want %x", i, key, err, wantKey)
+		}
+		spi, err := SPI(secret, src, dst, epoch, gen)
+		if err != nil || spi != wantSPI {
+			t.Fatalf("case %d: SPI = %#x, %v; want %#x", i, spi, err, wantSPI)
+		}
+		for pass := range 2 { // derived, then from the cache
+			spi, key, err := cache.derive(secret, src, dst, epoch, gen)
+			if err != nil || spi != wantSPI || !bytes.Equal(key, wantKey) {
+				t.Fatalf("case %d, cache pass %d: %#x %x %v; want %#x %x", i, pass, spi, key, err, wantSPI, wantKey)
+			}
+		}
+	}
+	if _, _, err := cache.derive([]byte("short"), hostA, hostB, 1, 1); err != ErrBadSecret {
+		t.Fatalf("cache with a short secret: %v, want ErrBadSecret", err)
+	}
+}

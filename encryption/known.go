@@ -47,31 +47,35 @@ func (k *knownState) index() {
 // with the same keys, generation and VTEP, without SPI collision, and no
 // SA d wants for a touched remote has the SPI of an SA of another remote
 // (that would need the whole comparison, which decides and reports it).
-func (k *knownState) touched(d *Desired, cache *deriveCache) ([]netip.Addr, bool) {
+// It returns the xfrm state d wants for them too (see remotesFit).
+func (k *knownState) touched(d *Desired, cache *deriveCache) ([]netip.Addr, *desiredXfrm, bool) {
 	if k.last == nil || k.collided || !d.normalized() || !sameXfrmBasis(k.last, d) {
-		return nil, false
+		return nil, nil, false
 	}
 	touched := touchedRemotes(k.last, d)
 	if touched == nil {
 		touched = []netip.Addr{}
 	}
-	return touched, k.remotesFit(d, cache, touched)
+	dx, ok := k.remotesFit(d, cache, touched)
+	return touched, dx, ok
 }
 
 // remotesFit reports whether the SAs d wants for the remotes in touched
 // can be planned against the record remote by remote: no SPI collision
-// among them, and none has the SPI of an SA of another remote.
-func (k *knownState) remotesFit(d *Desired, cache *deriveCache, touched []netip.Addr) bool {
+// among them, and none has the SPI of an SA of another remote. When they
+// can, it returns that xfrm state (xfrmOfRemotes), so that the plan does
+// not derive it again.
+func (k *knownState) remotesFit(d *Desired, cache *deriveCache, touched []netip.Addr) (*desiredXfrm, bool) {
 	dx, err := xfrmOfRemotes(d, cache, touched)
 	if err != nil || len(dx.collisions) > 0 {
-		return false
+		return nil, false
 	}
 	for sk, w := range dx.states {
 		if s, ok := k.x.states[sk]; ok && k.remoteOf(&s) != w.remote {
-			return false
+			return nil, false
 		}
 	}
-	return true
+	return dx, true
 }
 
 // changedRemotes returns the remotes of base whose xfrm state may differ

@@ -1206,7 +1206,8 @@ func (o *Owner) applyRemotesLocked(why string, crossed []netip.Addr) bool {
 		o.closedErr = nil
 		return true
 	}
-	if !p.remotesApplicable(&m, touched) {
+	dx, ok := p.remotesApplicable(&m, touched)
+	if !ok {
 		return false
 	}
 	// Reserve (and persist) before adding: an SA is added at most once per
@@ -1227,7 +1228,7 @@ func (o *Owner) applyRemotesLocked(why string, crossed []netip.Addr) bool {
 			return false // the full path blocks them and reports it
 		}
 	}
-	res, err := p.applyRemotes(&m, touched)
+	res, err := p.applyRemotes(&m, dx, touched)
 	for _, r := range res.failedOut {
 		// The kernel never held it, so its key was never used.
 		delete(o.installed[m.Send], r)
@@ -1246,14 +1247,13 @@ func (o *Owner) applyRemotesLocked(why string, crossed []netip.Addr) bool {
 		o.applyLocked(why, false)
 		return true
 	}
-	o.applied = last.fingerprintWith(dig)
-	if len(last.KeepOutbound)+len(last.Blocked) > 0 {
-		// applied is the fingerprint of desiredLocked's state, which has
-		// no kept or blocked remotes.
-		base := *last
-		base.KeepOutbound, base.Blocked = nil, nil
-		o.applied = base.fingerprintWith(dig)
-	}
+	// applied is the fingerprint of desiredLocked's state, which has no
+	// kept or blocked remotes: hashing the record's lists of them (kept
+	// outbound SAs pile up with every host that leaves until the next
+	// rotation) would make every change cost O(hosts that left).
+	base := *last
+	base.KeepOutbound, base.Blocked = nil, nil
+	o.applied = base.fingerprintWith(dig)
 	o.appliedDigest = dig
 	o.held = true
 	o.closedErr = errors.Join(res.failClosed...)

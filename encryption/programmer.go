@@ -242,9 +242,9 @@ func (p *Programmer) applyDelta(d *Desired) (res execResult, err error, ok bool)
 	}
 	p.stats.Deltas++
 	k := p.known
-	if touched, ok := k.touched(d, p.derived); ok {
+	if touched, dx, ok := k.touched(d, p.derived); ok {
 		p.stats.RemoteDeltas++
-		res, err = p.runFor(d, ax, k.n, touched, false)
+		res, err = p.runFor(d, dx, ax, k.n, touched, false)
 	} else {
 		res, err = p.run(d, ax, k.n)
 	}
@@ -258,7 +258,7 @@ func (p *Programmer) applyDelta(d *Desired) (res execResult, err error, ok bool)
 // nil: dump it) into d, in Apply's order. On success the result is
 // remembered as known; any failure forgets it.
 func (p *Programmer) run(d *Desired, ax *actualXfrm, an *nftActual) (execResult, error) {
-	return p.runFor(d, ax, an, nil, false)
+	return p.runFor(d, nil, ax, an, nil, false)
 }
 
 // remotesApplicable reports whether m, a change of the remotes in touched
@@ -266,12 +266,14 @@ func (p *Programmer) run(d *Desired, ax *actualXfrm, an *nftActual) (execResult,
 // there, for m's VTEP, port, keys and generation, without SPI collision,
 // and no SA m wants for a touched remote collides with another remote's.
 // m holds the touched remotes only (Remotes, KeepOutbound, Blocked and
-// RemoteGens of those), and the record's VNIs.
-func (p *Programmer) remotesApplicable(m *Desired, touched []netip.Addr) bool {
+// RemoteGens of those), and the record's VNIs. When it can, it returns the
+// xfrm state m wants for them, for applyRemotes: m must not change in
+// between.
+func (p *Programmer) remotesApplicable(m *Desired, touched []netip.Addr) (*desiredXfrm, bool) {
 	k := p.known
 	if p.nl == nil || k == nil || k.last == nil || k.collided || k.local != m.Local.Unmap() || k.port != m.Port ||
 		!sameXfrmBasis(k.last, m) || !slices.Equal(k.last.VNIs, m.VNIs) || !slices.Equal(k.last.ClearVNIs, m.ClearVNIs) {
-		return false
+		return nil, false
 	}
 	return k.remotesFit(m, p.derived, touched)
 }
@@ -282,7 +284,7 @@ func (p *Programmer) remotesApplicable(m *Desired, touched []netip.Addr) bool {
 // the record's Desired is patched for them, so nothing costs per remote of
 // the host. Errors as applyDelta: the record is then unknown and the
 // caller must reconcile in full.
-func (p *Programmer) applyRemotes(m *Desired, touched []netip.Addr) (execResult, error) {
+func (p *Programmer) applyRemotes(m *Desired, dx *desiredXfrm, touched []netip.Addr) (execResult, error) {
 	if touched == nil {
 		// runFor plans every remote for a nil touched, and m holds only
 		// the touched ones: that would delete the others' SAs and
@@ -292,7 +294,7 @@ func (p *Programmer) applyRemotes(m *Desired, touched []netip.Addr) (execResult,
 	k := p.known
 	p.stats.Deltas++
 	p.stats.RemoteDeltas++
-	res, err := p.runFor(m, k.x, k.n, touched, true)
+	res, err := p.runFor(m, dx, k.x, k.n, touched, true)
 	if err != nil {
 		p.stats.DeltaFailures++
 	}
@@ -303,8 +305,9 @@ func (p *Programmer) applyRemotes(m *Desired, touched []netip.Addr) (execResult,
 // the touched remotes' SAs and policies (and the clear policy) are derived,
 // compared and changed: the others are the same in the record and in d.
 // With patch, d describes the touched remotes only (applyRemotes) and the
-// record's Desired is patched for them rather than replaced by d.
-func (p *Programmer) runFor(d *Desired, ax *actualXfrm, an *nftActual, touched []netip.Addr, patch bool) (res execResult, err error) {
+// record's Desired is patched for them rather than replaced by d. dx is
+// the xfrm state d wants when the caller has derived it (nil: derive it).
+func (p *Programmer) runFor(d *Desired, dx *desiredXfrm, ax *actualXfrm, an *nftActual, touched []netip.Addr, patch bool) (res execResult, err error) {
 	if p == nil || p.nl == nil {
 		err := errors.New("encryption: Apply on a closed Programmer")
 		return execResult{failClosed: []error{err}}, err
@@ -320,9 +323,10 @@ func (p *Programmer) runFor(d *Desired, ax *actualXfrm, an *nftActual, touched [
 		err = fmt.Errorf("invalid desired encryption state: %w", err)
 		return execResult{failClosed: []error{err}}, err
 	}
-	dx, err := xfrmOfRemotes(d, p.derived, touched)
-	if err != nil {
-		return execResult{failClosed: []error{err}}, err
+	if dx == nil {
+		if dx, err = xfrmOfRemotes(d, p.derived, touched); err != nil {
+			return execResult{failClosed: []error{err}}, err
+		}
 	}
 	view := ax
 	if touched != nil {

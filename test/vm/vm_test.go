@@ -3,6 +3,7 @@ package vm
 import (
 	"bytes"
 	"context"
+	"encoding/base64"
 	"errors"
 	"fmt"
 	"os"
@@ -112,7 +113,28 @@ func TestVM(t *testing.T) {
 
 	var figures, failures []string
 	verbose := testing.Verbose()
+	var profile strings.Builder // base64 of a guest benchmark's CPU profile
+	profiles := 0
 	console := &lineWriter{fn: func(l string) {
+		if i := strings.Index(l, "CPUPROFILE: "); i >= 0 {
+			profile.WriteString(strings.TrimSpace(l[i+len("CPUPROFILE: "):]))
+			return
+		}
+		if i := strings.Index(l, "CPUPROFILE-END: "); i >= 0 {
+			profiles++
+			path := filepath.Join(cache, fmt.Sprintf("guest-cpu-%d.prof", profiles))
+			raw, err := base64.StdEncoding.DecodeString(profile.String())
+			profile.Reset()
+			if err == nil {
+				err = os.WriteFile(path, raw, 0o644)
+			}
+			if err != nil {
+				t.Errorf("guest CPU profile of %s: %v", strings.TrimSpace(l[i+len("CPUPROFILE-END: "):]), err)
+			} else {
+				t.Logf("guest CPU profile of %s: %s", strings.TrimSpace(l[i+len("CPUPROFILE-END: "):]), path)
+			}
+			return
+		}
 		if verbose {
 			t.Log(l)
 		}
@@ -169,7 +191,9 @@ func TestVM(t *testing.T) {
 // bench, to run in the VM instead of the suites: `OVERLAYD_VM_BENCH=Owner
 // go test -run TestVM -v ./test/vm` (OVERLAYD_VM_BENCHTIME: -test.benchtime,
 // default 10x; OVERLAYD_VM_BENCHCOUNT: -test.count, default 1, for several
-// rounds in one boot; OVERLAYD_VM_BENCH_BIN: a test binary built elsewhere,
+// rounds in one boot; OVERLAYD_VM_BENCH_PROFILE=1: a CPU profile of
+// BenchmarkOwnerRemotes' measured loop per run, saved as guest-cpu-N.prof
+// in the cache directory; OVERLAYD_VM_BENCH_BIN: a test binary built elsewhere,
 // static, e.g. of an older commit, to compare).
 func benchGuest(ctx context.Context, root, dir, bench string) (Binary, error) {
 	benchtime := os.Getenv("OVERLAYD_VM_BENCHTIME")
@@ -182,6 +206,9 @@ func benchGuest(ctx context.Context, root, dir, bench string) (Binary, error) {
 	}
 	b := Binary{Name: "encryption-bench.test", Path: os.Getenv("OVERLAYD_VM_BENCH_BIN"),
 		Args: []string{"-test.run=^$", "-test.bench=" + bench, "-test.benchtime=" + benchtime, "-test.count=" + count}}
+	if os.Getenv("OVERLAYD_VM_BENCH_PROFILE") == "1" {
+		b.Args = append(b.Args, "-encryption.console-profile")
+	}
 	if b.Path != "" {
 		return b, nil
 	}
