@@ -139,6 +139,13 @@ func (a *Allocator) ensureRing(ctx context.Context, p *pool) error {
 		if done || err == nil {
 			return err
 		}
+		if ctx.Err() != nil && last != nil {
+			// The deadline cut this round short: its voters had no
+			// time to answer ("no answer" even from hosts known to be
+			// unreachable). The previous round ran to its end and
+			// says why each one did not agree.
+			return last
+		}
 		last = err
 	}
 }

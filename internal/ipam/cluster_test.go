@@ -167,6 +167,25 @@ func TestClaimContention(t *testing.T) {
 // its own space and then refuses, saying the owners of free space are
 // unreachable; the majority side carries on. After healing, node-c gets
 // space again. 0 duplicates at every quiet point.
+// TestClaimErrorOfLastCompleteRound: a claim retried until its deadline
+// reports why its last complete round failed, not the round the deadline
+// cut short (whose voters had no time to answer: "no answer" for hosts
+// that were unreachable all along). Each send blocks 1 s before failing
+// and the request budget is 1.5 s, so the second round is always cut.
+func TestClaimErrorOfLastCompleteRound(t *testing.T) {
+	c := newCluster(t, "node-a", "node-b")
+	tm := testTiming
+	tm.request, tm.vote, tm.backoff = 1500*time.Millisecond, 5*time.Second, time.Millisecond
+	cc := c.startWith("node-c", newMemStore(), tm)
+	c.net.partition("node-c", true)
+	c.net.mu.Lock()
+	c.net.slow = time.Second
+	c.net.mu.Unlock()
+	_, err := cc.a.RequestPool(ctxT(t), PoolRequest{Pool: "192.0.2.0/24"})
+	wantErr(t, err, "could not create the address ring of pool overlayd:192.0.2.0/24", "a majority of the 3 hosts",
+		"node-a: unreachable", "node-b: unreachable")
+}
+
 func TestPartition(t *testing.T) {
 	c := newCluster(t, "node-a", "node-b", "node-c")
 	var poolID string
