@@ -16,6 +16,7 @@ import (
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
+	"github.com/overlayd/overlayd/internal/statefile"
 	"github.com/overlayd/overlayd/internal/testutil/nstest"
 	"github.com/overlayd/overlayd/internal/xfrmbatch"
 )
@@ -82,12 +83,36 @@ func startConsoleProfile(b *testing.B) func() {
 // and nftables list requests), kernel requests that change something (an
 // nftables transaction counts one) and the round trips (datagrams) that
 // carried the xfrm requests: they are batched (xfrmbatch).
+//
+// remotes=1000-statefile is the 1,000 hosts with the daemon's state file as
+// the Owner's store (it persists its record, with every host's generation
+// and reservation, before a new outbound SA and after the change), which
+// the others leave out; record-bytes is that record's size.
 func BenchmarkOwnerRemotes(b *testing.B) {
 	nstest.RequireRoot(b)
-	for _, n := range []int{10, 100, 1000} {
-		b.Run(fmt.Sprintf("remotes=%d", n), func(b *testing.B) {
+	for _, c := range []struct {
+		n     int
+		store bool
+	}{{10, false}, {100, false}, {1000, false}, {1000, true}} {
+		n := c.n
+		name := fmt.Sprintf("remotes=%d", n)
+		if c.store {
+			name += "-statefile"
+		}
+		b.Run(name, func(b *testing.B) {
 			ns := nstest.NewNS(b, "encbench")
-			o, err := NewOwner(OwnerConfig{NS: ns.Handle, Port: 4799, Secret: testSecret, Tick: time.Hour})
+			cfg := OwnerConfig{NS: ns.Handle, Port: 4799, Secret: testSecret, Tick: time.Hour}
+			if c.store {
+				// The daemon's state file, in the test's directory
+				// (a disk or tmpfs: wherever TMPDIR is).
+				st, err := statefile.Open(b.TempDir())
+				if err != nil {
+					b.Fatal(err)
+				}
+				b.Cleanup(func() { st.Close() })
+				cfg.Store = st
+			}
+			o, err := NewOwner(cfg)
 			if err != nil {
 				b.Fatal(err)
 			}
@@ -187,6 +212,11 @@ func BenchmarkOwnerRemotes(b *testing.B) {
 			b.ReportMetric(per(upAddDur), "update-add-ms")
 			b.ReportMetric(per(upDelDur), "update-remove-ms")
 			b.ReportMetric(count(upStats.XfrmDumps+upStats.NftDumps), "update-dumps")
+			if c.store {
+				o.mu.Lock()
+				b.ReportMetric(float64(len(o.saved)), "record-bytes")
+				o.mu.Unlock()
+			}
 			b.ReportMetric(per(rawAdd), "raw-add-ms")
 			b.ReportMetric(per(rawDel), "raw-remove-ms")
 			b.ReportMetric(per(batchAdd), "raw-batch-add-ms")
