@@ -58,10 +58,16 @@ type OwnerConfig struct {
 	RotateEvery time.Duration
 }
 
-// MetaStore persists small records by key.
+// MetaStore persists small records by key. The Owner's record is a core
+// under MetaKey and an entry per remote under keys starting with
+// MetaKey+"/remote/".
 type MetaStore interface {
 	GetMeta(key string) ([]byte, error) // nil, nil when absent
-	PutMeta(key string, val []byte) error
+	// UpdateMeta writes every key of puts in one transaction, all or
+	// none; a nil value deletes its key.
+	UpdateMeta(puts map[string][]byte) error
+	// ListMeta returns every key starting with prefix, with its value.
+	ListMeta(prefix string) (map[string][]byte, error)
 }
 
 // MetaKey is the MetaStore key of the Owner's persisted state.
@@ -136,7 +142,14 @@ type Owner struct {
 	adopting   bool
 	programmed programmed // what the last successful reconcile programmed
 	verified   bool       // the first kernel check after loading happened
-	saved      string     // the persisted record, as last written
+	// savedCore and savedRemotes are the persisted record as last
+	// written: its core under MetaKey and each remote's entry (see
+	// persist.go), so that a change writes only what differs.
+	// persistAll: the next write must compare every remote (loaded from
+	// an older record, or generations changed by adverts).
+	savedCore    string
+	savedRemotes map[netip.Addr]string
+	persistAll   bool
 
 	noESP   error     // the kernel could not install ESP states (wraps ErrKernelUnsupported)
 	noESPAt time.Time //
@@ -1096,6 +1109,11 @@ func (o *Owner) applyLocked(why string, fromUpdate bool) error {
 		o.log.Info("encryption state programmed again", "trigger", why)
 	}
 	o.applyErr = err
+	if err != nil {
+		// Reservations may have changed without being written: the next
+		// write compares every remote's entry.
+		o.persistAll = true
+	}
 	if err == nil {
 		o.programmed = programmed{enc: d.VNIs, clear: d.ClearVNIs, remotes: withRoom(d.Remotes)}
 		o.pruneLocked()
@@ -1221,7 +1239,7 @@ func (o *Owner) applyRemotesLocked(why string, crossed []netip.Addr) bool {
 		}
 	}
 	if len(reserve) > 0 {
-		if err := o.persistLocked(); err != nil {
+		if err := o.persistRemotesLocked(reserve); err != nil {
 			for _, r := range reserve {
 				delete(o.installed[m.Send], r)
 			}
@@ -1260,8 +1278,12 @@ func (o *Owner) applyRemotesLocked(why string, crossed []netip.Addr) bool {
 	for _, r := range touched {
 		o.programmed.remotes = setMember(o.programmed.remotes, r, o.need.Get(r) > 0)
 	}
-	o.pruneLocked()
-	if perr := o.persistLocked(); perr != nil {
+	if o.pruneLocked() {
+		o.persistAll = true // every remote's entry may have lost an epoch
+	}
+	// The touched remotes' entries (reservation, programmed flag): a
+	// change writes its own entries, not one per remote of the host.
+	if perr := o.persistRemotesLocked(touched); perr != nil {
 		o.noteErrLocked(perr)
 	}
 	return true
@@ -1288,12 +1310,14 @@ func (o *Owner) anyOutboundLocked(ax *actualXfrm) bool {
 
 // pruneLocked forgets installed records of epochs older than Send (Send
 // never goes back) and generations of remotes nobody needs or advertises.
-func (o *Owner) pruneLocked() {
+func (o *Owner) pruneLocked() (pruned bool) {
 	for e := range o.installed {
 		if e < o.keys.Send {
 			delete(o.installed, e)
+			pruned = true
 		}
 	}
+	return pruned
 }
 
 func (o *Owner) noteErrLocked(err error) {
@@ -1409,12 +1433,13 @@ func (o *Owner) stepLocked(adverts map[netip.Addr]Advert, why string) {
 		others = append(others, a.Keys)
 		if a.Gen != 0 && o.remoteGens[vtep] != a.Gen {
 			o.remoteGens[vtep] = a.Gen
-			o.gensDirty = true
+			o.gensDirty, o.persistAll = true, true
 		}
 	}
 	for r := range o.remoteGens {
 		if !seen[r] && o.need.Get(r) == 0 && !(o.adopting && slices.Contains(o.adopted.remotes, r)) {
 			delete(o.remoteGens, r)
+			o.persistAll = true
 		}
 	}
 	prev := o.keys

@@ -259,6 +259,45 @@ func (s *File) PutMeta(key string, value []byte) error {
 	return s.update("meta "+key, func(tx *bolt.Tx) error { return tx.Bucket(bucketMeta).Put([]byte(key), value) })
 }
 
+// UpdateMeta stores the values of puts under their keys in one
+// transaction, all or none; a nil value deletes its key.
+func (s *File) UpdateMeta(puts map[string][]byte) error {
+	for key := range puts {
+		if key == string(keySchema) {
+			return fmt.Errorf("meta key %q is reserved", key)
+		}
+	}
+	what := fmt.Sprintf("%d meta records", len(puts))
+	return s.update(what, func(tx *bolt.Tx) error {
+		b := tx.Bucket(bucketMeta)
+		for key, v := range puts {
+			var err error
+			if v == nil {
+				err = b.Delete([]byte(key))
+			} else {
+				err = b.Put([]byte(key), v)
+			}
+			if err != nil {
+				return fmt.Errorf("meta %s: %w", key, err)
+			}
+		}
+		return nil
+	})
+}
+
+// ListMeta returns the values stored under keys starting with prefix.
+func (s *File) ListMeta(prefix string) (map[string][]byte, error) {
+	out := map[string][]byte{}
+	err := s.view(func(tx *bolt.Tx) error {
+		c := tx.Bucket(bucketMeta).Cursor()
+		for k, v := c.Seek([]byte(prefix)); k != nil && bytes.HasPrefix(k, []byte(prefix)); k, v = c.Next() {
+			out[string(k)] = bytes.Clone(v)
+		}
+		return nil
+	})
+	return out, err
+}
+
 // GetMeta returns the value stored under key, or nil.
 func (s *File) GetMeta(key string) ([]byte, error) {
 	var v []byte

@@ -175,3 +175,38 @@ func TestLostStateRefusesToStart(t *testing.T) {
 		recovery(t, err, `network "gone"`)
 	})
 }
+
+// TestUpdateMeta: several meta records written and deleted in one
+// transaction survive a reopen; a reserved key fails the whole update;
+// ListMeta returns exactly the keys under its prefix.
+func TestUpdateMeta(t *testing.T) {
+	dir := t.TempDir()
+	s, err := Open(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.UpdateMeta(map[string][]byte{"enc": []byte("core"), "enc/r/a": []byte("1"), "enc/r/b": []byte("2"), "encx": []byte("other")}); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.UpdateMeta(map[string][]byte{"enc/r/a": nil, "enc/r/c": []byte("3")}); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.UpdateMeta(map[string][]byte{"enc/r/d": []byte("4"), string(keySchema): []byte("9")}); err == nil || !strings.Contains(err.Error(), "reserved") {
+		t.Fatalf("an update with the schema key: %v, want refused", err)
+	}
+	s.Close()
+	if s, err = Open(dir); err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	got, err := s.ListMeta("enc/r/")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := map[string][]byte{"enc/r/b": []byte("2"), "enc/r/c": []byte("3")}; !reflect.DeepEqual(got, want) {
+		t.Fatalf("ListMeta = %q, want %q (the refused update wrote nothing)", got, want)
+	}
+	if v, _ := s.GetMeta("enc"); string(v) != "core" {
+		t.Fatalf("core = %q", v)
+	}
+}
