@@ -2,7 +2,6 @@ package statefile
 
 import (
 	"fmt"
-	"sort"
 
 	bolt "go.etcd.io/bbolt"
 
@@ -59,22 +58,8 @@ func (s *File) WriteIPAM(puts map[string][]byte) error {
 		return s.update(fmt.Sprintf("%d ipam records", keys), func(tx *bolt.Tx) error {
 			b := tx.Bucket(bucketIPAM)
 			for _, p := range batch {
-				// Sorted keys: bbolt writes fewer pages for ordered puts.
-				ks := make([]string, 0, len(p))
-				for k := range p {
-					ks = append(ks, k)
-				}
-				sort.Strings(ks)
-				for _, k := range ks {
-					var err error
-					if v := p[k]; v == nil {
-						err = b.Delete([]byte(k))
-					} else {
-						err = b.Put([]byte(k), v)
-					}
-					if err != nil {
-						return fmt.Errorf("ipam record %q: %w", k, err)
-					}
+				if err := putAll(b, "ipam record", p); err != nil {
+					return err
 				}
 			}
 			return nil

@@ -14,8 +14,10 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
+	"slices"
 	"time"
 
 	bolt "go.etcd.io/bbolt"
@@ -268,21 +270,25 @@ func (s *File) UpdateMeta(puts map[string][]byte) error {
 		}
 	}
 	what := fmt.Sprintf("%d meta records", len(puts))
-	return s.update(what, func(tx *bolt.Tx) error {
-		b := tx.Bucket(bucketMeta)
-		for key, v := range puts {
-			var err error
-			if v == nil {
-				err = b.Delete([]byte(key))
-			} else {
-				err = b.Put([]byte(key), v)
-			}
-			if err != nil {
-				return fmt.Errorf("meta %s: %w", key, err)
-			}
+	return s.update(what, func(tx *bolt.Tx) error { return putAll(tx.Bucket(bucketMeta), "meta record", puts) })
+}
+
+// putAll stores every value of puts in b under its key, in key order
+// (bbolt writes fewer pages for ordered puts); a nil value deletes its
+// key. what names the records in an error.
+func putAll(b *bolt.Bucket, what string, puts map[string][]byte) error {
+	for _, k := range slices.Sorted(maps.Keys(puts)) {
+		var err error
+		if v := puts[k]; v == nil {
+			err = b.Delete([]byte(k))
+		} else {
+			err = b.Put([]byte(k), v)
 		}
-		return nil
-	})
+		if err != nil {
+			return fmt.Errorf("%s %q: %w", what, k, err)
+		}
+	}
+	return nil
 }
 
 // ListMeta returns the values stored under keys starting with prefix.
