@@ -147,3 +147,49 @@ func TestKeyedPullAsksOnlyItsOrigins(t *testing.T) {
 		t.Fatalf("the full pull recorded contradictions %v, want only %s's", nw.contra[100], hostOf(differVTEP))
 	}
 }
+
+// TestKeyedPullLooksUpInBatches: a pull of many keys asks a
+// PeerBatchSource pullLookahead keys at a time, never key by key, and
+// programs what a pull by Peer would: 200 records arrive in 2 lookups
+// (128 + 72 keys) and reach the kernel, go again in 2 more; a single key
+// is asked with Peer.
+func TestKeyedPullLooksUpInBatches(t *testing.T) {
+	hosts, vteps := nstest.Hosts(t, 1, false)
+	d := newTestDriver(t, hosts[0], vteps[0])
+	mustCreate(t, d, createReq("n", "100", "198.51.100.0/24"))
+	mustEndpoint(t, d, "n", "local", "198.51.100.254/24")
+	mustJoin(t, d, "n", "local")
+
+	const n = 200
+	vtep := netip.MustParseAddr("192.0.2.40")
+	var adds, dels []PeerEvent
+	wantNeigh, wantFDB := map[string]string{}, map[string]string{}
+	ip := netip.MustParseAddr("198.51.100.1")
+	for range n {
+		p := peerdb.Peer{EndpointID: "ep-" + ip.String(), IP: ip, MAC: peerdb.MACFromIP(ip), VTEP: vtep}
+		adds = append(adds, PeerEvent{VNI: 100, Next: &p})
+		dels = append(dels, PeerEvent{VNI: 100, Prev: &p})
+		wantNeigh[ip.String()], wantFDB[p.MAC.String()] = p.MAC.String(), vtep.String()
+		ip = ip.Next()
+	}
+	src := source(d)
+	step := func(what string, evs []PeerEvent, peer, batches, keys int) {
+		t.Helper()
+		p0, b0, k0 := src.lookups()
+		if err := applyPeerEvents(d, evs...); err != nil {
+			t.Fatalf("%s: %v", what, err)
+		}
+		p1, b1, k1 := src.lookups()
+		if p1-p0 != peer || b1-b0 != batches || k1-k0 != keys {
+			t.Errorf("%s: %d Peer calls and %d PeersOf calls for %d keys, want %d, %d and %d",
+				what, p1-p0, b1-b0, k1-k0, peer, batches, keys)
+		}
+	}
+	step("adding 200 records", adds, 0, 2, n)
+	wantPeers(t, d, "n", wantNeigh, wantFDB)
+	step("removing them", dels, 0, 2, n)
+	wantPeers(t, d, "n", map[string]string{}, map[string]string{})
+	step("adding one", adds[:1], 1, 0, 0)
+	wantPeers(t, d, "n", map[string]string{"198.51.100.1": adds[0].Next.MAC.String()}, map[string]string{adds[0].Next.MAC.String(): vtep.String()})
+	mustAudit(t, d)
+}

@@ -60,6 +60,9 @@ type network struct {
 	logged map[peerdb.Key]string
 	// conflicts: the cross-host address conflicts logged; guarded by mu.
 	conflicts conflictLog
+	// found: room for a keyed pull's batched lookups at a
+	// PeerBatchSource (pullLookahead entries once used); guarded by mu.
+	found []peerdb.Found
 }
 
 // trace emits the creation of n; expects n.mu held.

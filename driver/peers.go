@@ -26,6 +26,26 @@ type PeerSource interface {
 	Peers(vni uint32) map[peerdb.Key]peerdb.Peer
 }
 
+// PeerBatchSource is a PeerSource that also looks many keys up at once. A
+// pull of many keys (a burst of gossip) then takes the source's lock once
+// per batch instead of once per key, so it neither pays a lock handover
+// per record nor makes the source's writers (the gossip receive path,
+// taking the same lock per message) wait behind it key by key.
+//
+// Thread safety: as PeerSource.
+type PeerBatchSource interface {
+	PeerSource
+	// PeersOf sets found[i] to what Peer(keys[i]) returns, for every i
+	// (len(found) == len(keys)).
+	PeersOf(keys []peerdb.Key, found []peerdb.Found)
+}
+
+// pullLookahead is how many keys a keyed pull looks up at a
+// PeerBatchSource in one call: the source's lock is held for as many
+// lookups (tens of microseconds), and the network keeps room for as many
+// answers (about 13 KB).
+const pullLookahead = 128
+
 // PeersChanged tells the driver that the source's records for keys of vni
 // may have changed (keys nil: any record of vni). The network that has vni
 // pulls their current values under its lock and programs the difference;
@@ -72,11 +92,13 @@ func (d *Driver) pull(n *network, vni uint32, keys []peerdb.Key) error {
 		delta, rej = n.peers.SyncVNI(vni, withoutHosts(src.Peers(vni), bad))
 	} else {
 		check := originCheck{look: look, n: n, vni: vni}
-		delta, rej = n.peers.Pull(vni, keys, func(k peerdb.Key) (peerdb.Peer, bool) {
+		lookup := n.lookupAhead(src, keys)
+		delta, rej = n.peers.Pull(vni, keys, func(i int) (peerdb.Peer, bool) {
+			k := keys[i]
 			if bad[k.Origin] || perOrigin && check.refuses(k.Origin) {
 				return peerdb.Peer{}, false
 			}
-			return src.Peer(k)
+			return lookup(i)
 		})
 	}
 	n.noteRejections(d, rej)
@@ -85,6 +107,29 @@ func (d *Driver) pull(n *network, vni uint32, keys []peerdb.Key) error {
 		delta.NeighDel, delta.FDBDel = nil, nil
 	}
 	return d.program(n, delta)
+}
+
+// lookupAhead returns the lookup of keys[i] at src for a keyed pull, which
+// asks in order of i: from a PeerBatchSource, pullLookahead keys at a time
+// into n.found; else, and for a single key, one Peer call per key.
+// Expects n.mu held until the pull is done.
+func (n *network) lookupAhead(src PeerSource, keys []peerdb.Key) func(i int) (peerdb.Peer, bool) {
+	bs, ok := src.(PeerBatchSource)
+	if !ok || len(keys) < 2 {
+		return func(i int) (peerdb.Peer, bool) { return src.Peer(keys[i]) }
+	}
+	if n.found == nil {
+		n.found = make([]peerdb.Found, pullLookahead)
+	}
+	from, to := 0, 0 // n.found holds the answers for keys[from:to]
+	return func(i int) (peerdb.Peer, bool) {
+		if i < from || i >= to {
+			from, to = i, min(i+pullLookahead, len(keys))
+			bs.PeersOf(keys[from:to], n.found[:to-from])
+		}
+		f := &n.found[i-from]
+		return f.Peer, f.OK
+	}
 }
 
 // pullAll pulls every VNI of n. Expects n.mu held.

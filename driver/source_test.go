@@ -17,6 +17,9 @@ import (
 type memSource struct {
 	mu   sync.Mutex
 	recs map[peerdb.Key]peerdb.Peer
+	// Lookups, as the cluster counts none: Peer calls, PeersOf calls and
+	// the keys these asked for.
+	peerCalls, batchCalls, batchKeys int
 }
 
 func newMemSource() *memSource { return &memSource{recs: map[peerdb.Key]peerdb.Peer{}} }
@@ -24,8 +27,28 @@ func newMemSource() *memSource { return &memSource{recs: map[peerdb.Key]peerdb.P
 func (s *memSource) Peer(k peerdb.Key) (peerdb.Peer, bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	s.peerCalls++
 	p, ok := s.recs[k]
 	return p, ok
+}
+
+// PeersOf makes memSource a PeerBatchSource, as the cluster is.
+func (s *memSource) PeersOf(keys []peerdb.Key, found []peerdb.Found) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.batchCalls++
+	s.batchKeys += len(keys)
+	for i, k := range keys {
+		found[i].Peer, found[i].OK = s.recs[k]
+	}
+}
+
+// lookups returns the counts of Peer calls, PeersOf calls and keys asked
+// by PeersOf.
+func (s *memSource) lookups() (peer, batches, batchKeys int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.peerCalls, s.batchCalls, s.batchKeys
 }
 
 func (s *memSource) Peers(vni uint32) map[peerdb.Key]peerdb.Peer {

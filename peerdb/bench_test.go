@@ -255,14 +255,14 @@ func BenchmarkPull(b *testing.B) {
 			for b.Loop() {
 				present = true
 				t0 := time.Now()
-				d, rej := db.Pull(100, keys, get)
+				d, rej := db.Pull(100, keys, func(i int) (Peer, bool) { return get(keys[i]) })
 				addT += time.Since(t0)
 				if len(rej) != 0 || len(d.NeighSet) != n {
 					b.Fatalf("add: %d rejections, %d neighbours set", len(rej), len(d.NeighSet))
 				}
 				present = false
 				t0 = time.Now()
-				d, _ = db.Pull(100, keys, get)
+				d, _ = db.Pull(100, keys, func(i int) (Peer, bool) { return get(keys[i]) })
 				delT += time.Since(t0)
 				if len(d.NeighDel) != n {
 					b.Fatalf("delete: %d neighbours deleted", len(d.NeighDel))

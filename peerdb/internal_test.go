@@ -336,8 +336,8 @@ func TestRoomKeptAcrossBulkChanges(t *testing.T) {
 		src[keys[i]] = p
 	}
 	present := true
-	get := func(k Key) (Peer, bool) {
-		p, ok := src[k]
+	get := func(i int) (Peer, bool) {
+		p, ok := src[keys[i]]
 		return p, ok && present
 	}
 	cycle := func() {

@@ -132,8 +132,8 @@ func TestIPv6PullAndSync(t *testing.T) {
 		ka: *dual("a", netip.Addr{}, ip6A, mac1, vtep1),
 		kb: *dual("b", ipB, ip6B, mac2, vtep2),
 	}
-	get := func(k Key) (Peer, bool) { p, ok := src[k]; return p, ok }
-	d, rej := db.Pull(100, []Key{ka, kb}, get)
+	keys := []Key{ka, kb}
+	d, rej := db.Pull(100, keys, func(i int) (Peer, bool) { p, ok := src[keys[i]]; return p, ok })
 	if len(rej) != 0 {
 		t.Fatal(rej)
 	}

@@ -70,25 +70,27 @@ func (db *DB) SetRemotes(ups []Update) (Delta, []Rejection) {
 	return db.finish(), rej
 }
 
-// Pull is SetRemotes for the keys of vni among keys, each set to what get
-// returns for it (the record in force at the source, or ok false for
-// none); keys of other VNIs are left as they are. It is the pull path's
-// form: the records go from the source into the table without being
-// gathered first. get must not call into the DB.
-func (db *DB) Pull(vni uint32, keys []Key, get func(Key) (p Peer, ok bool)) (Delta, []Rejection) {
+// Pull is SetRemotes for the keys of vni among keys, each set to what
+// get(i) returns for keys[i] (the record in force at the source, or ok
+// false for none); keys of other VNIs are left as they are and get is not
+// called for them. get is called in order of i, so a caller may look
+// records up ahead in batches. It is the pull path's form: the records go
+// from the source into the table without being gathered first. get must
+// not call into the DB.
+func (db *DB) Pull(vni uint32, keys []Key, get func(i int) (p Peer, ok bool)) (Delta, []Rejection) {
 	db.begin()
 	if len(keys) > 1 {
 		db.reserveVNI(vni, len(keys))
 	}
 	var rej []Rejection
 	var p Peer
-	for _, k := range keys {
+	for i, k := range keys {
 		if k.VNI != vni {
 			continue
 		}
 		var next *Peer
 		var ok bool
-		if p, ok = get(k); ok {
+		if p, ok = get(i); ok {
 			next = &p
 		}
 		if r, ok := db.setRemote(k, next); !ok {

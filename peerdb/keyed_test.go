@@ -196,8 +196,8 @@ func (h *keyedHarness) step(s *byteSource) {
 			}
 		}
 		desc = func() string { return fmt.Sprintf("Pull(%d, %d keys)", vni, len(keys)) }
-		d, rej = h.db.Pull(vni, keys, func(k Key) (Peer, bool) {
-			p, ok := h.km.src[k]
+		d, rej = h.db.Pull(vni, keys, func(i int) (Peer, bool) {
+			p, ok := h.km.src[keys[i]]
 			return p, ok
 		})
 	}

@@ -79,6 +79,13 @@ type Peer struct {
 	IPv6       netip.Addr
 }
 
+// Found is one answer of a batched lookup at the records' source: the
+// record in force for a key, if OK.
+type Found struct {
+	Peer Peer
+	OK   bool
+}
+
 func (p Peer) String() string {
 	if p.IPv6.IsValid() {
 		return fmt.Sprintf("%s ip=%s ipv6=%s mac=%s vtep=%s", p.EndpointID, p.IP, p.IPv6, p.MAC, p.VTEP)

@@ -347,6 +347,52 @@ func TestLeaveRemovesAtOnce(t *testing.T) {
 	checkAllViolations(t, nodes)
 }
 
+// TestPeersOfAnswersAsPeer: the batched lookup the driver pulls with
+// gives, key by key, what Peer gives: a live record of another node, none
+// for an endpoint it never had, for a record of this node (it is never
+// pulled), for one of a node that left, or for a record under another
+// VNI; every answer is written, over whatever the slot held before.
+func TestPeersOfAnswersAsPeer(t *testing.T) {
+	t.Parallel()
+	nodes := startCluster(t, "po", hosts("127.0.0.", 151, 3), nodeOpts{})
+	waitMembers(t, 10*time.Second, nodes)
+	a, b, gone := nodes[0], nodes[1], nodes[2]
+	for i, n := range nodes {
+		n.publish(151, n.peer(n.name+"-x", fmt.Sprintf("198.51.100.%d", 10+i)))
+	}
+	a.publish(152, a.peer(a.name+"-y", "198.51.100.20"))
+	waitConverged(t, 10*time.Second, nodes)
+	if err := gone.c.Leave(2 * time.Second); err != nil {
+		t.Fatal(err)
+	}
+	waitConverged(t, 5*time.Second, nodes[:2])
+	_ = gone.c.Shutdown()
+
+	keys := []peerdb.Key{
+		a.key(151, a.name+"-x"),       // found
+		a.key(151, "never"),           // no such endpoint
+		b.key(151, b.name+"-x"),       // the asker's own
+		gone.key(151, gone.name+"-x"), // left
+		a.key(152, a.name+"-y"),       // found, another VNI
+		a.key(152, a.name+"-x"),       // a's endpoint, but not under 152
+	}
+	found := make([]peerdb.Found, len(keys))
+	for i := range found {
+		found[i] = peerdb.Found{Peer: peerdb.Peer{EndpointID: "stale"}, OK: true}
+	}
+	b.c.PeersOf(keys, found)
+	for i, k := range keys {
+		p, ok := b.c.Peer(k)
+		if found[i].OK != ok || found[i].Peer != p {
+			t.Errorf("PeersOf for %v gave %+v (ok %v), Peer gives %+v (ok %v)", k, found[i].Peer, found[i].OK, p, ok)
+		}
+	}
+	if !found[0].OK || !found[4].OK || found[1].OK || found[2].OK || found[3].OK || found[5].OK {
+		t.Errorf("found %+v, want only keys 0 and 4", found)
+	}
+	checkAllViolations(t, nodes[:2])
+}
+
 // TestSeedsInBackground: New does not wait for seeds; a node whose seed
 // is not up yet joins once it is.
 func TestSeedsInBackground(t *testing.T) {

@@ -134,6 +134,22 @@ func (c *Cluster) Peer(k peerdb.Key) (peerdb.Peer, bool) {
 	return c.replica.effective(k.VNI, pkey{k.Origin, k.EndpointID})
 }
 
+// PeersOf sets found[i] to what Peer(keys[i]) returns, for every i
+// (len(found) == len(keys)), under one acquisition of Cluster.mu: a
+// receiver's pull of a burst takes the lock once per batch, not once per
+// record against the receive path, which takes it once per message. The
+// caller bounds the batch, and with it how long the lock is held.
+func (c *Cluster) PeersOf(keys []peerdb.Key, found []peerdb.Found) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for i, k := range keys {
+		found[i] = peerdb.Found{}
+		if k.Origin != c.cfg.NodeName {
+			found[i].Peer, found[i].OK = c.replica.effective(k.VNI, pkey{k.Origin, k.EndpointID})
+		}
+	}
+}
+
 // Peers returns every record in force for vni, by key (an empty map if
 // none). Same rules as Peer. Its cost is proportional to the records the
 // cluster holds for vni (a per-VNI index), not to all records.

@@ -114,9 +114,12 @@ func (w *testWatcher) PeersChanged(vni uint32, keys []peerdb.Key) {
 			got[k] = &p
 		}
 	} else {
-		for _, k := range keys {
-			if p, ok := c.Peer(k); ok {
-				got[k] = &p
+		// As the driver pulls: one batched lookup for the call's keys.
+		found := make([]peerdb.Found, len(keys))
+		c.PeersOf(keys, found)
+		for i, k := range keys {
+			if found[i].OK {
+				got[k] = &found[i].Peer
 			} else {
 				got[k] = nil
 			}

@@ -212,7 +212,7 @@ func TestIPv6RecordsAcrossNodes(t *testing.T) {
 	db := peerdb.NewSegments([]peerdb.Segment{{VNI: vni,
 		Prefixes: []netip.Prefix{netip.MustParsePrefix("198.51.100.0/24"), netip.MustParsePrefix("2001:db8:1::/64")}}})
 	keys := []peerdb.Key{a.key(vni, "dual"), a.key(vni, "six")}
-	_, rej := db.Pull(vni, keys, b.c.Peer)
+	_, rej := db.Pull(vni, keys, func(i int) (peerdb.Peer, bool) { return b.c.Peer(keys[i]) })
 	if len(rej) != 0 {
 		t.Fatalf("rejected %v", rej)
 	}
@@ -229,7 +229,7 @@ func TestIPv6RecordsAcrossNodes(t *testing.T) {
 	a.publish(vni, moved)
 	a.unpublish(vni, "dual")
 	waitConverged(t, 10*time.Second, nodes)
-	d, _ := db.Pull(vni, keys, b.c.Peer)
+	d, _ := db.Pull(vni, keys, func(i int) (peerdb.Peer, bool) { return b.c.Peer(keys[i]) })
 	if len(d.NeighDel) != 3 || len(d.NeighSet) != 1 || d.NeighSet[0].IP != moved.IPv6 {
 		t.Fatalf("after the move: delta %+v", d)
 	}

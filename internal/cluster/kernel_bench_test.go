@@ -245,6 +245,14 @@ func (s *lateSource) Peer(k peerdb.Key) (peerdb.Peer, bool) {
 	return peerdb.Peer{}, false
 }
 
+func (s *lateSource) PeersOf(keys []peerdb.Key, found []peerdb.Found) {
+	if c := s.c.Load(); c != nil {
+		c.PeersOf(keys, found)
+		return
+	}
+	clear(found[:len(keys)])
+}
+
 func (s *lateSource) Peers(vni uint32) map[peerdb.Key]peerdb.Peer {
 	if c := s.c.Load(); c != nil {
 		return c.Peers(vni)

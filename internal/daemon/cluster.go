@@ -102,6 +102,15 @@ func (cp *controlPlane) Peer(k peerdb.Key) (peerdb.Peer, bool) {
 	return peerdb.Peer{}, false
 }
 
+// PeersOf implements driver.PeerBatchSource.
+func (cp *controlPlane) PeersOf(keys []peerdb.Key, found []peerdb.Found) {
+	if c := cp.c.Load(); c != nil {
+		c.PeersOf(keys, found)
+		return
+	}
+	clear(found[:len(keys)])
+}
+
 // Peers implements driver.PeerSource.
 func (cp *controlPlane) Peers(vni uint32) map[peerdb.Key]peerdb.Peer {
 	if c := cp.c.Load(); c != nil {

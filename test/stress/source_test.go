@@ -62,6 +62,21 @@ func newSource(record bool) *source {
 func (s *source) Peer(k peerdb.Key) (peerdb.Peer, bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	return s.peerLocked(k)
+}
+
+// PeersOf implements driver.PeerBatchSource, as the cluster does: the
+// driver's pulls of many keys take this path.
+func (s *source) PeersOf(keys []peerdb.Key, found []peerdb.Found) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for i, k := range keys {
+		found[i].Peer, found[i].OK = s.peerLocked(k)
+	}
+}
+
+// peerLocked looks k up and records the read. Expects s.mu held.
+func (s *source) peerLocked(k peerdb.Key) (peerdb.Peer, bool) {
 	p, ok := s.recs[k.VNI][k]
 	if s.record {
 		r := s.reads[k.VNI]
