@@ -78,6 +78,11 @@ type Allocator struct {
 	// reclaimedBy: set when another host reclaimed this host's identity:
 	// every request is refused from then on; guarded by mu.
 	reclaimedBy *Identity
+	// reclaimedC is closed when reclaimedBy is set (under mu), so that a
+	// request waiting for other hosts ends with the reclaim's error at
+	// once instead of at its deadline: the others drop a reclaimed
+	// identity's messages, so no answer is coming.
+	reclaimedC chan struct{}
 	// waiters: donation requests in flight by id; guarded by mu.
 	waiters map[uint64]*waiter
 	nextReq uint64 // guarded by mu
@@ -94,14 +99,19 @@ type Allocator struct {
 	// guarded by mu.
 	draining bool
 
-	seq      atomic.Uint64 // sequence number of this process's messages
-	dropped  atomic.Uint64 // messages dropped (inbox or a send queue full)
-	inbox    chan inbound
-	members  chan struct{} // MembersChanged signals (buffered 1)
-	stop     chan struct{}
-	wg       sync.WaitGroup // workers and the loop
-	drains   sync.WaitGroup // send-queue goroutines
-	stopOnce sync.Once
+	seq atomic.Uint64 // sequence number of this process's messages
+	// announceMu (LevelIPAMAnnounce) is held while a rings message reads
+	// its figures and takes its sequence number: receivers keep the
+	// figures of the highest number, so a message built earlier (older
+	// figures) must never get a higher number than one built later.
+	announceMu *lockorder.Mutex
+	dropped    atomic.Uint64 // messages dropped (inbox or a send queue full)
+	inbox      chan inbound
+	members    chan struct{} // MembersChanged signals (buffered 1)
+	stop       chan struct{}
+	wg         sync.WaitGroup // workers and the loop
+	drains     sync.WaitGroup // send-queue goroutines
+	stopOnce   sync.Once
 }
 
 type inbound struct {
@@ -180,20 +190,22 @@ func newAllocator(cfg Config, tm timing) (*Allocator, error) {
 		return nil, errors.New("ipam: no Store")
 	}
 	a := &Allocator{
-		log:       cfg.Logger,
-		now:       cfg.Now,
-		journal:   newJournal(cfg.Store),
-		timing:    tm,
-		mu:        lockorder.New(lockorder.LevelIPAM),
-		pools:     map[string]*pool{},
-		peers:     map[string]Identity{},
-		reclaimed: map[Identity]Identity{},
-		waiters:   map[uint64]*waiter{},
-		alive:     map[string]bool{},
-		senders:   map[string]*sender{},
-		inbox:     make(chan inbound, inboxSize),
-		members:   make(chan struct{}, 1),
-		stop:      make(chan struct{}),
+		log:        cfg.Logger,
+		now:        cfg.Now,
+		journal:    newJournal(cfg.Store),
+		timing:     tm,
+		mu:         lockorder.New(lockorder.LevelIPAM),
+		pools:      map[string]*pool{},
+		peers:      map[string]Identity{},
+		reclaimed:  map[Identity]Identity{},
+		waiters:    map[uint64]*waiter{},
+		reclaimedC: make(chan struct{}),
+		announceMu: lockorder.New(lockorder.LevelIPAMAnnounce),
+		alive:      map[string]bool{},
+		senders:    map[string]*sender{},
+		inbox:      make(chan inbound, inboxSize),
+		members:    make(chan struct{}, 1),
+		stop:       make(chan struct{}),
 	}
 	if a.log == nil {
 		a.log = slog.Default()
@@ -345,7 +357,7 @@ func (a *Allocator) load(cfg Config) error {
 		a.self = *host
 	}
 	if by, ok := a.reclaimed[a.self]; ok {
-		a.reclaimedBy = &by
+		a.setReclaimedByLocked(by)
 	}
 	// A claim the last process left pending never won (a win writes the
 	// ring and removes the claim in one write): abort it.
@@ -584,10 +596,14 @@ func (a *Allocator) handle(from string, payload []byte) {
 	}
 }
 
-// encode stamps m with this host's identity and the next sequence number.
+// encode stamps m with this host's identity and, unless it has one (a
+// rings message numbered when its figures were read), the next sequence
+// number.
 func (a *Allocator) encode(m *message) ([]byte, error) {
 	m.from = a.self
-	m.seq = a.seq.Add(1)
+	if m.seq == 0 {
+		m.seq = a.seq.Add(1)
+	}
 	return encodeMessage(m)
 }
 
@@ -678,6 +694,14 @@ func (a *Allocator) broadcastMsg(m *message) {
 	for _, n := range a.aliveMembers() {
 		a.enqueue(n, b)
 	}
+}
+
+// setReclaimedByLocked records that by reclaimed this host's identity and
+// wakes the requests waiting for other hosts; expects a.mu held (or the
+// Allocator not yet shared) and reclaimedBy unset.
+func (a *Allocator) setReclaimedByLocked(by Identity) {
+	a.reclaimedBy = &by
+	close(a.reclaimedC)
 }
 
 // refuseIfReclaimed returns the error every request gets once another host

@@ -47,6 +47,8 @@ func (a *Allocator) obtain(ctx context.Context, p *pool, want *uint32) error {
 		select {
 		case <-oc.done:
 			return oc.err
+		case <-a.reclaimedC:
+			return a.refuseIfReclaimed()
 		case <-ctx.Done():
 			return refuse(ReasonNoSpaceReachable, fmt.Errorf("no free address in pool %s in time: %w", p.id, ctx.Err()))
 		}
@@ -235,6 +237,8 @@ func (a *Allocator) askDonor(ctx context.Context, t Transport, p *pool, to strin
 		return m, nil
 	case <-timer.C:
 		return nil, fmt.Errorf("did not answer within %s", a.timing.donate)
+	case <-a.reclaimedC:
+		return nil, a.refuseIfReclaimed()
 	case <-ctx.Done():
 		return nil, fmt.Errorf("no answer before the request's deadline")
 	}

@@ -31,8 +31,13 @@ func (a *Allocator) statsLocked(p *pool) ownerStats {
 }
 
 // ringsMessages packs the views of pools into messages of at most about
-// packTarget bytes each; the first carries the reclaimed identities.
+// packTarget bytes each; the first carries the reclaimed identities. The
+// messages are numbered as their figures are read, under announceMu: of two
+// rings messages, the one with the higher number has the newer figures,
+// whichever is sent or arrives first.
 func (a *Allocator) ringsMessages(pools []*pool) []*message {
+	a.announceMu.Lock()
+	defer a.announceMu.Unlock()
 	a.mu.Lock()
 	var recl []reclaimEntry
 	for id, by := range a.reclaimed {
@@ -64,6 +69,9 @@ func (a *Allocator) ringsMessages(pools []*pool) []*message {
 		}
 		cur.pools = append(cur.pools, v)
 		size += est
+	}
+	for _, m := range out {
+		m.seq = a.seq.Add(1)
 	}
 	return out
 }

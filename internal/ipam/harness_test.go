@@ -251,6 +251,21 @@ func (c *cluster) startWith(name string, store Store, tm timing) *host {
 	return h
 }
 
+// poolCluster starts hosts names with timing tm, each requesting the pool
+// 198.51.100.0/24, and returns the cluster and the pool's ID.
+func poolCluster(t *testing.T, tm timing, names ...string) (*cluster, string) {
+	t.Helper()
+	c := newCluster(t)
+	for _, n := range names {
+		c.startWith(n, newMemStore(), tm)
+	}
+	var poolID string
+	for _, n := range c.names() {
+		poolID = c.hosts[n].requestPool(t, "198.51.100.0/24", "")
+	}
+	return c, poolID
+}
+
 // stop closes host name; the others list it as dead.
 func (c *cluster) stop(name string) {
 	c.hosts[name].a.Close()

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"math/rand/v2"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -196,16 +197,9 @@ func TestNewMemberGetsRings(t *testing.T) {
 // member, not only to the random one that gets all rings: one tick is
 // enough for everyone's status totals.
 func TestFiguresReachEveryMemberInOneTick(t *testing.T) {
-	c := newCluster(t)
 	quiet := testTiming
 	quiet.gossip = time.Hour // ticks only when the test calls them
-	for _, n := range []string{"node-a", "node-b", "node-c"} {
-		c.startWith(n, newMemStore(), quiet)
-	}
-	var poolID string
-	for _, n := range c.names() {
-		poolID = c.hosts[n].requestPool(t, "198.51.100.0/24", "")
-	}
+	c, poolID := poolCluster(t, quiet, "node-a", "node-b", "node-c")
 	b := c.hosts["node-b"]
 	for i := range 4 {
 		if _, err := b.request(ctxT(t), poolID, "", mac(2, i)); err != nil {
@@ -222,6 +216,40 @@ func TestFiguresReachEveryMemberInOneTick(t *testing.T) {
 			}
 			return false
 		})
+	}
+}
+
+// TestRingsNumberedByFigures: a receiver keeps the figures of the highest
+// sequence number it saw from a host, so a rings message must be numbered
+// when its figures are read, not when it is encoded. node-b builds a
+// message, hands out 3 addresses, builds another; the second is encoded
+// and delivered first, the first after it: node-c must keep the second's
+// figures (3 used), not the first's (0).
+func TestRingsNumberedByFigures(t *testing.T) {
+	quiet := testTiming
+	quiet.gossip = time.Hour // ticks only when the test calls them
+	c, poolID := poolCluster(t, quiet, "node-a", "node-b", "node-c")
+	c.converge(poolID)
+	b, cc := c.hosts["node-b"], c.hosts["node-c"]
+	pools := []*pool{b.a.lookupPool(poolID)}
+	older := b.a.ringsMessages(pools)
+	for i := range 3 {
+		if _, err := b.request(ctxT(t), poolID, "", mac(2, i)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	newer := b.a.ringsMessages(pools)
+	for _, m := range slices.Concat(newer, older) {
+		payload, err := b.a.encode(m)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cc.a.handle("node-b", payload)
+	}
+	owners := cc.a.Status().Pools[0].Owners
+	i := slices.IndexFunc(owners, func(o OwnerStatus) bool { return o.Node == "node-b" })
+	if i < 0 || !owners[i].Reported || owners[i].Used != 3 {
+		t.Fatalf("node-c keeps node-b's figures as %+v, want the newer message's 3 used", owners)
 	}
 }
 

@@ -128,8 +128,7 @@ func (a *Allocator) applyReclaimed(entries []reclaimEntry) {
 		gone[e.id] = true
 		puts[prefixReclaimed+e.id.String()] = mustJSON(reclaimRecord{By: e.by.String(), At: a.now().Unix()})
 		if e.id == a.self && a.reclaimedBy == nil {
-			by := e.by
-			a.reclaimedBy = &by
+			a.setReclaimedByLocked(e.by)
 			a.log.Error("ipam: another host reclaimed this host's address space: refusing every request from now on",
 				logkeys.Event, logkeys.IPAMIdentityReclaimed, logkeys.Member, e.by.Name)
 		}

@@ -232,6 +232,12 @@ func (r allocRequest) sameMAC(al allocation) bool { return r.hasMAC && al.hasMAC
 func (a *Allocator) allocate(ctx context.Context, p *pool, req allocRequest) (uint32, error) {
 	rounds := 0
 	for {
+		// Another host may have reclaimed this host's space meanwhile
+		// (learnt while waiting for space): the reclaim's error, not a
+		// timeout's.
+		if err := a.refuseIfReclaimed(); err != nil {
+			return 0, err
+		}
 		p.mu.Lock()
 		x, wait, needSpace, err := a.allocateLocked(p, req)
 		p.mu.Unlock()
@@ -240,6 +246,9 @@ func (a *Allocator) allocate(ctx context.Context, p *pool, req allocRequest) (ui
 			return 0, err
 		case needSpace:
 			if err := a.obtain(ctx, p, req.addr); err != nil {
+				if rerr := a.refuseIfReclaimed(); rerr != nil {
+					return 0, rerr
+				}
 				// An owner that did not answer gets another chance
 				// while the request has time for it.
 				var re *retryableError

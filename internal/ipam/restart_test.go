@@ -1,6 +1,7 @@
 package ipam
 
 import (
+	"context"
 	"log/slog"
 	"net/netip"
 	"slices"
@@ -267,6 +268,60 @@ func TestReclaim(t *testing.T) {
 	p.mu.Unlock()
 	if owner != a.a.self {
 		t.Fatalf("after the old host returned, node-b says %s owns %s", owner, first)
+	}
+}
+
+// TestReclaimEndsWaitingRequest: a request waiting for another host's
+// answer ends with the reclaim's error as soon as this host learns that
+// its space was reclaimed, not when its wait runs out (the others drop a
+// reclaimed identity's messages: no answer is coming). Here node-b asks
+// node-a for an address node-a owns, the request is lost, and node-a's
+// answer would be waited for 30 s; the reclaim arrives meanwhile.
+func TestReclaimEndsWaitingRequest(t *testing.T) {
+	patient := testTiming
+	patient.donate, patient.request = 30*time.Second, time.Minute
+	c, poolID := poolCluster(t, patient, "node-a", "node-b")
+	c.converge(poolID)
+	a, b := c.hosts["node-a"], c.hosts["node-b"]
+	p := a.a.lookupPool(poolID)
+	p.mu.Lock()
+	owned := p.ring.owned(a.a.self)
+	p.mu.Unlock()
+	if len(owned) == 0 {
+		t.Fatal("node-a owns no space")
+	}
+	want := addrOf(owned[0].first).String()
+	c.net.mu.Lock()
+	c.net.drop = func(from, to string, payload []byte) bool {
+		return from == "node-b" && len(payload) > 3 && msgKind(payload[3]) == kindDonateReq
+	}
+	asked := c.net.sent[kindDonateReq]
+	c.net.mu.Unlock()
+
+	type result struct {
+		got netip.Prefix
+		err error
+	}
+	done := make(chan result, 1)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	go func() {
+		got, err := b.request(ctx, poolID, want, mac(2, 1))
+		done <- result{got, err}
+	}()
+	waitUntil(t, 10*time.Second, "node-b asks node-a for "+want, func() bool {
+		c.net.mu.Lock()
+		defer c.net.mu.Unlock()
+		return c.net.sent[kindDonateReq] > asked
+	})
+	b.a.applyReclaimed([]reclaimEntry{{id: b.a.self, by: a.a.self}})
+	select {
+	case r := <-done:
+		if r.err == nil || ReasonOf(r.err) != ReasonIdentityReclaimed || !strings.Contains(r.err.Error(), "was reclaimed by node-a") {
+			t.Fatalf("the waiting request ended with %v, %v; want the reclaim's refusal (%s)", r.got, r.err, ReasonIdentityReclaimed)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the waiting request still waits for node-a's answer 10 s after the reclaim was learnt")
 	}
 }
 

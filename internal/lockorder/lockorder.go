@@ -37,6 +37,10 @@ const (
 	LevelEncryption Level = 20
 	// LevelAlloc: the driver's VNI allocation lock (swarm leader).
 	LevelAlloc Level = 25
+	// LevelIPAMAnnounce: the cluster IPAM's announce lock, held while a
+	// rings message's figures are read (under each pool's lock) and its
+	// sequence number taken, so that numbers follow the figures' age.
+	LevelIPAMAnnounce Level = 26
 	// LevelIPAMPool: one pool's lock in the cluster IPAM (its ring, its
 	// allocations, its claim); never two at once. Never held while
 	// sending to another host or waiting for the state file.
@@ -69,6 +73,7 @@ var levelNames = map[Level]string{
 	LevelNetwork:       "network.mu",
 	LevelEncryption:    "encryption lock",
 	LevelAlloc:         "allocation lock",
+	LevelIPAMAnnounce:  "IPAM announce lock",
 	LevelIPAMPool:      "IPAM pool lock",
 	LevelIPAM:          "IPAM lock",
 	LevelDriver:        "driver.mu",
@@ -80,7 +85,7 @@ var levelNames = map[Level]string{
 
 // Levels returns every level of the hierarchy, top to bottom.
 func Levels() []Level {
-	return []Level{LevelVTEP, LevelStart, LevelNetwork, LevelEncryption, LevelAlloc, LevelIPAMPool, LevelIPAM, LevelDriver, LevelCluster, LevelClusterSender, LevelClusterLocal, LevelLeaf}
+	return []Level{LevelVTEP, LevelStart, LevelNetwork, LevelEncryption, LevelAlloc, LevelIPAMAnnounce, LevelIPAMPool, LevelIPAM, LevelDriver, LevelCluster, LevelClusterSender, LevelClusterLocal, LevelLeaf}
 }
 
 func (l Level) String() string {
