@@ -120,7 +120,13 @@ func (a *Allocator) ensureRing(ctx context.Context, p *pool) error {
 			select {
 			case <-ctx.Done():
 			case <-time.After(pause):
+			case <-a.reclaimedC:
 			}
+		}
+		// Learnt meanwhile that this host's space was reclaimed: the
+		// others drop its claims, so no round can end otherwise.
+		if err := a.refuseIfReclaimed(); err != nil {
+			return err
 		}
 		if ctx.Err() != nil {
 			if last == nil {
@@ -136,6 +142,9 @@ func (a *Allocator) ensureRing(ctx context.Context, p *pool) error {
 			return refuse(ReasonNotJoined, fmt.Errorf("pool %s: this host has not joined its cluster yet (it has seeds, and none answered), and it does not create a pool's address ring alone: it waits to join", p.id))
 		}
 		done, err := a.claimRound(ctx, p, t)
+		if rerr := a.refuseIfReclaimed(); rerr != nil {
+			return rerr
+		}
 		if done || err == nil {
 			return err
 		}
@@ -203,6 +212,7 @@ func (a *Allocator) claimRound(ctx context.Context, p *pool, t Transport) (done 
 	case <-timer.C:
 	case <-ctx.Done():
 	case <-a.stop:
+	case <-a.reclaimedC:
 	}
 	timer.Stop()
 

@@ -2,6 +2,7 @@ package ipam
 
 import (
 	"context"
+	"errors"
 	"log/slog"
 	"net/netip"
 	"slices"
@@ -271,57 +272,67 @@ func TestReclaim(t *testing.T) {
 	}
 }
 
-// TestReclaimEndsWaitingRequest: a request waiting for another host's
-// answer ends with the reclaim's error as soon as this host learns that
+// TestReclaimEndsWaitingRequest: a request waiting for other hosts'
+// answers ends with the reclaim's error as soon as this host learns that
 // its space was reclaimed, not when its wait runs out (the others drop a
-// reclaimed identity's messages: no answer is coming). Here node-b asks
-// node-a for an address node-a owns, the request is lost, and node-a's
-// answer would be waited for 30 s; the reclaim arrives meanwhile.
+// reclaimed identity's messages: no answer is coming). node-b's message
+// is lost and the answer would be waited for 30 s; the reclaim arrives
+// meanwhile. address: node-b asks node-a for an address node-a owns.
+// pool: node-b claims a new pool's ring and waits for node-a's vote.
 func TestReclaimEndsWaitingRequest(t *testing.T) {
 	patient := testTiming
-	patient.donate, patient.request = 30*time.Second, time.Minute
-	c, poolID := poolCluster(t, patient, "node-a", "node-b")
-	c.converge(poolID)
-	a, b := c.hosts["node-a"], c.hosts["node-b"]
-	p := a.a.lookupPool(poolID)
-	p.mu.Lock()
-	owned := p.ring.owned(a.a.self)
-	p.mu.Unlock()
-	if len(owned) == 0 {
-		t.Fatal("node-a owns no space")
-	}
-	want := addrOf(owned[0].first).String()
-	c.net.mu.Lock()
-	c.net.drop = func(from, to string, payload []byte) bool {
-		return from == "node-b" && len(payload) > 3 && msgKind(payload[3]) == kindDonateReq
-	}
-	asked := c.net.sent[kindDonateReq]
-	c.net.mu.Unlock()
-
-	type result struct {
-		got netip.Prefix
-		err error
-	}
-	done := make(chan result, 1)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	go func() {
-		got, err := b.request(ctx, poolID, want, mac(2, 1))
-		done <- result{got, err}
-	}()
-	waitUntil(t, 10*time.Second, "node-b asks node-a for "+want, func() bool {
-		c.net.mu.Lock()
-		defer c.net.mu.Unlock()
-		return c.net.sent[kindDonateReq] > asked
-	})
-	b.a.applyReclaimed([]reclaimEntry{{id: b.a.self, by: a.a.self}})
-	select {
-	case r := <-done:
-		if r.err == nil || ReasonOf(r.err) != ReasonIdentityReclaimed || !strings.Contains(r.err.Error(), "was reclaimed by node-a") {
-			t.Fatalf("the waiting request ended with %v, %v; want the reclaim's refusal (%s)", r.got, r.err, ReasonIdentityReclaimed)
-		}
-	case <-time.After(10 * time.Second):
-		t.Fatal("the waiting request still waits for node-a's answer 10 s after the reclaim was learnt")
+	patient.donate, patient.vote, patient.request = 30*time.Second, 30*time.Second, time.Minute
+	for _, tc := range []struct {
+		name string
+		lost msgKind
+		call func(ctx context.Context, c *cluster, poolID string) error
+	}{
+		{"address", kindDonateReq, func(ctx context.Context, c *cluster, poolID string) error {
+			a := c.hosts["node-a"]
+			p := a.a.lookupPool(poolID)
+			p.mu.Lock()
+			owned := p.ring.owned(a.a.self)
+			p.mu.Unlock()
+			if len(owned) == 0 {
+				return errors.New("node-a owns no space")
+			}
+			_, err := c.hosts["node-b"].request(ctx, poolID, addrOf(owned[0].first).String(), mac(2, 1))
+			return err
+		}},
+		{"pool", kindPropose, func(ctx context.Context, c *cluster, _ string) error {
+			_, err := c.hosts["node-b"].a.RequestPool(ctx, PoolRequest{Pool: "203.0.113.0/24"})
+			return err
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c, poolID := poolCluster(t, patient, "node-a", "node-b")
+			c.converge(poolID)
+			a, b := c.hosts["node-a"], c.hosts["node-b"]
+			c.net.mu.Lock()
+			c.net.drop = func(from, to string, payload []byte) bool {
+				return from == "node-b" && len(payload) > 3 && msgKind(payload[3]) == tc.lost
+			}
+			sent := c.net.sent[tc.lost]
+			c.net.mu.Unlock()
+			done := make(chan error, 1)
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			go func() { done <- tc.call(ctx, c, poolID) }()
+			waitUntil(t, 10*time.Second, "node-b sends its request", func() bool {
+				c.net.mu.Lock()
+				defer c.net.mu.Unlock()
+				return c.net.sent[tc.lost] > sent
+			})
+			b.a.applyReclaimed([]reclaimEntry{{id: b.a.self, by: a.a.self}})
+			select {
+			case err := <-done:
+				if err == nil || ReasonOf(err) != ReasonIdentityReclaimed || !strings.Contains(err.Error(), "was reclaimed by node-a") {
+					t.Fatalf("the waiting request ended with %v; want the reclaim's refusal (%s)", err, ReasonIdentityReclaimed)
+				}
+			case <-time.After(10 * time.Second):
+				t.Fatal("the waiting request still waits for node-a's answer 10 s after the reclaim was learnt")
+			}
+		})
 	}
 }
 
