@@ -144,9 +144,21 @@ func heldVNIs(n *node) []uint32 {
 // once it defines the VNI, and its changes from then on; once c
 // withdraws the VNI it drops what it held of it and is given none of its
 // changes.
+//
+// c's view of a is complete as of a's latest change only once a digests
+// c after it; a change of a VNI c does not have sends c nothing, so the
+// digest rounds after it skip c (a repeat of the previous digest) until
+// DigestMaxInterval has passed. That interval is 2 s here, so the waits
+// for c's complete view end within their 10 s whatever the order of a's
+// digest rounds and its last change (with the default 30 s, the test
+// failed when a's first digest round after c left the VNI came before
+// a's change).
 func TestInterestOnlyHolders(t *testing.T) {
 	t.Parallel()
-	nodes := startCluster(t, "ih", hosts("127.0.14.", 1, 3), nodeOpts{tweak: withInterest})
+	nodes := startCluster(t, "ih", hosts("127.0.14.", 1, 3), nodeOpts{tweak: func(c *Config) {
+		withInterest(c)
+		c.DigestMaxInterval = 2 * time.Second
+	}})
 	waitMembers(t, 10*time.Second, nodes)
 	a, b, c := nodes[0], nodes[1], nodes[2]
 	const vni, other = 1401, 1402
