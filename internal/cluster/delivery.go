@@ -126,11 +126,16 @@ func compareKeys(a, b peerdb.Key) int {
 // takes only Cluster.mu, briefly (callers may hold a network lock), never
 // blocks otherwise and never calls out.
 func (c *Cluster) Peer(k peerdb.Key) (peerdb.Peer, bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.peerLocked(k)
+}
+
+// peerLocked is Peer's rule, for Peer and PeersOf; expects c.mu held.
+func (c *Cluster) peerLocked(k peerdb.Key) (peerdb.Peer, bool) {
 	if k.Origin == c.cfg.NodeName {
 		return peerdb.Peer{}, false
 	}
-	c.mu.Lock()
-	defer c.mu.Unlock()
 	return c.replica.effective(k.VNI, pkey{k.Origin, k.EndpointID})
 }
 
@@ -143,10 +148,7 @@ func (c *Cluster) PeersOf(keys []peerdb.Key, found []peerdb.Found) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	for i, k := range keys {
-		found[i] = peerdb.Found{}
-		if k.Origin != c.cfg.NodeName {
-			found[i].Peer, found[i].OK = c.replica.effective(k.VNI, pkey{k.Origin, k.EndpointID})
-		}
+		found[i].Peer, found[i].OK = c.peerLocked(k)
 	}
 }
 
