@@ -87,8 +87,11 @@ func TestThreeHostsConcurrentAllocation(t *testing.T) {
 
 // A /24 that runs out: 3×300 requests for 253 addresses. Each host first
 // takes one address (so each owns space), then all ask at once: exactly
-// 253 succeed, 0 duplicates, every host got addresses, and every failure
-// says the pool is full.
+// 253 succeed, 0 duplicates, and every failure says the pool is full.
+// Which host gets the rest depends on whose requests run first: a host
+// gives its free space to whoever asks (donations), so one whose requests
+// are scheduled last may have given it all away by then (always with
+// GOMAXPROCS=1), and the burst is not asked to serve every host.
 func TestThreeHostsExhaustPool(t *testing.T) {
 	c := newCluster(t, "node-a", "node-b", "node-c")
 	var poolID string
@@ -104,9 +107,6 @@ func TestThreeHostsExhaustPool(t *testing.T) {
 	total := 3
 	for _, name := range c.names() {
 		total += len(got[name])
-		if len(got[name]) == 0 {
-			t.Fatalf("%s got no address", name)
-		}
 		for _, err := range errs[name] {
 			wantErr(t, err, "pool "+poolID+" is full", "all 253 addresses are in use")
 			wantReason(t, err, ReasonPoolFull)
