@@ -441,7 +441,7 @@ func TestAllocateNetworkBadOptions(t *testing.T) {
 	}
 }
 
-// The README's table lists every known key with its values and meaning,
+// The options table (docs/networks.md) lists every known key with its values and meaning,
 // and says which one is internal.
 func TestOptionsMarkdown(t *testing.T) {
 	md := optionsMarkdown()
@@ -462,15 +462,15 @@ func TestOptionsMarkdown(t *testing.T) {
 	}
 }
 
-// TestREADMEOptionsTable keeps the README's options table the one the
-// unknown-option error is made from: a key added to knownOptions but not
+// TestDocsOptionsTable keeps the options table of docs/networks.md the one
+// the unknown-option error is made from: a key added to knownOptions but not
 // documented (or documented differently) fails here.
-func TestREADMEOptionsTable(t *testing.T) {
-	readme, err := os.ReadFile("../README.md")
+func TestDocsOptionsTable(t *testing.T) {
+	page, err := os.ReadFile("../docs/networks.md")
 	if err != nil {
-		t.Fatalf("read README: %v", err)
+		t.Fatalf("read the options page: %v", err)
 	}
-	if want := optionsMarkdown(); !strings.Contains(string(readme), want) {
-		t.Errorf("README.md does not hold the options table of driver/optkeys.go; put this under \"Options (-o)\":\n%s", want)
+	if want := optionsMarkdown(); !strings.Contains(string(page), want) {
+		t.Errorf("docs/networks.md does not hold the options table of driver/optkeys.go; put this under \"Options (-o)\":\n%s", want)
 	}
 }

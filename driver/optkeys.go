@@ -8,7 +8,7 @@ import (
 )
 
 // option is one -o key overlayd reads. knownOptions is the one list of
-// them: the error for an unknown key and the README's table are made from
+// them: the error for an unknown key and the options table of docs/networks.md are made from
 // it, so a key cannot be accepted without being documented.
 type option struct {
 	name    string
@@ -106,7 +106,7 @@ func suggestOption(key string) string {
 	return suggest.Closest(key, names)
 }
 
-// optionsMarkdown renders knownOptions as the README's table.
+// optionsMarkdown renders knownOptions as the table of docs/networks.md.
 func optionsMarkdown() string {
 	var b strings.Builder
 	b.WriteString("| Option | Values | Meaning |\n|---|---|---|\n")
