@@ -8,8 +8,9 @@ import (
 )
 
 // option is one -o key overlayd reads. knownOptions is the one list of
-// them: the error for an unknown key and the options table of docs/networks.md are made from
-// it, so a key cannot be accepted without being documented.
+// them: the error for an unknown key and the options table of
+// docs/networks.md are made from it, so a key cannot be accepted without
+// being documented.
 type option struct {
 	name    string
 	values  string // what it takes
