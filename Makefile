@@ -66,6 +66,8 @@ fuzz:
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
 	if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
+	@# Nothing built and nothing over 1 MB is tracked.
+	$(GO) run ./test/lint/trackedfiles
 	$(GO) vet $(PKGS)
 	$(GO) vet -tags '$(TAGS)' $(PKGS)
 	$(GO) vet -tags '$(TAGS) faultinject' ./test/stress ./driver
