@@ -23,10 +23,12 @@ PKGS      := ./...
 # The real-engine suite (test/docker) runs once per engine: Docker 20.10
 # (Debian 12's docker.io) with every other package in `unit`, then Docker
 # 26.1 (Debian 13's docker.io, containerd and docker-cli, which the suite
-# fetches with apt-get and unpacks into a cache directory) in `engine-26.1`.
+# fetches with apt-get and unpacks into a cache directory) in `engine-26.1`,
+# then Docker 28.5 (Debian unstable's docker.io, containerd 2, docker-cli
+# and docker-compose, fetched the same way) in `engine-28.5`.
 # OVERLAYD_TEST_ENGINE picks the engine; test/docker/engines_test.go.
 
-.PHONY: all build test unit engine-26.1 fuzz lint bench bench-peers bench-gossip bench-intree run clean plugin install
+.PHONY: all build test unit engine-26.1 engine-28.5 fuzz lint bench bench-peers bench-gossip bench-intree run clean plugin install
 
 # `make install`: the binary, the systemd unit and (if absent) its settings
 # file. DESTDIR stages the files under another root (packaging, tests): then
@@ -43,9 +45,9 @@ build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN) ./cmd/overlayd
 
 # The whole suite, as CI runs it: lint, every package under the race
-# detector, the real-engine suite on the second engine, then the fuzz
+# detector, the real-engine suite on the second and third engines, then the fuzz
 # targets for a bounded time.
-test: lint unit engine-26.1 fuzz
+test: lint unit engine-26.1 engine-28.5 fuzz
 
 unit:
 	OVERLAYD_TEST_ENGINE=20.10 $(GO) test -race -count=1 -tags '$(TAGS)' $(PKGS)
@@ -56,6 +58,10 @@ unit:
 # even when it passes.
 engine-26.1:
 	cd test/docker && OVERLAYD_TEST_ENGINE=26.1 $(GO) test -race -count=1 -tags '$(TAGS)'
+
+# About 9 minutes on 28.5, near go test's default limit of 10.
+engine-28.5:
+	cd test/docker && OVERLAYD_TEST_ENGINE=28.5 $(GO) test -race -count=1 -timeout 30m -tags '$(TAGS)'
 
 fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzDB$$' -fuzztime $(FUZZ_DB) -fuzzminimizetime 1s ./peerdb

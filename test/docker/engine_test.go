@@ -199,6 +199,7 @@ type engine struct {
 	waitErr error
 	logFile *os.File
 	ovd     *overlaydProc
+	rec     *pluginRecorder // between dockerd and ovd, if recordPluginCalls made one
 }
 
 // addEngine starts engine number idx (1..) of the lab: namespace, underlay
@@ -391,26 +392,48 @@ func (e *engine) running() bool {
 // shims, and any other process in the engine's network namespace but the
 // legacy overlayd. The engine's mount namespace goes with them.
 func (e *engine) stopDockerd(timeout time.Duration) error {
-	if !e.running() {
-		return nil
+	if e.done == nil {
+		return nil // never started
 	}
-	e.cmd.Process.Signal(syscall.SIGTERM)
 	var err error
-	select {
-	case <-e.done:
-	case <-time.After(timeout):
-		err = fmt.Errorf("dockerd did not stop within %v of SIGTERM; killed", timeout)
-		e.cmd.Process.Kill()
-		<-e.done
+	// A dockerd that died by itself (or was killed by a test) still
+	// leaves its containerd and shims: they are ended below as well.
+	if e.running() {
+		e.cmd.Process.Signal(syscall.SIGTERM)
+		select {
+		case <-e.done:
+		case <-time.After(timeout):
+			err = fmt.Errorf("dockerd did not stop within %v of SIGTERM; killed", timeout)
+			e.cmd.Process.Kill()
+			<-e.done
+		}
 	}
-	e.logFile.Close()
+	if e.logFile != nil {
+		e.logFile.Close()
+		e.logFile = nil
+	}
 	ovdPid := -1
 	if e.ovd != nil && e.ovd.running() {
 		ovdPid = e.ovd.cmd.Process.Pid
 	}
-	left := killProcs(func(p procInfo) bool {
+	leftover := func(p procInfo) bool {
 		return p.pid != ovdPid && (p.netns == e.ns.id || strings.Contains(p.cmdline, e.dir+"/exec/") || strings.Contains(p.cmdline, e.dir+"/data/"))
-	}, 10*time.Second)
+	}
+	// containerd 2's shims (Docker 28.5) outlive their dockerd and
+	// containerd: say which processes are ended here, by PID.
+	var outlived []string
+	for _, p := range listProcs() {
+		if p.state != 'Z' && leftover(p) {
+			outlived = append(outlived, fmt.Sprintf("%s (pid %d)", p.comm, p.pid))
+		}
+	}
+	if len(outlived) > 0 {
+		e.t.Logf("engine %s: outlived dockerd, ended by PID: %s", e.name, strings.Join(outlived, ", "))
+	}
+	left := killProcs(leftover, 10*time.Second)
+	// The containers of a dockerd that died (their shims ended above) are
+	// in none of those: they go by the engine's cgroup parent.
+	killCgroup(e.cgroupParent)
 	reapOrphans(false)
 	if len(left) > 0 {
 		err = errors.Join(err, fmt.Errorf("processes of engine %s still running: %v", e.name, left))
@@ -461,6 +484,9 @@ func (e *engine) close() {
 		if err := e.ovd.stop(); err != nil {
 			t.Errorf("engine %s: %v", e.name, err)
 		}
+	}
+	if e.rec != nil {
+		e.rec.close()
 	}
 	if e.ns != nil {
 		left := killProcs(func(p procInfo) bool {

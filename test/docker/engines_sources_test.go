@@ -80,7 +80,7 @@ Signed-By:
 // names none fails the run (naming the known ones) rather than running
 // another engine.
 func TestSelectedEngine(t *testing.T) {
-	for env, want := range map[string]string{"": "20.10", "20.10": "20.10", "26.1": "26.1"} {
+	for env, want := range map[string]string{"": "20.10", "20.10": "20.10", "26.1": "26.1", "28.5": "28.5"} {
 		t.Setenv(engineEnv, env)
 		k, err := selectedEngine()
 		if err != nil || k.name != want {

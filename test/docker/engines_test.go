@@ -46,6 +46,10 @@ var engineKinds = []engineKind{
 	{name: "20.10", about: "Debian 12's docker.io, installed system-wide"},
 	{name: "26.1", about: "Debian 13's docker.io, containerd and docker-cli, unpacked into a cache directory, with the system runc",
 		suite: "trixie", packages: []string{"docker.io", "containerd", "docker-cli"}},
+	// Debian unstable: containerd 2.x, and docker-compose 2.x for the
+	// compose test (the only engine that brings compose).
+	{name: "28.5", about: "Debian unstable's docker.io, containerd 2, docker-cli and docker-compose, unpacked into a cache directory, with the system runc",
+		suite: "sid", packages: []string{"docker.io", "containerd", "docker-cli", "docker-compose"}},
 }
 
 // selectedEngine returns the engine OVERLAYD_TEST_ENGINE names.
@@ -67,6 +71,10 @@ func selectedEngine() (engineKind, error) {
 // enginePATH is the PATH the suite's dockerds run with: "" (inherit) for a
 // system engine, the cache's bin directories first for a fetched one.
 var enginePATH string
+
+// composePlugin is the engine's docker compose 2 CLI plugin, "" if it has
+// none (TestCompose then skips).
+var composePlugin string
 
 // engineVersions is what the selected engine's binaries say they are.
 type engineVersions struct{ dockerd, cli, containerd string }
@@ -92,6 +100,15 @@ func useEngine(k engineKind) (engineVersions, error) {
 		dockerCLI = filepath.Join(root, "usr/bin/docker")
 		containerd = filepath.Join(root, "usr/bin/containerd")
 		enginePATH = filepath.Join(root, "usr/sbin") + ":" + filepath.Join(root, "usr/bin") + ":" + os.Getenv("PATH")
+	}
+	// docker compose 2 is a CLI plugin; Debian 12's docker-compose is
+	// compose 1 (Python), which TestCompose does not drive.
+	plugin := "/usr/libexec/docker/cli-plugins/docker-compose"
+	if k.suite != "" {
+		plugin = filepath.Join(filepath.Dir(filepath.Dir(filepath.Dir(dockerCLI))), plugin)
+	}
+	if _, err := os.Stat(plugin); err == nil {
+		composePlugin = plugin
 	}
 	version := func(bin string) (string, error) {
 		cmd := exec.Command(bin, "--version")

@@ -29,6 +29,21 @@ const (
 // waits until each sees the other, and creates the IPAM network on both.
 func ipamPair(t *testing.T) (*lab, []*engine) {
 	t.Helper()
+	l, es := joinedPair(t)
+	for _, e := range es {
+		start := time.Now()
+		// --internal: no docker_gwbridge, whose /28 (the lab's default
+		// address pool) holds 13 containers, not 25.
+		e.must("network", "create", "-d", "overlayd", "--ipam-driver", "overlayd", "--internal", "-o", "vni="+ipamVNI, "--subnet", ipamSubnet, ipamNet)
+		timing(t, "docker network create --ipam-driver overlayd on "+e.name, time.Since(start))
+	}
+	return l, es
+}
+
+// joinedPair starts engines h1 and h2 with legacy overlayds that join each
+// other (one cluster key) and waits until each sees the other.
+func joinedPair(t *testing.T) (*lab, []*engine) {
+	t.Helper()
 	l := newLab(t)
 	es := l.addEngines(2)
 	key := filepath.Join(l.dir, "cluster.key")
@@ -40,13 +55,6 @@ func ipamPair(t *testing.T) (*lab, []*engine) {
 	}
 	for _, e := range es {
 		e.waitAlive(2)
-	}
-	for _, e := range es {
-		start := time.Now()
-		// --internal: no docker_gwbridge, whose /28 (the lab's default
-		// address pool) holds 13 containers, not 25.
-		e.must("network", "create", "-d", "overlayd", "--ipam-driver", "overlayd", "--internal", "-o", "vni="+ipamVNI, "--subnet", ipamSubnet, ipamNet)
-		timing(t, "docker network create --ipam-driver overlayd on "+e.name, time.Since(start))
 	}
 	return l, es
 }

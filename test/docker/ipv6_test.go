@@ -16,7 +16,8 @@ import (
 // the two overlayds joined in one cluster. Docker 20.10 and 26.1 cannot
 // create an IPv6-only network (every network gets an IPv4 pool), so the
 // engines' part is dual-stack; the IPv6-only networks are covered by the
-// kernel tests of the driver.
+// kernel tests of the driver, and on Docker 28 and later (--ipv4=false) by
+// TestPluginRequests.
 //
 // The overlay's addresses are 192.0.2.0/26 and 2001:db8:1::/64: the lab's
 // underlay is 198.51.100.0/24 and the engines' own bridges use

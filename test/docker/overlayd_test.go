@@ -33,8 +33,15 @@ type overlaydProc struct {
 // the engine and waits for its socket.
 func (e *engine) startOverlayd(extra ...string) *overlaydProc {
 	e.t.Helper()
+	return e.startOverlaydAt(filepath.Join(e.pluginDir, "overlayd.sock"), extra...)
+}
+
+// startOverlaydAt is startOverlayd with overlayd listening on socket (e.g.
+// behind a recorder, see recordPluginCalls).
+func (e *engine) startOverlaydAt(socket string, extra ...string) *overlaydProc {
+	e.t.Helper()
 	o := &overlaydProc{e: e,
-		socket:   filepath.Join(e.pluginDir, "overlayd.sock"),
+		socket:   socket,
 		stateDir: filepath.Join(e.dir, "ovd", "state"),
 		netnsDir: filepath.Join(e.dir, "ovd", "netns"),
 		control:  filepath.Join(e.dir, "ovd", "control.sock"),

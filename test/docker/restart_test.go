@@ -1,6 +1,8 @@
 package docker
 
 import (
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -70,4 +72,59 @@ func grepLines(s, sub string) string {
 		}
 	}
 	return strings.Join(out, "\n")
+}
+
+// TestDockerdKilled: a dockerd that dies under running containers leaves
+// its containerd, the shims and the containers running (containerd 2's
+// shims, Docker 28.5, also outlive a dockerd stopped in order). The suite
+// ends them by PID when the engine stops, and nothing of the engine is left.
+func TestDockerdKilled(t *testing.T) {
+	l := newLab(t)
+	e := l.addEngine("h1", 1)
+	e.startOverlayd()
+	e.createNetwork("overlayd", "n1", "-o", "vni=4302", "--subnet", "192.0.2.0/26")
+	e.run("c1", "n1", "192.0.2.2")
+	e.cmd.Process.Kill()
+	<-e.done
+	shim := func(p procInfo) bool {
+		return strings.HasPrefix(p.comm, "containerd-shim") && p.state != 'Z' && strings.Contains(p.cmdline, e.dir+"/exec/")
+	}
+	var shims []procInfo
+	for _, p := range listProcs() {
+		if shim(p) {
+			shims = append(shims, p)
+		}
+	}
+	t.Logf("after SIGKILL of dockerd: shims %v", shims)
+	if err := e.stopDockerd(10 * time.Second); err != nil {
+		t.Error(err)
+	}
+	for _, p := range listProcs() {
+		if p.state != 'Z' && p.pid != e.ovd.cmd.Process.Pid && (p.netns == e.ns.id || strings.Contains(p.cmdline, e.dir+"/")) {
+			t.Errorf("engine stopped, still running: %s (pid %d): %s", p.comm, p.pid, p.cmdline)
+		}
+	}
+	// The container's processes (in its own namespaces, with none of the
+	// engine's paths on their command line) are gone from its cgroups.
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		var pids []string
+		for _, d := range cgroupDirs(e.cgroupParent) {
+			filepath.WalkDir(d, func(path string, de os.DirEntry, err error) error {
+				if err == nil && !de.IsDir() && de.Name() == "cgroup.procs" {
+					b, _ := os.ReadFile(path)
+					pids = append(pids, strings.Fields(string(b))...)
+				}
+				return nil
+			})
+		}
+		if len(pids) == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Errorf("engine stopped, processes left in its cgroup %s: %v", e.cgroupParent, pids)
+			break
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
 }
