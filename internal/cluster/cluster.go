@@ -569,7 +569,10 @@ func (c *Cluster) memberAlive(n *memberlist.Node) {
 		m := c.replica.members[n.Name]
 		d.mu.Lock()
 		d.defsOK = m != nil && m.metaErr == nil && m.meta.ProtoMax >= protoDefs
-		d.ipv6OK = m != nil && m.metaErr == nil && m.meta.ProtoMax >= ProtocolIPv6
+		d.proto = protocolVersionMin
+		if m != nil && m.metaErr == nil {
+			d.proto = m.meta.ProtoMax
+		}
 		d.defs6 = d.defsOK && m.meta.ProtoMax >= protoDefs6
 		d.defs = d.defs || fresh != nil
 		d.mu.Unlock()
@@ -612,7 +615,18 @@ func (c *Cluster) gateIPv6Locked() bool {
 		c.log.Info("every member speaks IPv6 records: this node's records go out with their IPv6 addresses again",
 			logkeys.Event, logkeys.IPv6Published, "records", n)
 	}
-	return changed && n > 0
+	namesOld := c.replica.olderThan(ProtocolNames)
+	nChanged, nn := c.local.setNames(len(namesOld) == 0)
+	switch {
+	case !nChanged:
+	case len(namesOld) > 0:
+		c.log.Warn("a member speaks a protocol without names: this node's records go out without their DNS names until every member speaks it",
+			logkeys.Event, logkeys.NamesWithheld, "members", namesOld, "records", nn, "protocol_needed", ProtocolNames)
+	default:
+		c.log.Info("every member speaks names: this node's records go out with their DNS names again",
+			logkeys.Event, logkeys.NamesPublished, "records", nn)
+	}
+	return changed && n > 0 || nChanged && nn > 0
 }
 
 // memberGone handles memberlist's leave event (a node dead or left).

@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"unicode/utf8"
 
+	"github.com/overlayd/overlayd/internal/dnsname"
 	"github.com/overlayd/overlayd/peerdb"
 )
 
@@ -29,6 +30,7 @@ const (
 	DropInvalidIP       DropReason = "invalid_ip"       // IP not a unicast IPv4 address, IPv6 not a unicast IPv6 one, or neither present
 	DropInvalidMAC      DropReason = "invalid_mac"      // not a unicast MAC
 	DropInvalidVTEP     DropReason = "invalid_vtep"     // not a unicast IPv4/IPv6 address
+	DropInvalidNames    DropReason = "invalid_names"    // names not in dnsname.Pack's form or over its bounds
 	// DropInvalidDefinition: a network definition that is not valid
 	// (netdef.Definition.Validate) or does not define its own VNI.
 	DropInvalidDefinition DropReason = "invalid_definition"
@@ -82,6 +84,15 @@ func (r *reader) bytes(n int, what string) ([]byte, *decodeError) {
 	v := r.b[r.off : r.off+n]
 	r.off += n
 	return v, nil
+}
+
+// u16 reads a 16-bit big-endian number.
+func (r *reader) u16(what string) (uint16, *decodeError) {
+	b, err := r.bytes(2, what)
+	if err != nil {
+		return 0, err
+	}
+	return uint16(b[0])<<8 | uint16(b[1]), nil
 }
 
 // u24 reads a 24-bit big-endian number (a VNI).
@@ -262,8 +273,8 @@ func decodeRecord(r *reader, rec *record) *decodeError {
 	rec.Deleted = flags&flagDeleted != 0
 	has6, no4 := flags&flagIPv6 != 0, flags&flagNoIPv4 != 0
 	switch {
-	case rec.Deleted && (has6 || no4):
-		return derr(DropMalformed, "IPv6 flags %#x on a deleted record", flags)
+	case rec.Deleted && (has6 || no4 || flags&flagNames != 0):
+		return derr(DropMalformed, "value flags %#x on a deleted record", flags)
 	case no4 && !has6:
 		return derr(DropMalformed, "flags %#x: a record without IPv4 must have IPv6", flags)
 	}
@@ -323,6 +334,20 @@ func decodeRecord(r *reader, rec *record) *decodeError {
 			}
 			rec.IPv6 = netip.AddrFrom16([16]byte(v))
 		}
+		if flags&flagNames != 0 {
+			n, err := r.u16("names length")
+			if err != nil {
+				return err
+			}
+			if n == 0 || int(n) > dnsname.MaxPacked {
+				return derr(DropInvalidNames, "VNI %d endpoint %q: names of %d bytes, must be 1..%d", rec.VNI, rec.EndpointID, n, dnsname.MaxPacked)
+			}
+			b, err := r.bytes(int(n), "names")
+			if err != nil {
+				return err
+			}
+			rec.Names = string(b)
+		}
 	}
 	if reason := validRecord(rec); reason != "" {
 		return derr(reason, "VNI %d endpoint %q: %s", rec.VNI, rec.EndpointID, describeInvalid(rec, reason))
@@ -350,6 +375,8 @@ func validRecord(r *record) DropReason {
 		return DropInvalidMAC
 	case !validVTEP(r.VTEP):
 		return DropInvalidVTEP
+	case dnsname.ValidPacked(r.Names) != nil:
+		return DropInvalidNames
 	}
 	return ""
 }
@@ -374,6 +401,8 @@ func describeInvalid(r *record, reason DropReason) string {
 		return fmt.Sprintf("MAC %v is not unicast", r.MAC)
 	case DropInvalidVTEP:
 		return fmt.Sprintf("VTEP %v is not a unicast address", r.VTEP)
+	case DropInvalidNames:
+		return fmt.Sprintf("names %.60q: %v", r.Names, dnsname.ValidPacked(r.Names))
 	}
 	return string(reason)
 }

@@ -233,7 +233,7 @@ type deltaSets struct {
 // IPv6 address (a member of an older protocol gets a snapshot instead).
 type deltaSet struct {
 	msgs [][]byte
-	has6 bool
+	needs byte // the lowest protocol that decodes every record of msgs
 }
 
 func newDeltaSets(c *Cluster, recs []record) *deltaSets {
@@ -247,13 +247,17 @@ func newDeltaSets(c *Cluster, recs []record) *deltaSets {
 }
 
 func (s *deltaSets) encode(sel []record) *deltaSet {
-	return &deltaSet{msgs: s.c.encodeDeltas(sel), has6: slices.ContainsFunc(sel, func(r record) bool { return r.hasIPv6() })}
+	needs := protocolVersionMin
+	for i := range sel {
+		needs = max(needs, sel[i].needs())
+	}
+	return &deltaSet{msgs: s.c.encodeDeltas(sel), needs: needs}
 }
 
 // forInterest returns the batch's deltas for a member that wants want
 // (none when none of the batch concerns it), and whether a record of them
 // has an IPv6 address.
-func (s *deltaSets) forInterest(want interest) ([][]byte, bool) {
+func (s *deltaSets) forInterest(want interest) ([][]byte, byte) {
 	if want != nil {
 		key := make([]byte, (len(s.vnis)+7)/8)
 		n := 0
@@ -265,7 +269,7 @@ func (s *deltaSets) forInterest(want interest) ([][]byte, bool) {
 		}
 		switch n {
 		case 0:
-			return nil, false
+			return nil, protocolVersionMin
 		case len(s.vnis):
 			// Every VNI of the batch: the whole batch.
 		default:
@@ -283,13 +287,13 @@ func (s *deltaSets) forInterest(want interest) ([][]byte, bool) {
 				}
 				s.byKey[string(key)] = set
 			}
-			return set.msgs, set.has6
+			return set.msgs, set.needs
 		}
 	}
 	if s.all == nil {
 		s.all = s.encode(s.recs)
 	}
-	return s.all.msgs, s.all.has6
+	return s.all.msgs, s.all.needs
 }
 
 // filterOwnInterest drops from a push/pull snapshot of origin name the

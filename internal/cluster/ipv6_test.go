@@ -171,14 +171,15 @@ func TestLocalStoreWithholdsIPv6(t *testing.T) {
 // without them.
 func TestDestNeverGetsIPv6BelowProtocol4(t *testing.T) {
 	d := newDest(&memberlist.Node{Name: "three"})
-	d.enqueue([][]byte{{1}}, false)
-	d.enqueue([][]byte{{2}}, true)
+	d.proto = 3
+	d.enqueue([][]byte{{1}}, protocolVersionMin)
+	d.enqueue([][]byte{{2}}, ProtocolIPv6)
 	if !d.snapshot || len(d.queue) != 0 {
 		t.Fatalf("protocol-3 member: queue %v snapshot %v", d.queue, d.snapshot)
 	}
 	d = newDest(&memberlist.Node{Name: "four"})
-	d.ipv6OK = true
-	d.enqueue([][]byte{{2}}, true)
+	d.proto = ProtocolIPv6
+	d.enqueue([][]byte{{2}}, ProtocolIPv6)
 	if d.snapshot || len(d.queue) != 1 {
 		t.Fatalf("protocol-4 member: queue %v snapshot %v", d.queue, d.snapshot)
 	}
@@ -187,9 +188,9 @@ func TestDestNeverGetsIPv6BelowProtocol4(t *testing.T) {
 		dualRec(1, "six", "", "2001:db8::3", "192.0.2.1", 1),
 		liveRec(1, "four", "10.0.0.4", "192.0.2.1", 1),
 	}
-	got := withoutIPv6(recs)
+	got := downgrade(recs, 3)
 	if len(got) != 2 || got[0].EndpointID != "d" || got[0].IPv6.IsValid() || got[1].EndpointID != "four" {
-		t.Fatalf("withoutIPv6 = %+v", got)
+		t.Fatalf("downgrade to 3 = %+v", got)
 	}
 }
 

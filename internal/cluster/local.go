@@ -34,7 +34,15 @@ type localStore struct {
 	// concerned.
 	ipv6     bool
 	withheld int
-	clock    uint64 // last version issued
+	// names: every alive member speaks ProtocolNames, so records go out
+	// with their names; while not, without them (see wire.go, "Names").
+	names bool
+	// wantNames: the names the driver gave each key (PublishLocalNames,
+	// SyncLocal), packed; put into its record whenever it is published,
+	// also when they came before the record. A key's entry goes when its
+	// record is deleted.
+	wantNames map[recKey]string
+	clock     uint64 // last version issued
 	recs     map[recKey]*lrec
 	live     int
 	hash     uint64
@@ -64,6 +72,9 @@ type lrec struct {
 	// (rec lacks it; an IPv6-only record is withdrawn: rec is a
 	// tombstone). nil otherwise.
 	full *record
+	// v6held: full is set because its IPv6 address is withheld (counted
+	// in localStore.withheld).
+	v6held bool
 }
 
 // wanted returns the record the driver has in force for this key (live is
@@ -78,8 +89,9 @@ func (x *lrec) wanted() (r *record, live bool) {
 func newLocalStore(name string, inc uint64, vtep netip.Addr, now func() time.Time) *localStore {
 	l := &localStore{
 		mu:   lockorder.New(lockorder.LevelClusterLocal),
-		name: name, inc: inc, vtep: vtep, now: now, protoMax: ProtocolVersion, ipv6: true,
+		name: name, inc: inc, vtep: vtep, now: now, protoMax: ProtocolVersion, ipv6: true, names: true,
 		recs:       make(map[recKey]*lrec),
+		wantNames:  make(map[recKey]string),
 		byVNI:      make(map[uint32]vniSum),
 		dirty:      make(map[recKey]struct{}),
 		defs:       make(map[uint32]netdef.Definition),
@@ -149,8 +161,9 @@ func (l *localStore) publishLocked(vni uint32, prev, next *peerdb.Peer) (DropRea
 		if cur != nil {
 			want, live = cur.wanted()
 		}
-		if !live || want.peer() != *next {
-			r := record{VNI: vni, EndpointID: next.EndpointID, IP: next.IP, MAC: next.MAC, VTEP: next.VTEP, IPv6: next.IPv6, Version: l.tick()}
+		if !live || want.peer() != *next || want.Names != l.wantNames[k] {
+			r := record{VNI: vni, EndpointID: next.EndpointID, IP: next.IP, MAC: next.MAC, VTEP: next.VTEP, IPv6: next.IPv6,
+				Names: l.wantNames[k], Version: l.tick()}
 			l.setLocked(k, r)
 			changed = true
 		}
@@ -165,14 +178,16 @@ func (l *localStore) setLocked(k recKey, r record) {
 		if !cur.rec.Deleted {
 			l.count(&cur.rec, -1)
 		}
-		if cur.full != nil {
+		if cur.v6held {
 			l.withheld--
 		}
 	}
 	x := &lrec{rec: r}
+	if !l.names && r.Names != "" {
+		x.rec.Names = ""
+	}
 	if !l.ipv6 && r.IPv6.IsValid() {
-		full := r
-		x.full = &full
+		x.v6held = true
 		l.withheld++
 		if r.IP.IsValid() {
 			x.rec.IPv6 = netip.Addr{}
@@ -180,6 +195,10 @@ func (l *localStore) setLocked(k recKey, r record) {
 			x.rec = record{VNI: r.VNI, EndpointID: r.EndpointID, Deleted: true, Version: r.Version}
 			x.at = l.now()
 		}
+	}
+	if x.rec != r {
+		full := r
+		x.full = &full
 	}
 	if !x.rec.Deleted {
 		l.count(&x.rec, 1)
@@ -212,6 +231,66 @@ func (l *localStore) setIPv6(ok bool) (changed bool, n int) {
 	return changed, n
 }
 
+// setNames says whether every alive member speaks ProtocolNames. When
+// that changes, every record with names is published anew (new version)
+// with or without them, so every member replaces what it holds. It
+// returns whether it changed and the records with names.
+func (l *localStore) setNames(ok bool) (changed bool, n int) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.names != ok {
+		l.names, changed = ok, true
+	}
+	for k, cur := range l.recs {
+		if want, live := cur.wanted(); live && want.Names != "" {
+			n++
+			if changed {
+				r := *want
+				r.Version = l.tick()
+				l.setLocked(k, r)
+			}
+		}
+	}
+	return changed, n
+}
+
+// setWantNames makes packed (dnsname.Pack's form) the names of k and
+// publishes its live record anew if they differ from its own. It reports
+// whether anything was published.
+func (l *localStore) setWantNames(k recKey, packed string) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.setWantNamesLocked(k, packed)
+}
+
+// setWantNamesLocked is setWantNames; expects l.mu held.
+func (l *localStore) setWantNamesLocked(k recKey, packed string) bool {
+	if packed == "" {
+		delete(l.wantNames, k)
+	} else {
+		l.wantNames[k] = packed
+	}
+	cur := l.recs[k]
+	if cur == nil {
+		return false
+	}
+	want, live := cur.wanted()
+	if !live || want.Names == packed {
+		return false
+	}
+	r := *want
+	r.Names, r.Version = packed, l.tick()
+	l.setLocked(k, r)
+	return true
+}
+
+// namesState returns whether records go out with their names.
+func (l *localStore) namesState() bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.names
+}
+
 // ipv6State returns whether records go out with their IPv6 addresses and
 // how many are withheld.
 func (l *localStore) ipv6State() (ok bool, withheld int) {
@@ -224,6 +303,8 @@ func (l *localStore) ipv6State() (ok bool, withheld int) {
 type LocalRecord struct {
 	VNI  uint32
 	Peer peerdb.Peer // a zero VTEP means this node's current one
+	// Names: the endpoint's DNS names, packed (dnsname.Pack); "" for none.
+	Names string
 }
 
 // mark returns the last version issued: every later change has a greater
@@ -255,6 +336,11 @@ func (l *localStore) sync(mark uint64, recs []LocalRecord) ([]localErr, bool) {
 		want[k] = true
 		if cur := l.recs[k]; cur != nil && cur.rec.Version > mark {
 			continue
+		}
+		if r.Names == "" {
+			delete(l.wantNames, k)
+		} else {
+			l.wantNames[k] = r.Names
 		}
 		reason, ch := l.publishLocked(r.VNI, nil, &r.Peer)
 		changed = changed || ch
@@ -305,9 +391,10 @@ func (l *localStore) deleteLocked(k recKey) bool {
 	if !cur.rec.Deleted {
 		l.count(&cur.rec, -1)
 	}
-	if cur.full != nil {
+	if cur.v6held {
 		l.withheld--
 	}
+	delete(l.wantNames, k)
 	l.recs[k] = &lrec{rec: record{VNI: k.VNI, EndpointID: k.EndpointID, Deleted: true, Version: l.tick()}, at: l.now()}
 	l.dirty[k] = struct{}{}
 	return true

@@ -28,15 +28,20 @@ const (
 	// advertise the range they understand in their metadata.
 	// Version 2 adds the network definitions (msgDefs); version 3 the
 	// application messages (msgApp, the address management's); version 4
-	// IPv6 addresses in peer records (and IPv6 subnets in definitions).
-	// Nodes of versions 1 to 3 are still served, without what they lack.
-	ProtocolVersion    byte = 4
+	// IPv6 addresses in peer records (and IPv6 subnets in definitions);
+	// version 5 DNS names in peer records.
+	// Nodes of versions 1 to 4 are still served, without what they lack.
+	ProtocolVersion    byte = 5
 	protocolVersionMin byte = 1
 )
 
 // ProtocolIPv6 is the first protocol version whose peer records carry
 // IPv6 addresses (see wire.go, "IPv6").
 const ProtocolIPv6 byte = 4
+
+// ProtocolNames is the first protocol version whose peer records carry
+// DNS names (see wire.go, "Names").
+const ProtocolNames byte = 5
 
 type nodeMeta struct {
 	ProtoMin, ProtoMax byte

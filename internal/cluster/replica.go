@@ -74,7 +74,7 @@ type origin struct {
 	// it valid under the origin's current VTEP, until this incarnation's
 	// next complete view or graceUntil, so a restart or a VTEP change does
 	// not flap the origin's peers on every other node.
-	prev        map[recKey]peerdb.Peer
+	prev        map[recKey]record
 	graceUntil  time.Time
 	lastSyncReq time.Time
 	// awaiting: a snapshot was asked for and no complete view (snapshot
@@ -108,18 +108,27 @@ func (o *origin) holds(k recKey) bool {
 // vtep: its live record if valid under vtep, nothing if it deleted k,
 // else the previous record (restart or VTEP change) if any.
 func (o *origin) value(k recKey, vtep netip.Addr) (peerdb.Peer, bool) {
+	r, ok := o.valueRecord(k, vtep)
+	if !ok {
+		return peerdb.Peer{}, false
+	}
+	return r.peer(), true
+}
+
+// valueRecord is value with the whole record (its names too).
+func (o *origin) valueRecord(k recKey, vtep netip.Addr) (record, bool) {
 	if r := o.recs[k]; r != nil {
 		if r.rec.Deleted {
-			return peerdb.Peer{}, false
+			return record{}, false
 		}
 		if r.rec.VTEP == vtep {
-			return r.rec.peer(), true
+			return r.rec, true
 		}
 		// A record of a former VTEP: the previous value stands until the
 		// record of the new VTEP arrives.
 	}
-	p, ok := o.prev[k]
-	return p, ok
+	r, ok := o.prev[k]
+	return r, ok
 }
 
 // pkey identifies a remote record within a VNI.
@@ -272,15 +281,23 @@ func recordHash(r *record) uint64 {
 	}
 	h := fnv.New64a()
 	h.Write(p)
+	if r.Names != "" { // a record without names hashes as in protocol 4
+		h.Write([]byte{0})
+		h.Write([]byte(r.Names))
+	}
 	return h.Sum64()
 }
 
 // olderThanIPv6 returns, sorted, the alive members (other than this node,
 // with usable metadata) that speak a protocol below ProtocolIPv6.
-func (s *replica) olderThanIPv6() []string {
+func (s *replica) olderThanIPv6() []string { return s.olderThan(ProtocolIPv6) }
+
+// olderThan returns, sorted, the alive members (other than this node,
+// with usable metadata) that speak a protocol below proto.
+func (s *replica) olderThan(proto byte) []string {
 	var out []string
 	for name, m := range s.members {
-		if name != s.self && m.state == StateAlive && m.metaErr == nil && m.meta.ProtoMax < ProtocolIPv6 {
+		if name != s.self && m.state == StateAlive && m.metaErr == nil && m.meta.ProtoMax < proto {
 			out = append(out, name)
 		}
 	}
@@ -442,17 +459,17 @@ func (s *replica) markOrigin(name string, o *origin) {
 	}
 }
 
-// effectiveSet returns o's peers in force under meta.
-func (s *replica) effectiveSet(o *origin, meta nodeMeta) map[recKey]peerdb.Peer {
-	set := make(map[recKey]peerdb.Peer, o.live+len(o.prev))
+// effectiveSet returns o's records in force under meta.
+func (s *replica) effectiveSet(o *origin, meta nodeMeta) map[recKey]record {
+	set := make(map[recKey]record, o.live+len(o.prev))
 	for k := range o.prev {
-		if p, ok := o.value(k, meta.VTEP); ok {
-			set[k] = p
+		if r, ok := o.valueRecord(k, meta.VTEP); ok {
+			set[k] = r
 		}
 	}
 	for k := range o.recs {
-		if p, ok := o.value(k, meta.VTEP); ok {
-			set[k] = p
+		if r, ok := o.valueRecord(k, meta.VTEP); ok {
+			set[k] = r
 		}
 	}
 	return set
@@ -487,6 +504,19 @@ func (s *replica) effective(vni uint32, k pkey) (peerdb.Peer, bool) {
 		return peerdb.Peer{}, false
 	}
 	return o.value(recKey{VNI: vni, EndpointID: k.EndpointID}, m.meta.VTEP)
+}
+
+// effectiveRecord is effective with the whole record (its names too).
+func (s *replica) effectiveRecord(vni uint32, k pkey) (record, bool) {
+	m := s.members[k.Origin]
+	if !s.inForce(k.Origin, m) {
+		return record{}, false
+	}
+	o := s.origins[k.Origin]
+	if o == nil || o.inc != m.meta.Incarnation {
+		return record{}, false
+	}
+	return o.valueRecord(recKey{VNI: vni, EndpointID: k.EndpointID}, m.meta.VTEP)
 }
 
 // peers returns every peer in force for vni (visiting only the keys of
@@ -530,6 +560,10 @@ func (s *replica) apply(m *message, now time.Time) (DropReason, string) {
 		if !r.Deleted && r.VTEP != mem.meta.VTEP {
 			return DropVTEPMatch, fmt.Sprintf("origin %q record VNI %d endpoint %q has VTEP %v, origin advertises %v",
 				m.Origin, r.VNI, r.EndpointID, r.VTEP, mem.meta.VTEP)
+		}
+		if !r.Deleted && r.Names != "" && mem.meta.ProtoMax < ProtocolNames {
+			return DropProtocol, fmt.Sprintf("origin %q record VNI %d endpoint %q has names but the origin advertises protocol %d (names need %d)",
+				m.Origin, r.VNI, r.EndpointID, mem.meta.ProtoMax, ProtocolNames)
 		}
 		if r.hasIPv6() && mem.meta.ProtoMax < ProtocolIPv6 {
 			return DropProtocol, fmt.Sprintf("origin %q record VNI %d endpoint %q has an IPv6 address but the origin advertises protocol %d (IPv6 records need %d)",
@@ -701,7 +735,7 @@ func (s *replica) dropPrev(name string, o *origin) {
 	prev := o.prev
 	o.prev = nil
 	for k, p := range prev {
-		if r := o.recs[k]; r == nil || r.rec.Deleted || r.rec.VTEP != vtep || r.rec.peer() != p {
+		if r := o.recs[k]; r == nil || r.rec.Deleted || r.rec.VTEP != vtep || r.rec.peer() != p.peer() || r.rec.Names != p.Names {
 			s.dirty(k.VNI, pkey{name, k.EndpointID})
 		}
 		s.unindex(name, k)

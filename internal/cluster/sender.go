@@ -3,7 +3,6 @@ package cluster
 import (
 	"log/slog"
 	"math/rand/v2"
-	"net/netip"
 	"time"
 
 	"github.com/hashicorp/memberlist"
@@ -43,9 +42,10 @@ type dest struct {
 	lastHash     uint64
 	lastDefsVer  uint64
 	lastDigestAt time.Time
-	// ipv6OK: the member speaks ProtocolIPv6. It is never sent a record
-	// with an IPv6 address otherwise (it would drop the whole message).
-	ipv6OK bool
+	// proto: the highest protocol the member speaks. It is never sent a
+	// record it cannot decode (record.needs; it would drop the whole
+	// message).
+	proto byte
 	// defs6: the member speaks protoDefs6 (definitions with IPv6).
 	defs6 bool
 }
@@ -56,7 +56,7 @@ const maxQueued = 8 << 20
 
 func newDest(n *memberlist.Node) *dest {
 	d := &dest{name: n.Name, stop: make(chan struct{}), wake: make(chan struct{}, 1),
-		mu: lockorder.New(lockorder.LevelClusterSender)}
+		mu: lockorder.New(lockorder.LevelClusterSender), proto: protocolVersionMin}
 	d.node = *n
 	d.node.Meta = nil
 	return d
@@ -76,12 +76,12 @@ func (d *dest) signal() {
 	}
 }
 
-// enqueue queues msgs; has6 says some of their records have IPv6
-// addresses: a member of an older protocol gets a snapshot instead (built
+// enqueue queues msgs; needs is the lowest protocol that decodes all their
+// records: a member of an older protocol gets a snapshot instead (built
 // when sent, in the form the records then have).
-func (d *dest) enqueue(msgs [][]byte, has6 bool) {
+func (d *dest) enqueue(msgs [][]byte, needs byte) {
 	d.mu.Lock()
-	if has6 && !d.ipv6OK {
+	if needs > d.proto {
 		d.queue, d.queued, d.snapshot = nil, 0, true
 	}
 	if !d.snapshot {
@@ -117,7 +117,7 @@ func (c *Cluster) sendLoop(d *dest) {
 		for {
 			d.mu.Lock()
 			node := d.node
-			syncReq, snap, queue, digest, ipv6OK := d.syncReq, d.snapshot, d.queue, d.digest, d.ipv6OK
+			syncReq, snap, queue, digest, proto := d.syncReq, d.snapshot, d.queue, d.digest, d.proto
 			defs, defs6 := d.defs && d.defsOK, d.defs6
 			d.syncReq, d.snapshot, d.queue, d.queued, d.digest, d.defs = false, false, nil, 0, nil, false
 			d.sentRecords = d.sentRecords || snap
@@ -150,8 +150,8 @@ func (c *Cluster) sendLoop(d *dest) {
 				want := c.replica.interestOf(d.name)
 				c.mu.Unlock()
 				m := c.local.snapshotFor(want)
-				if !ipv6OK {
-					m.Records = withoutIPv6(m.Records)
+				if proto < ProtocolVersion {
+					m.Records = downgrade(m.Records, proto)
 				}
 				b, err := encodeMessage(m)
 				if err != nil {
@@ -253,12 +253,12 @@ func (c *Cluster) publishLoop() {
 				t.d.mu.Unlock()
 			}
 			var msgs [][]byte
-			has6 := false
+			needs := protocolVersionMin
 			if len(recs) > 0 {
-				msgs, has6 = sets.forInterest(t.want)
+				msgs, needs = sets.forInterest(t.want)
 			}
 			if len(msgs) > 0 || defs {
-				t.d.enqueue(msgs, has6)
+				t.d.enqueue(msgs, needs)
 			}
 		}
 		select {
@@ -266,24 +266,6 @@ func (c *Cluster) publishLoop() {
 		default:
 		}
 	}
-}
-
-// withoutIPv6 returns recs in the form a member of a protocol below
-// ProtocolIPv6 decodes: IPv6 addresses dropped, IPv6-only records left
-// out. The local store publishes that form itself while such a member is
-// alive (localStore.setIPv6); this covers the moment in between.
-func withoutIPv6(recs []record) []record {
-	out := recs[:0]
-	for _, r := range recs {
-		if r.hasIPv6() {
-			if !r.IP.IsValid() {
-				continue
-			}
-			r.IPv6 = netip.Addr{}
-		}
-		out = append(out, r)
-	}
-	return out
 }
 
 // encodeDeltas packs records into UDP-sized deltas when they need at most

@@ -27,14 +27,17 @@ import (
 //	            opaque to this package, see app.go)
 //	record    = vni:u24be flags:u8 id version:uvarint [value]
 //	flags     = bit 0 deleted, bit 1 id is hex-packed, bit 2 has IPv6,
-//	            bit 3 has no IPv4 (only with bit 2); other bits zero;
-//	            bits 2 and 3 only in live records, and only from protocol
-//	            4 (see "IPv6" below)
+//	            bit 3 has no IPv4 (only with bit 2), bit 4 has names;
+//	            other bits zero; bits 2 to 4 only in live records, bits 2
+//	            and 3 only from protocol 4 (see "IPv6" below), bit 4 only
+//	            from protocol 5 (see "Names" below)
 //	id        = len:u8 (1..255) bytes   (hex-packed: the bytes of a
 //	            lowercase hex string of even length, the string is 2*len)
-//	value     = [ip:4] mac:6 vtepFamily:u8 (4|6) vtep:4|16 [ipv6:16]
+//	value     = [ip:4] mac:6 vtepFamily:u8 (4|6) vtep:4|16 [ipv6:16] [names]
 //	            (absent if deleted; ip absent with bit 3, ipv6 present
-//	            with bit 2)
+//	            with bit 2, names with bit 4)
+//	names     = len:u16be (1..dnsname.MaxPacked) packed (dnsname.Pack's
+//	            form: canonical names, sorted, unique, comma-separated)
 //
 // IPv6 (protocol 4). A record without an IPv6 address is encoded exactly
 // as in protocol 3, which a node of protocol 3 decodes; one with an IPv6
@@ -44,6 +47,12 @@ import (
 // one does not, its records are published without their IPv6 addresses
 // (IPv6-only records withdrawn), the status says so, and they are
 // published again in full, with new versions, once every member speaks 4.
+// Names (protocol 5) follow the same rule: the DNS names of an endpoint
+// (container name, aliases) travel with its record, so they are in force
+// exactly while its record is, and go with it; a node sends records with
+// names only while every alive member speaks protocol 5
+// (localStore.setNames), else without them (a member of protocol 4 would
+// drop the message), and publishes them again once every member does.
 // Nothing may follow the last field. The decoder (decode.go) validates the
 // whole message before anything is applied.
 
@@ -62,7 +71,8 @@ const (
 	flagHexID   byte = 1 << 1
 	flagIPv6    byte = 1 << 2 // protocol 4
 	flagNoIPv4  byte = 1 << 3 // protocol 4
-	knownFlags       = flagDeleted | flagHexID | flagIPv6 | flagNoIPv4
+	flagNames   byte = 1 << 4 // protocol 5
+	knownFlags       = flagDeleted | flagHexID | flagIPv6 | flagNoIPv4 | flagNames
 
 	// maxMessageBytes bounds a decoded message (memberlist itself reads at
 	// most 20 MiB of user message or push/pull state).
@@ -94,6 +104,9 @@ type record struct {
 	MAC        peerdb.MAC
 	VTEP       netip.Addr
 	IPv6       netip.Addr // the zero Addr when the endpoint has no IPv6 address
+	// Names: the endpoint's DNS names, packed (dnsname.Pack), "" for
+	// none; only in live records.
+	Names string
 }
 
 func (r *record) key() recKey { return recKey{VNI: r.VNI, EndpointID: r.EndpointID} }
@@ -105,6 +118,46 @@ func (r *record) peer() peerdb.Peer {
 // hasIPv6 reports whether r is a live record with an IPv6 address: one a
 // node of protocol 3 cannot decode.
 func (r *record) hasIPv6() bool { return !r.Deleted && r.IPv6.IsValid() }
+
+// needs returns the lowest protocol version that decodes r.
+func (r *record) needs() byte {
+	switch {
+	case r.Deleted:
+		return protocolVersionMin
+	case r.Names != "":
+		return ProtocolNames
+	case r.IPv6.IsValid():
+		return ProtocolIPv6
+	}
+	return protocolVersionMin
+}
+
+// downgrade returns recs in the form a member speaking protocol proto
+// decodes: names dropped below ProtocolNames; IPv6 addresses dropped,
+// and IPv6-only records left out, below ProtocolIPv6. The local store
+// publishes that form itself while such a member is alive
+// (localStore.setGates); this covers the moment in between. recs is
+// reused.
+func downgrade(recs []record, proto byte) []record {
+	out := recs[:0]
+	for _, r := range recs {
+		if r.Deleted {
+			out = append(out, r)
+			continue
+		}
+		if proto < ProtocolNames {
+			r.Names = ""
+		}
+		if proto < ProtocolIPv6 && r.IPv6.IsValid() {
+			if !r.IP.IsValid() {
+				continue
+			}
+			r.IPv6 = netip.Addr{}
+		}
+		out = append(out, r)
+	}
+	return out
+}
 
 // recKey identifies a record within its origin.
 type recKey struct {
@@ -163,6 +216,9 @@ func recordSize(r *record) int {
 		if r.IPv6.IsValid() {
 			n += 16
 		}
+		if r.Names != "" {
+			n += 2 + len(r.Names)
+		}
 	}
 	return n
 }
@@ -200,6 +256,9 @@ func appendRecord(b []byte, r *record) []byte {
 			flags |= flagNoIPv4
 		}
 	}
+	if !r.Deleted && r.Names != "" {
+		flags |= flagNames
+	}
 	b = append(b, flags)
 	if packed {
 		b = append(b, byte(len(r.EndpointID)/2))
@@ -227,6 +286,10 @@ func appendRecord(b []byte, r *record) []byte {
 		if r.IPv6.IsValid() {
 			v := r.IPv6.As16()
 			b = append(b, v[:]...)
+		}
+		if r.Names != "" {
+			b = binary.BigEndian.AppendUint16(b, uint16(len(r.Names)))
+			b = append(b, r.Names...)
 		}
 	}
 	return b

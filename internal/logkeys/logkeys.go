@@ -89,6 +89,14 @@ const (
 	// IPv6Published: every member speaks it again.
 	IPv6Withheld  = "ipv6_withheld"
 	IPv6Published = "ipv6_published"
+	// NamesWithheld: a member speaks a protocol without names in records,
+	// so this node's go out without them; NamesPublished: every member
+	// speaks it again.
+	NamesWithheld  = "names_withheld"
+	NamesPublished = "names_published"
+	// NameConflict: one name of a network is held by endpoints of
+	// several hosts (all are answered).
+	NameConflict = "name_conflict"
 )
 
 // Network events.
