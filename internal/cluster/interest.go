@@ -232,7 +232,7 @@ type deltaSets struct {
 // deltaSet is one selection's deltas, and whether a record of it has an
 // IPv6 address (a member of an older protocol gets a snapshot instead).
 type deltaSet struct {
-	msgs [][]byte
+	msgs  [][]byte
 	needs byte // the lowest protocol that decodes every record of msgs
 }
 

@@ -43,9 +43,9 @@ type localStore struct {
 	// record is deleted.
 	wantNames map[recKey]string
 	clock     uint64 // last version issued
-	recs     map[recKey]*lrec
-	live     int
-	hash     uint64
+	recs      map[recKey]*lrec
+	live      int
+	hash      uint64
 	// byVNI: live and hash per VNI, so a digest of the VNIs one member
 	// wants costs a lookup per VNI (interest.go); a VNI without live
 	// records has no entry.
