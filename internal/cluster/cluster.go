@@ -1,6 +1,7 @@
 package cluster
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"log/slog"
@@ -15,6 +16,7 @@ import (
 
 	sockaddr "github.com/hashicorp/go-sockaddr"
 	"github.com/hashicorp/memberlist"
+	"github.com/overlayd/overlayd/internal/dnsname"
 	"github.com/overlayd/overlayd/internal/lockorder"
 	"github.com/overlayd/overlayd/internal/logkeys"
 	"github.com/overlayd/overlayd/peerdb"
@@ -264,6 +266,58 @@ func (c *Cluster) PublishLocalPeer(vni uint32, prev, next *peerdb.Peer) {
 	if changed {
 		c.wakePublisher()
 	}
+}
+
+// PublishLocalNames makes packed (dnsname.Pack's form; "" for none) the
+// DNS names of this node's endpoint (vni, endpointID): its record goes out
+// anew with them (if it is live; names given before the record are kept
+// for it), and they go with it when it is deleted. Like PublishLocalPeer
+// it never blocks and never calls back, so it may be called under the
+// caller's network lock. Names that are not in Pack's form are refused
+// with an error and nothing changes.
+func (c *Cluster) PublishLocalNames(vni uint32, endpointID string, packed string) error {
+	if vni == 0 || vni > MaxVNI {
+		return fmt.Errorf("cluster: names of endpoint %q: VNI %d out of 1..%d", endpointID, vni, MaxVNI)
+	}
+	if !validEndpointID(endpointID) {
+		return fmt.Errorf("cluster: names of endpoint %q: endpoint id must be 1..255 bytes of printable UTF-8", endpointID)
+	}
+	if err := dnsname.ValidPacked(packed); err != nil {
+		return fmt.Errorf("cluster: names of endpoint %q of VNI %d: %w", endpointID, vni, err)
+	}
+	if c.local.setWantNames(recKey{VNI: vni, EndpointID: endpointID}, packed) {
+		c.wakePublisher()
+	}
+	return nil
+}
+
+// NamedEndpoint is a remote endpoint in force with DNS names.
+type NamedEndpoint struct {
+	Origin     string // the member whose endpoint it is
+	EndpointID string
+	IP, IPv6   netip.Addr // the zero Addr for none
+	Names      []string   // canonical (dnsname), sorted
+}
+
+// Names returns every record in force for vni that carries names (same
+// rules as Peers: never one of this node's own), sorted by origin and
+// endpoint. Safe for concurrent use; it takes Cluster.mu for as long as
+// the VNI's records take to visit.
+func (c *Cluster) Names(vni uint32) []NamedEndpoint {
+	c.mu.Lock()
+	keys := c.replica.byVNI[vni]
+	out := make([]NamedEndpoint, 0, len(keys))
+	for k := range keys {
+		if r, ok := c.replica.effectiveRecord(vni, k); ok && r.Names != "" {
+			out = append(out, NamedEndpoint{Origin: k.Origin, EndpointID: k.EndpointID, IP: r.IP, IPv6: r.IPv6,
+				Names: dnsname.Unpack(r.Names)})
+		}
+	}
+	c.mu.Unlock()
+	slices.SortFunc(out, func(a, b NamedEndpoint) int {
+		return cmp.Or(cmp.Compare(a.Origin, b.Origin), cmp.Compare(a.EndpointID, b.EndpointID))
+	})
+	return out
 }
 
 type localErr struct {
