@@ -50,16 +50,17 @@ build:
 test: lint unit engine-26.1 engine-28.5 fuzz
 
 unit:
-	OVERLAYD_TEST_ENGINE=20.10 $(GO) test -race -count=1 -tags '$(TAGS)' $(PKGS)
+	OVERLAYD_TEST_ENGINE=20.10 $(GO) test -race -count=1 -timeout 30m -tags '$(TAGS)' $(PKGS)
 	$(GO) test -race -count=1 -tags '$(TAGS) faultinject' -run '^TestFaultsAreCaught$$' ./test/stress
 
 # Run in the package's directory (go test's local-directory mode), so that
 # the engine and version it drives and the suite's duration are printed
 # even when it passes.
 engine-26.1:
-	cd test/docker && OVERLAYD_TEST_ENGINE=26.1 $(GO) test -race -count=1 -tags '$(TAGS)'
+	cd test/docker && OVERLAYD_TEST_ENGINE=26.1 $(GO) test -race -count=1 -timeout 30m -tags '$(TAGS)'
 
-# About 9 minutes on 28.5, near go test's default limit of 10.
+# Each real-engine run takes 8-10 minutes, near go test's default limit of
+# 10: every run that includes test/docker gets 30.
 engine-28.5:
 	cd test/docker && OVERLAYD_TEST_ENGINE=28.5 $(GO) test -race -count=1 -timeout 30m -tags '$(TAGS)'
 
