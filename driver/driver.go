@@ -138,6 +138,21 @@ type Config struct {
 	// StateFile, if set, persists networks, endpoints and allocations; New
 	// restores them and adopts the kernel state an earlier run left.
 	StateFile *statefile.File
+	// NameServer, if set, serves every network's names: each sandbox with
+	// an IPv4 segment gets the address DNSAddress on its bridges and a
+	// route to it in one of each container's links (see names.go).
+	NameServer NameServer
+	// DNSAddress is the name server's address in every sandbox
+	// (DefaultDNSAddress when unset); ignored without a NameServer.
+	DNSAddress netip.Addr
+	// Names receives the DNS names of local endpoints (SetNames), which
+	// travel with their records. Nil: names are served on this host only.
+	Names NamePublisher
+	// OnNamesChanged is told that the local endpoints or their names
+	// changed (Join, Leave, SetNames), so that the names served are
+	// rebuilt. It is called with a network's lock held: it must not block
+	// and must not call into the Driver.
+	OnNamesChanged func()
 	// TestHooks are empty in normal builds; test builds (tag testhooks)
 	// have the stress harness's trace there.
 	TestHooks
@@ -169,6 +184,10 @@ type Driver struct {
 	// adopting: the kernel state of an earlier run is being adopted (see
 	// Reconcile and Settle); guarded by mu.
 	adopting bool
+	// dnsRoutes: by container (Join's SandboxKey), the endpoint
+	// ("network/endpoint") whose Join gave it the route to the name
+	// server; guarded by mu.
+	dnsRoutes map[string]string
 	// counts are event counters (atomic: taken under any lock, read by
 	// the metrics at scrape time without one).
 	counts counters
@@ -212,17 +231,21 @@ func New(cfg Config) (*Driver, error) {
 	if cfg.AdvertiseAddr.IsValid() {
 		cfg.AdvertiseAddr = cfg.AdvertiseAddr.Unmap()
 	}
+	if err := checkDNSAddress(&cfg); err != nil {
+		return nil, err
+	}
 	d := &Driver{
-		cfg:      cfg,
-		log:      cfg.Logger,
-		reaper:   reaper.New(0, cfg.Logger),
-		mu:       lockorder.New(lockorder.LevelDriver),
-		allocMu:  lockorder.New(lockorder.LevelAlloc),
-		vtepMu:   lockorder.New(lockorder.LevelVTEP),
-		nets:     map[string]*network{},
-		byVNI:    map[uint32]*network{},
-		allocs:   map[uint32]string{},
-		allocNet: map[string][]uint32{},
+		cfg:       cfg,
+		log:       cfg.Logger,
+		reaper:    reaper.New(0, cfg.Logger),
+		mu:        lockorder.New(lockorder.LevelDriver),
+		allocMu:   lockorder.New(lockorder.LevelAlloc),
+		vtepMu:    lockorder.New(lockorder.LevelVTEP),
+		nets:      map[string]*network{},
+		byVNI:     map[uint32]*network{},
+		allocs:    map[uint32]string{},
+		allocNet:  map[string][]uint32{},
+		dnsRoutes: map[string]string{},
 	}
 	d.hostNS = cfg.HostNS
 	if d.hostNS <= 0 { // unset (the zero value is fd 0, never a namespace) or netns.None()

@@ -24,6 +24,15 @@ type endpoint struct {
 	hostName string
 	sbName   string
 	joined   bool
+	// sandboxKey: the container's namespace, as the last Join named it
+	// (which container the endpoint belongs to, for the names it may
+	// resolve); dnsRoute: that Join gave the container the route to the
+	// name server (see claimDNSRoute).
+	sandboxKey string
+	dnsRoute   bool
+	// names: the endpoint's DNS names, packed (internal/dnsname), as the
+	// engine last gave them (SetNames).
+	names string
 }
 
 // peer returns the endpoint's record without a VTEP: the local VTEP has
@@ -221,7 +230,7 @@ func (d *Driver) Join(req *api.JoinRequest) (_ *api.JoinResponse, err error) {
 				return nil, fmt.Errorf("Join of endpoint %q to encrypted network %q: %w", ep.id, n.id, err)
 			}
 		}
-		sb, err := sandbox.Create(d.host, n.id, n.sandboxSubnets())
+		sb, err := sandbox.Create(d.host, n.id, n.sandboxSubnets(d.cfg.DNSAddress))
 		if err != nil {
 			return nil, fmt.Errorf("Join of endpoint %q: %w", ep.id, err)
 		}
@@ -285,8 +294,10 @@ func (d *Driver) Join(req *api.JoinRequest) (_ *api.JoinResponse, err error) {
 	if err := d.syncEnc(n, false); err != nil {
 		d.log.Warn("encryption state after a Join", "network", n.id, "error", err)
 	}
-	ep.joined = true
+	ep.joined, ep.sandboxKey = true, req.SandboxKey
+	ep.dnsRoute = ep.addr.IsValid() && d.claimDNSRoute(n, ep)
 	if err := d.saveEndpoint(n, ep); err != nil {
+		d.releaseDNSRoute(n, ep)
 		ep.joined = false
 		return nil, fmt.Errorf("Join of endpoint %q: %w", ep.id, err)
 	}
@@ -321,6 +332,15 @@ func (d *Driver) Join(req *api.JoinRequest) (_ *api.JoinResponse, err error) {
 			}
 		}
 	}
+	if ep.dnsRoute {
+		// On-link through the endpoint's own link: the name server's
+		// address is on the segment's bridge (see serveNames).
+		resp.StaticRoutes = append(resp.StaticRoutes, &api.StaticRoute{
+			Destination: netip.PrefixFrom(d.cfg.DNSAddress, 32).String(), RouteType: routeConnected,
+		})
+	}
+	d.serveNames(n)
+	d.namesChanged()
 	d.log.Debug("endpoint joined", "network", n.id, "endpoint", ep.id, "address", ep.addrs(), "veth", ep.hostName)
 	return resp, nil
 }
@@ -409,8 +429,10 @@ func (d *Driver) leave(n *network, ep *endpoint) error {
 		delta, _ = n.peers.RemoveLocal(ep.id)
 	}
 	ep.joined = false
+	d.releaseDNSRoute(n, ep)
 	n.joined--
 	d.publish(n, ep, false)
+	d.namesChanged()
 	d.trace(TraceEvent{Kind: TraceLeave, Network: n.id, Endpoint: ep.id})
 	var errs []error
 	if n.joined == 0 {

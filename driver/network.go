@@ -60,6 +60,9 @@ type network struct {
 	logged map[peerdb.Key]string
 	// conflicts: the cross-host address conflicts logged; guarded by mu.
 	conflicts conflictLog
+	// dnsErr: the last failure to serve the network's name server (for
+	// the log-once), "" when served. Guarded by mu.
+	dnsErr string
 	// found: room for a keyed pull's batched lookups at a
 	// PeerBatchSource (pullLookahead entries once used); guarded by mu.
 	found []peerdb.Found
@@ -125,10 +128,15 @@ func newPeerTable(subnets []subnetSpec) *peerdb.DB {
 	return peerdb.New(pools, vnis...)
 }
 
-func (n *network) sandboxSubnets() []sandbox.Subnet {
+// sandboxSubnets describes n's segments to its sandbox; every segment with
+// an IPv4 pool gets the name server's address dns (if valid) on its bridge.
+func (n *network) sandboxSubnets(dns netip.Addr) []sandbox.Subnet {
 	s := make([]sandbox.Subnet, len(n.subnets))
 	for i, sub := range n.subnets {
 		s[i] = sandbox.Subnet{VNI: sub.vni, Pool: sub.pool, Gateway: sub.gateway, MTU: n.mtu}
+		if dns.IsValid() && sub.pool.IsValid() {
+			s[i].DNS = netip.PrefixFrom(dns, 32)
+		}
 		for _, v := range sub.v6 {
 			s[i].IPv6 = append(s[i].IPv6, sandbox.Subnet6{Pool: v.Pool, Gateway: v.Gateway})
 		}

@@ -9,6 +9,7 @@ import (
 	"strings"
 
 	"github.com/overlayd/overlayd/encryption"
+	"github.com/overlayd/overlayd/internal/dnsname"
 	"github.com/overlayd/overlayd/internal/lockorder"
 	"github.com/overlayd/overlayd/internal/logkeys"
 	"github.com/overlayd/overlayd/internal/netdef"
@@ -49,7 +50,7 @@ func parseOptionalPrefix(s string) (netip.Prefix, error) {
 
 func (ep *endpoint) record(netID string) statefile.Endpoint {
 	r := statefile.Endpoint{Network: netID, ID: ep.id, Addr: prefixString(ep.addr), AddrIPv6: prefixString(ep.addr6), MAC: ep.mac.String(), Joined: ep.joined,
-		HostName: ep.hostName, SandboxName: ep.sbName}
+		HostName: ep.hostName, SandboxName: ep.sbName, SandboxKey: ep.sandboxKey, DNSRoute: ep.dnsRoute, Names: ep.names}
 	return r
 }
 
@@ -143,16 +144,19 @@ func (d *Driver) restore() error {
 			continue
 		}
 		keepNS[n.id] = true
-		sb, err := sandbox.Adopt(d.host, n.id, n.sandboxSubnets())
+		sb, err := sandbox.Adopt(d.host, n.id, n.sandboxSubnets(d.cfg.DNSAddress))
 		if err != nil {
 			d.log.Warn("cannot adopt sandbox, rebuilding it: endpoints joined before the restart lose their link", "network", n.id, "error", err)
-			if sb, err = sandbox.Create(d.host, n.id, n.sandboxSubnets()); err != nil {
+			if sb, err = sandbox.Create(d.host, n.id, n.sandboxSubnets(d.cfg.DNSAddress)); err != nil {
 				return fmt.Errorf("restoring network %q: %w", n.id, err)
 			}
 		}
 		n.sb = sb
 		for _, ep := range joined {
 			n.joined++
+			if ep.dnsRoute {
+				d.dnsRoutes[ep.sandboxKey] = n.id + "/" + ep.id
+			}
 			if _, err := n.peers.AddLocal(ep.peer()); err != nil {
 				d.log.Warn("restored endpoint does not fit its network", "network", n.id, "endpoint", ep.id, "error", err)
 			}
@@ -174,6 +178,7 @@ func (d *Driver) restore() error {
 		} else if len(fixed) > 0 {
 			d.log.Info("restored the bridge ports of an adopted sandbox", "network", n.id, "corrected", len(fixed), "first", fixed[0])
 		}
+		d.serveNames(n)
 		d.log.Info("network restored", logkeys.Event, logkeys.NetworkRestored, logkeys.Network, n.id, logkeys.VNIs, formatVNIs(n.vnis()), "joined", n.joined)
 	}
 	// Every network's share, before dockerd can call: the encryption
@@ -303,7 +308,12 @@ func endpointFromRecord(n *network, r statefile.Endpoint) (*endpoint, error) {
 	if err != nil {
 		return nil, err
 	}
-	ep := &endpoint{id: r.ID, addr: addr, addr6: addr6, mac: mac, hostName: r.HostName, sbName: r.SandboxName, joined: r.Joined}
+	if err := dnsname.ValidPacked(r.Names); err != nil {
+		return nil, fmt.Errorf("names: %w", err)
+	}
+	ep := &endpoint{id: r.ID, addr: addr, addr6: addr6, mac: mac, hostName: r.HostName, sbName: r.SandboxName, joined: r.Joined,
+		sandboxKey: r.SandboxKey, names: r.Names}
+	ep.dnsRoute = r.Joined && r.DNSRoute
 	if ep.subnet, err = n.segmentOf(addr, addr6); err != nil {
 		return nil, err
 	}
@@ -351,6 +361,7 @@ func (d *Driver) Reconcile() ([]string, error) {
 		if n.sb == nil || n.teardown {
 			return
 		}
+		d.serveNames(n)
 		if p, err := d.reapLeftRetired(n); err != nil {
 			errs = append(errs, fmt.Errorf("network %q: %w", n.id, err))
 		} else if p != "" {

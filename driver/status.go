@@ -185,7 +185,7 @@ func (d *Driver) LocalPeers() []LocalRecord {
 	d.eachNetwork(func(n *network) {
 		for _, ep := range n.endpoints {
 			if ep.joined {
-				out = append(out, LocalRecord{VNI: n.subnets[ep.subnet].vni, Peer: ep.peer()})
+				out = append(out, LocalRecord{VNI: n.subnets[ep.subnet].vni, Peer: ep.peer(), Names: ep.names})
 			}
 		}
 	})
@@ -199,4 +199,6 @@ func (d *Driver) LocalPeers() []LocalRecord {
 type LocalRecord struct {
 	VNI  uint32
 	Peer peerdb.Peer
+	// Names: the endpoint's DNS names, packed (internal/dnsname); "" for none.
+	Names string
 }

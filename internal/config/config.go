@@ -47,6 +47,14 @@ type Settings struct {
 	// MetricsAddr is where /metrics, /healthz and /readyz are served
 	// ("host:port"); "" serves none (the default: opt-in).
 	MetricsAddr string
+	// Names across hosts (docs/names.md). DNSAddress is the name server's
+	// address in every sandbox and on the host's loopback; invalid: names
+	// are off (--dns-address off). EngineSocket is the local engine's API,
+	// read for the names of containers; ResolvConf names the resolvers
+	// other names are forwarded to.
+	DNSAddress   netip.Addr
+	EngineSocket string
+	ResolvConf   string
 
 	// sources says where each setting's value came from ("--flag" or
 	// "$OVERLAYD_..."), so that a refusal names what the user wrote.
@@ -80,6 +88,11 @@ const (
 	// 7946, which swarm's gossip uses.
 	DefaultGossipPort    = 7947
 	DefaultControlSocket = "/run/overlayd/control.sock"
+	// DefaultDNSAddress is link-local: never a network's subnet, never
+	// routed off the host.
+	DefaultDNSAddress   = "169.254.53.53"
+	DefaultEngineSocket = "/var/run/docker.sock"
+	DefaultResolvConf   = "/etc/resolv.conf"
 )
 
 // setting describes one flag and its environment variable.
@@ -104,6 +117,9 @@ var settings = []setting{
 	{"gossip-profile", "OVERLAYD_GOSSIP_PROFILE", "lan", "gossip timings: lan (one site: detects a dead host in 2-5 s), wan (racks, zones, sites: tolerates loss and 100 ms+ round trips, detects in 6-10 s), or explicit, like wan,probe-timeout=800ms (keys: probe-interval, probe-timeout, suspicion-mult, suspicion-max-mult, gossip-interval, push-pull-interval)"},
 	{"key-rotation-interval", "OVERLAYD_KEY_ROTATION_INTERVAL", "12h", "how often encrypted networks' keys rotate cluster-wide (0: only by `overlayd keys rotate`)"},
 	{"metrics-addr", "OVERLAYD_METRICS_ADDR", "", "IP:port serving Prometheus /metrics, /healthz and /readyz over HTTP (like 127.0.0.1:9447); default: not served"},
+	{"dns-address", "OVERLAYD_DNS_ADDRESS", DefaultDNSAddress, "IPv4 address of the name server that answers containers the names of other hosts' containers (list it first in daemon.json's \"dns\"; docs/names.md), or off"},
+	{"engine-socket", "OVERLAYD_ENGINE_SOCKET", DefaultEngineSocket, "the local Docker Engine's API socket, read for the names of containers (not needed with --dns-address off)"},
+	{"resolv-conf", "OVERLAYD_RESOLV_CONF", DefaultResolvConf, "resolv.conf whose nameservers get the queries for every other name (re-read when it changes)"},
 }
 
 // Usage writes the commands and the settings table (flag, environment
@@ -322,6 +338,21 @@ func Parse(args []string, getenv func(string) string) (*Settings, error) {
 			errs = append(errs, fmt.Errorf("%s %q: %v", src, v, err))
 		}
 		st.MetricsAddr = v
+	}
+	if v, src := get("dns-address"); v != "off" {
+		a, err := netip.ParseAddr(v)
+		if err != nil || !a.Is4() || a.IsUnspecified() || a.IsMulticast() || a.IsLoopback() || a == netip.AddrFrom4([4]byte{255, 255, 255, 255}) {
+			errs = append(errs, fmt.Errorf("%s %q: must be a unicast IPv4 address that is not loopback (the default %s is link-local, never routed), or off", src, v, DefaultDNSAddress))
+		}
+		st.DNSAddress = a
+	}
+	st.EngineSocket, src = get("engine-socket")
+	if !filepath.IsAbs(st.EngineSocket) {
+		errs = append(errs, fmt.Errorf("%s %q: must be an absolute path of the engine's unix socket", src, st.EngineSocket))
+	}
+	st.ResolvConf, src = get("resolv-conf")
+	if !filepath.IsAbs(st.ResolvConf) {
+		errs = append(errs, fmt.Errorf("%s %q: must be an absolute path", src, st.ResolvConf))
 	}
 	if len(errs) > 0 {
 		return nil, &Invalid{oneLine(errs)}

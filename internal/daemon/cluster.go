@@ -56,6 +56,9 @@ type controlPlane struct {
 	key []byte
 	enc *encryption.Owner
 	d   *driver.Driver
+	// names is the names service (nil when off): it hears of remote
+	// changes with the driver.
+	names *nameService
 	// alloc is the cluster address management (nil in tests of the
 	// control plane alone): it gets the cluster as its transport when the
 	// control plane starts, and the cluster's application messages and
@@ -258,7 +261,7 @@ func (cp *controlPlane) tryStart() {
 		Key:           cp.key,
 		Profile:       cp.st.GossipProfile,
 		Seeds:         all,
-		Watcher:       cp.d,
+		Watcher:       cp.watcher(),
 		Logger:        cp.log,
 		// Members or their adverts changed: the encryption owner steps
 		// the key rotation soon, the address management re-reads the
@@ -388,12 +391,30 @@ func (cp *controlPlane) ready() error {
 	return nil
 }
 
+// watcher is what the cluster tells of changed records: the driver, and
+// the names service when on.
+func (cp *controlPlane) watcher() cluster.Watcher {
+	if cp.names == nil {
+		return cp.d
+	}
+	return namesWatcher{d: cp.d, ns: cp.names}
+}
+
+// PublishLocalNames hands the names of a local endpoint to the cluster;
+// before it starts, its first records carry them (localRecords).
+func (cp *controlPlane) PublishLocalNames(vni uint32, endpointID, packed string) error {
+	if c := cp.c.Load(); c != nil {
+		return c.PublishLocalNames(vni, endpointID, packed)
+	}
+	return nil
+}
+
 // localRecords lists the driver's joined endpoints for the cluster.
 func localRecords(d *driver.Driver) []cluster.LocalRecord {
 	lp := d.LocalPeers()
 	out := make([]cluster.LocalRecord, len(lp))
 	for i, r := range lp {
-		out[i] = cluster.LocalRecord{VNI: r.VNI, Peer: r.Peer}
+		out[i] = cluster.LocalRecord{VNI: r.VNI, Peer: r.Peer, Names: r.Names}
 	}
 	return out
 }

@@ -90,7 +90,12 @@ func Run(ctx context.Context, st *config.Settings, log *slog.Logger) error {
 	}
 	defer enc.Close()
 	cp := newControlPlane(st, db, log, key, enc, alloc)
-	d, err := driver.New(driver.Config{
+	names, err := newNameService(st, log, hostNS, cp.c.Load)
+	if err != nil {
+		return err
+	}
+	defer names.close()
+	dcfg := driver.Config{
 		Scope:         st.Scope,
 		AdvertiseAddr: st.AdvertiseAddr,
 		VXLANPort:     st.VXLANPort,
@@ -106,12 +111,20 @@ func Run(ctx context.Context, st *config.Settings, log *slog.Logger) error {
 		OnVTEPChange:  cp.vtepChanged,
 		Encryption:    enc,
 		HostNS:        hostNS,
-	})
+	}
+	if names != nil {
+		dcfg.NameServer, dcfg.DNSAddress, dcfg.Names, dcfg.OnNamesChanged = names, st.DNSAddress, cp, names.changed
+		cp.names = names
+	}
+	d, err := driver.New(dcfg)
 	if err != nil {
 		return err
 	}
 	defer d.Close()
 	cp.d = d
+	if names != nil {
+		names.start(d)
+	}
 	if vtep := d.VTEP(); vtep.IsValid() {
 		if err := enc.SetLocal(vtep); err != nil {
 			log.Warn("encryption state for the local VTEP (retried by its loop)", "vtep", vtep, "error", err)
@@ -138,6 +151,9 @@ func Run(ctx context.Context, st *config.Settings, log *slog.Logger) error {
 			r := &StatusReport{Cluster: cp.status(), Driver: d.Status(), IPAM: &ist, Ready: readiness(cp.ready())}
 			if c := cp.c.Load(); c != nil {
 				r.Keys = memberKeys(c)
+			}
+			if names != nil {
+				r.Names = names.status.Load()
 			}
 			return r
 		},
@@ -184,6 +200,9 @@ func Run(ctx context.Context, st *config.Settings, log *slog.Logger) error {
 			Ready:   cp.ready,
 			Version: version.String(),
 		})
+		if names != nil {
+			m.Register(names.srv.Collector())
+		}
 		g.observe = m.ObserveCall
 		ia.refused = m.ObserveIPAMRefusal
 		msrv = &http.Server{Handler: m.Handler(), ReadHeaderTimeout: 10 * time.Second}

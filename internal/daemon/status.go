@@ -25,6 +25,8 @@ type StatusReport struct {
 	// IPAM is the cluster address management's view: per pool, the
 	// ranges this host owns and the cluster's totals.
 	IPAM *ipam.Status `json:"ipam,omitempty"`
+	// Names: the names served across hosts (nil when off).
+	Names *NamesStatus `json:"names,omitempty"`
 }
 
 // Render writes r for humans, section by section: this node, the members,
@@ -41,7 +43,37 @@ func (r *StatusReport) Render(w io.Writer) {
 	r.renderKeys(w)
 	r.renderEncryption(w)
 	r.renderIPAM(w)
+	r.renderNames(w)
 	r.renderDriver(w, stale)
+}
+
+func (r *StatusReport) renderNames(w io.Writer) {
+	n := r.Names
+	if n == nil {
+		return
+	}
+	fmt.Fprintf(w, "Names: %d served at %s, engine %s", n.Names, n.Address, n.Engine)
+	if n.EngineErr != "" {
+		fmt.Fprintf(w, " (unreadable: %s)", n.EngineErr)
+	}
+	fmt.Fprintf(w, ", other names forwarded to %s\n", strings.Join(n.Upstreams, ","))
+	ids := make([]string, 0, len(n.Networks))
+	for id := range n.Networks {
+		ids = append(ids, id)
+	}
+	slices.Sort(ids)
+	for _, id := range ids {
+		for _, na := range n.Networks[id] {
+			addrs := make([]string, len(na.Addrs))
+			for i, a := range na.Addrs {
+				addrs[i] = a.String()
+			}
+			fmt.Fprintf(w, "  network %s  %-24s %s\n", short(id), na.Name, strings.Join(addrs, ","))
+		}
+	}
+	for _, c := range n.Conflicts {
+		fmt.Fprintf(w, "  conflict: VNI %d name %s on hosts %s\n", c.VNI, c.Name, strings.Join(c.Hosts, ","))
+	}
 }
 
 func (r *StatusReport) renderNode(w io.Writer) {

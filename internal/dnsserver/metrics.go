@@ -33,8 +33,8 @@ func newCollector() *collector {
 	c := &collector{
 		queries: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "overlayd_dns_queries_total",
-			Help: "DNS requests received with a readable header (not dropped), by network.",
-		}, []string{"network"}),
+			Help: "DNS requests received with a readable header (not dropped), by listener: network (a sandbox's, from its containers), host (the host's, forward only).",
+		}, []string{"listener"}),
 		dropped: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "overlayd_dns_dropped_total",
 			Help: "DNS packets dropped without an answer: shorter than a header, or responses.",

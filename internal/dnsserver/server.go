@@ -53,6 +53,10 @@ type Names interface {
 	Lookup(network string, client netip.Addr, name string) (addrs []netip.Addr, found bool)
 }
 
+// HostListener is the network name of a listener that serves no network
+// (the host's): it answers no cluster name, it forwards.
+const HostListener = "host"
+
 // Defaults of Config.
 const (
 	DefaultTimeout     = 2 * time.Second
@@ -356,7 +360,11 @@ func (s *Server) answer(network string, client netip.Addr, req []byte, udp bool)
 		s.m.dropped.Inc()
 		return nil, nil
 	}
-	s.m.queries.WithLabelValues(network).Inc()
+	if network == HostListener {
+		s.m.queries.WithLabelValues("host").Inc()
+	} else {
+		s.m.queries.WithLabelValues("network").Inc()
+	}
 	if udp && len(req) > MaxUDPRequest {
 		return s.headerError(req, dns.RcodeFormatError), nil
 	}

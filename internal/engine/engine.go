@@ -48,6 +48,9 @@ func Open(socket string, log *slog.Logger) (*Engine, error) {
 	return &Engine{cli: cli, socket: socket, log: log}, nil
 }
 
+// Socket is the engine's API socket.
+func (e *Engine) Socket() string { return e.socket }
+
 // Close releases the client.
 func (e *Engine) Close() error { return e.cli.Close() }
 
@@ -113,6 +116,7 @@ func (e *Engine) Watch(ctx context.Context, retry time.Duration, changed func())
 	f := make(client.Filters).
 		Add("type", string(events.ContainerEventType), string(events.NetworkEventType)).
 		Add("event", "start", "die", "destroy", "rename", "connect", "disconnect")
+	lastErr := ""
 	for ctx.Err() == nil {
 		sctx, cancel := context.WithCancel(ctx)
 		res := e.cli.Events(sctx, client.EventsListOptions{Filters: f})
@@ -121,10 +125,20 @@ func (e *Engine) Watch(ctx context.Context, retry time.Duration, changed func())
 		for {
 			select {
 			case <-res.Messages:
+				if lastErr != "" {
+					lastErr = ""
+					e.log.Info("engine event stream open again", "socket", e.socket)
+				}
 				changed()
 			case err := <-res.Err:
-				if ctx.Err() == nil {
-					e.log.Info("engine event stream ended; reopening", "socket", e.socket, "error", err, "retry", retry)
+				if ctx.Err() != nil {
+					break loop
+				}
+				// Once per distinct error: an engine that is down
+				// for long must not fill the log every retry.
+				if msg := fmt.Sprint(err); msg != lastErr {
+					lastErr = msg
+					e.log.Info("engine event stream ended; reopening (logged again only if the error changes)", "socket", e.socket, "error", err, "retry", retry)
 				}
 				break loop
 			case <-ctx.Done():

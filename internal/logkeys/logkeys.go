@@ -37,6 +37,16 @@
 //	ipam_conflict           ERROR  pool, address, owner   (an allocation of this host in a range it does not own:
 //	                               a broken invariant or a wrong reclaim; never expected)
 //	ipam_identity_reclaimed ERROR  member                 (another host reclaimed this host's identity: IPAM refuses all requests)
+//	names_withheld          WARN   members, records, protocol_needed  (a member speaks a gossip protocol without names)
+//	names_published         INFO   records
+//	name_conflict           WARN   vni, name, hosts       (containers of several hosts hold one name: all answered)
+//	name_conflict_resolved  INFO   name
+//	name_refused            WARN   network, endpoint, error  (a name that is no DNS name is not served)
+//	names_truncated         WARN   network, endpoint, error  (over 16 names or 512 bytes per endpoint)
+//	dns_serve_failed        WARN   network, error         (a network's name server could not be served; retried)
+//	dns_served              INFO   network                (served again after dns_serve_failed)
+//	engine_unreadable       WARN   error                  (the engine's names cannot be read; the names in force stay)
+//	engine_readable         INFO                          (read again after engine_unreadable)
 package logkeys
 
 // Event is the key whose value names the state change a line reports.
@@ -152,4 +162,15 @@ const (
 	ClusterJoined   = "cluster_joined"
 	NetworkRestored = "network_restored"
 	SendGeneration  = "send_generation"
+)
+
+// Events of names across hosts (docs/names.md).
+const (
+	NameConflictResolved = "name_conflict_resolved"
+	NameRefused          = "name_refused"
+	NamesTruncated       = "names_truncated"
+	DNSServeFailed       = "dns_serve_failed"
+	DNSServed            = "dns_served"
+	EngineUnreadable     = "engine_unreadable"
+	EngineReadable       = "engine_readable"
 )

@@ -110,6 +110,9 @@ func New(src Sources) *Metrics {
 	return m
 }
 
+// Register adds the metrics of another owner (the DNS server's).
+func (m *Metrics) Register(c prometheus.Collector) { m.reg.MustRegister(c) }
+
 // ObserveCall records one plugin call. Safe for concurrent use; it never
 // blocks on anything but the instruments' own atomics.
 func (m *Metrics) ObserveCall(method string, err error, took time.Duration) {

@@ -12,6 +12,7 @@ import (
 	"cmp"
 	"net/netip"
 	"slices"
+	"strings"
 	"sync/atomic"
 )
 
@@ -149,6 +150,21 @@ func (s *Snapshot) Lookup(network string, client netip.Addr, name string) ([]net
 		return nil, false
 	}
 	vnis := s.scopes[network][client.Unmap()]
+	addrs, found := s.lookup(vnis, name)
+	if !found && strings.HasPrefix(name, TasksPrefix) {
+		// tasks.NAME: every holder of NAME, as swarm answers it. dockerd
+		// answers a name its own containers hold with theirs alone and
+		// never asks: this one it does not know, so it asks us.
+		return s.lookup(vnis, name[len(TasksPrefix):])
+	}
+	return addrs, found
+}
+
+// TasksPrefix asks for every holder of a name cluster-wide (tasks.web),
+// as swarm names the tasks of a service.
+const TasksPrefix = "tasks."
+
+func (s *Snapshot) lookup(vnis []uint32, name string) ([]netip.Addr, bool) {
 	switch len(vnis) {
 	case 0:
 		return nil, false

@@ -53,6 +53,11 @@ func TestLookupScopes(t *testing.T) {
 		{"netF", "192.0.2.99", "web", nil},
 		{"netB", "192.0.2.2", "web", nil},
 		{"netX", "192.0.2.2", "web", nil},
+		// tasks.NAME is every holder of NAME (dockerd answers NAME
+		// itself when one of its containers holds it).
+		{"netB", "198.51.100.3", "tasks.web", []string{"198.51.100.2", "2001:db8:20::2"}},
+		{"netB", "198.51.100.3", "tasks.site", nil},
+		{"netB", "198.51.100.3", "tasks.", nil},
 		// An IPv4-mapped client is the IPv4 one.
 		{"netF", "::ffff:192.0.2.2", "site", []string{"192.0.2.2"}},
 	} {

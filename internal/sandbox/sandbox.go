@@ -35,6 +35,7 @@
 package sandbox
 
 import (
+	"crypto/rand"
 	"errors"
 	"fmt"
 	"net"
@@ -72,6 +73,10 @@ type Subnet struct {
 	Gateway netip.Prefix
 	IPv6    []Subnet6
 	MTU     int
+	// DNS, if valid, is the address (a /32) of the network's name server
+	// on this segment's bridge (see ServeDNS); only segments with an IPv4
+	// pool get it.
+	DNS netip.Prefix
 }
 
 // Subnet6 is an IPv6 subnet of a segment with its gateway (the pool's
@@ -86,6 +91,9 @@ func (s *Subnet) gateways() []netip.Prefix {
 	var out []netip.Prefix
 	if s.Gateway.IsValid() {
 		out = append(out, s.Gateway)
+	}
+	if s.DNS.IsValid() {
+		out = append(out, s.DNS)
 	}
 	for _, v := range s.IPv6 {
 		if v.Gateway.IsValid() {
@@ -151,6 +159,19 @@ type Sandbox struct {
 	pruneAt time.Duration
 	// ops is ApplyDelta's scratch space for the operations it builds.
 	ops []nlbatch.Op
+	// dns: the name server's sockets in the namespace (see ServeDNS),
+	// closed before the namespace goes; nil until served.
+	dns *dnsSockets
+}
+
+// newBridgeMAC returns a random locally administered unicast MAC: each
+// host's bridge of a segment has its own (a frame it routes onto the
+// tunnel must not carry the source MAC of the receiving host's bridge).
+func newBridgeMAC() net.HardwareAddr {
+	m := make(net.HardwareAddr, 6)
+	rand.Read(m)
+	m[0] = m[0]&^0x01 | 0x02
+	return m
 }
 
 // Path returns where the sandbox namespace of network id is mounted.
@@ -243,7 +264,12 @@ func (sb *Sandbox) createSubnet(s Subnet) (subnetLinks, error) {
 	if !s.hasIPv6() {
 		flags = net.FlagUp
 	}
-	br := &netlink.Bridge{LinkAttrs: netlink.LinkAttrs{Name: brName, MTU: s.MTU, Flags: flags, TxQLen: -1, Group: LinkGroup}}
+	// The bridge's MAC is set, not inherited: a bridge without one takes
+	// the lowest MAC of its ports, so an endpoint leaving would change the
+	// MAC behind the gateway and the name server, and every container's
+	// ARP entry for them would go stale for seconds.
+	br := &netlink.Bridge{LinkAttrs: netlink.LinkAttrs{Name: brName, MTU: s.MTU, Flags: flags, TxQLen: -1, Group: LinkGroup,
+		HardwareAddr: newBridgeMAC()}}
 	if s.hasIPv6() {
 		off := false
 		br.MulticastSnooping = &off // see snoopingProblem
@@ -334,6 +360,7 @@ func (sb *Sandbox) NS() netns.NsHandle { return sb.ns }
 // teardown, so their VNIs are free again when Destroy returns.
 func (sb *Sandbox) Destroy() error {
 	var errs []error
+	sb.closeDNS() // a socket would keep the namespace alive
 	if sb.h != nil {
 		if err := deleteGroup(sb.ns, LinkGroup); err != nil {
 			errs = append(errs, fmt.Errorf("failed to delete the links of sandbox %s: %w", sb.path, err))
@@ -499,6 +526,7 @@ func (sb *Sandbox) HasLink(name string) bool {
 
 // close releases the sandbox's handles without touching the kernel.
 func (sb *Sandbox) close() {
+	sb.closeDNS()
 	if sb.h != nil {
 		sb.h.Close()
 		sb.h = nil

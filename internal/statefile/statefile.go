@@ -70,6 +70,14 @@ type Endpoint struct {
 	Joined      bool   `json:"joined"`
 	HostName    string `json:"host_name"`
 	SandboxName string `json:"sandbox_name"`
+	// SandboxKey is the container's namespace as Join named it; DNSRoute
+	// says whether this endpoint's Join gave that container the route to
+	// the name server (one endpoint per container holds it).
+	SandboxKey string `json:"sandbox_key,omitempty"`
+	DNSRoute   bool   `json:"dns_route,omitempty"`
+	// Names are the endpoint's DNS names, packed (internal/dnsname), as
+	// last read from the engine: served again at once after a restart.
+	Names string `json:"names,omitempty"`
 }
 
 // State is everything Load returns.

@@ -283,6 +283,8 @@ hostname "$1"
 # Private /run (plugin sockets, containerd shim sockets) and /etc/docker.
 mount -n --bind "$2/run" /run
 if [ -d /etc/docker ]; then mount -n --bind "$2/etc" /etc/docker; fi
+# A test's own host resolv.conf, if it wrote one.
+if [ -f "$2/resolv.conf" ]; then mount -n --bind "$2/resolv.conf" /etc/resolv.conf; fi
 # A sysfs of this network namespace (dockerd reads /sys/class/net), with the
 # cgroup tree carried over from the old /sys.
 mount -n --rbind /sys/fs/cgroup "$2/aside"
@@ -299,6 +301,9 @@ func (e *engine) dockerdArgs() []string {
 		"--data-root", filepath.Join(e.dir, "data"),
 		"--exec-root", filepath.Join(e.dir, "exec"),
 		"-H", "unix://" + e.sock,
+		// Also where a real engine serves its API (this dockerd's own
+		// /run, see engineScript): the managed plugin mounts it.
+		"-H", "unix:///run/docker.sock",
 		"--pidfile", filepath.Join(e.dir, "dockerd.pid"),
 		"--config-file", filepath.Join(e.dir, "daemon.json"),
 		"--cgroup-parent", e.cgroupParent,

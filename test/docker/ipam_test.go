@@ -44,8 +44,20 @@ func ipamPair(t *testing.T) (*lab, []*engine) {
 // other (one cluster key) and waits until each sees the other.
 func joinedPair(t *testing.T) (*lab, []*engine) {
 	t.Helper()
+	return joinedPairWith(t, nil)
+}
+
+// joinedPairWith is joinedPair with prepare run on each engine before its
+// overlayd starts.
+func joinedPairWith(t *testing.T, prepare func(*engine)) (*lab, []*engine) {
+	t.Helper()
 	l := newLab(t)
 	es := l.addEngines(2)
+	if prepare != nil {
+		for _, e := range es {
+			prepare(e)
+		}
+	}
 	key := filepath.Join(l.dir, "cluster.key")
 	if err := os.WriteFile(key, clusterKey(), 0o600); err != nil {
 		t.Fatal(err)

@@ -56,6 +56,10 @@ func (e *engine) startOverlaydAt(socket string, extra ...string) *overlaydProc {
 		// Not the defaults in the host's /run/overlayd, and one per engine.
 		"--control-socket", o.control,
 		"--node-name", e.name,
+		// This engine's API, and resolvers of the lab's own (a test
+		// writes the file when it needs one): never the host's.
+		"--engine-socket", e.sock,
+		"--resolv-conf", filepath.Join(e.dir, "ovd-resolv.conf"),
 	}, extra...)
 	e.ovd = o
 	if err := o.start(); err != nil {
