@@ -27,6 +27,7 @@ import (
 	"github.com/overlayd/overlayd/internal/logkeys"
 	"github.com/overlayd/overlayd/internal/nameindex"
 	"github.com/overlayd/overlayd/internal/netnsutil"
+	"github.com/overlayd/overlayd/internal/nlwrap"
 	"github.com/overlayd/overlayd/peerdb"
 )
 
@@ -59,8 +60,8 @@ type nameService struct {
 	ix      nameindex.Index
 	eng     *engine.Engine
 	resolv  string
-	hostNS  netns.NsHandle  // not owned
-	hostNL  *netlink.Handle // the host listener's, in hostNS
+	hostNS  netns.NsHandle // not owned
+	hostNL  *nlwrap.Handle // the host listener's, in hostNS
 	cluster func() *cluster.Cluster
 	d       atomic.Pointer[driver.Driver]
 
@@ -156,6 +157,9 @@ func (w namesWatcher) PeersChanged(vni uint32, keys []peerdb.Key) {
 // start serves the host listener and begins the loops.
 func (ns *nameService) start(d *driver.Driver) {
 	ns.d.Store(d)
+	// The names restored with the endpoints are served before the engine
+	// is read again: a restart leaves no gap for this host's names.
+	ns.build()
 	if err := ns.serveHost(); err != nil {
 		ns.log.Warn("the name server does not forward for containers of other networks (they need the second \"dns\" entry of daemon.json)",
 			logkeys.Event, "dns_host_listener_failed", "address", ns.addr, "error", err)
@@ -351,7 +355,7 @@ func (ns *nameService) currentUpstreams() []netip.AddrPort {
 // "port unreachable" and resolvers go on to daemon.json's next entry at
 // once. Only containers of this host are answered (see hostClients).
 func (ns *nameService) serveHost() error {
-	nl, err := netlink.NewHandleAt(ns.hostNS)
+	nl, err := nlwrap.NewHandleAt(ns.hostNS, unix.NETLINK_ROUTE)
 	if err != nil {
 		return fmt.Errorf("a netlink handle in the host's namespace: %w", err)
 	}

@@ -164,6 +164,19 @@ func TestNamesAcrossHosts(t *testing.T) {
 		}
 	}
 
+	// A restarted overlayd answers again as soon as it has rejoined (its
+	// own names are restored from the state file; db's come back with
+	// the cluster's records).
+	if err := a.ovd.stop(); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.ovd.start(); err != nil {
+		t.Fatal(err)
+	}
+	back := a.waitLookup("web1", "db", []string{dbAddr}, 10*time.Second)
+	b.waitLookup("web3", "tasks.web", webs, 10*time.Second)
+	t.Logf("engine %s: db resolves on %s %v after its overlayd restarted", selected.name, a.name, back.Round(time.Millisecond))
+
 	start := time.Now()
 	b.must("rm", "-f", "db")
 	removed := time.Since(start)
