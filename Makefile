@@ -77,6 +77,8 @@ lint:
 	if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	@# Nothing built and nothing over 1 MB is tracked.
 	$(GO) run ./test/lint/trackedfiles
+	@# Kernel access only through nlwrap and netnsutil (docs/architecture.md).
+	$(GO) test -count=1 ./test/lint/kernelaccess
 	$(GO) vet $(PKGS)
 	$(GO) vet -tags '$(TAGS)' $(PKGS)
 	$(GO) vet -tags '$(TAGS) faultinject' ./test/stress ./driver

@@ -59,12 +59,12 @@ import (
 	"strings"
 
 	api "github.com/docker/go-plugins-helpers/network"
-	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
 	"github.com/overlayd/overlayd/encryption"
 	"github.com/overlayd/overlayd/internal/lockorder"
+	"github.com/overlayd/overlayd/internal/nlwrap"
 	"github.com/overlayd/overlayd/internal/reaper"
 	"github.com/overlayd/overlayd/internal/sandbox"
 	"github.com/overlayd/overlayd/internal/statefile"
@@ -255,7 +255,7 @@ func New(cfg Config) (*Driver, error) {
 		}
 		d.hostNS, d.ownsNS = ns, true
 	}
-	h, err := netlink.NewHandleAt(d.hostNS, unix.NETLINK_ROUTE)
+	h, err := nlwrap.NewHandleAt(d.hostNS, unix.NETLINK_ROUTE)
 	if err != nil {
 		d.closeNS()
 		return nil, fmt.Errorf("failed to open a netlink handle in the host namespace: %w", err)

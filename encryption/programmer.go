@@ -9,16 +9,16 @@ import (
 	"slices"
 
 	"github.com/google/nftables"
-	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
+	"github.com/overlayd/overlayd/internal/nlwrap"
 	"github.com/overlayd/overlayd/internal/xfrmbatch"
 )
 
 // Stats counts the kernel requests a Programmer made.
 type Stats struct {
-	XfrmDumps int // state and policy dumps (one request each, retries included)
+	XfrmDumps int // state and policy dumps asked (an interrupted one is retried within, by nlwrap)
 	// XfrmSends counts the datagrams that carried the xfrm requests
 	// below (each one netlink round trip).
 	XfrmSends     int
@@ -70,8 +70,8 @@ func (s Stats) String() string {
 // A Programmer is not safe for concurrent use: its owner (Owner, under its
 // lock) serialises calls.
 type Programmer struct {
-	nsfd int             // our own duplicate of the namespace handle
-	nl   *netlink.Handle // dumps
+	nsfd int            // our own duplicate of the namespace handle
+	nl   *nlwrap.Handle // dumps
 	// xb sends the xfrm changes, batch by batch; pending holds the
 	// bookkeeping of the requests queued in batch (see flush).
 	xb      *xfrmbatch.Conn
@@ -107,7 +107,7 @@ func NewProgrammer(ns netns.NsHandle) (*Programmer, error) {
 	if err != nil {
 		return nil, fmt.Errorf("failed to duplicate namespace handle: %w", err)
 	}
-	nl, err := netlink.NewHandleAt(netns.NsHandle(fd), unix.NETLINK_XFRM)
+	nl, err := nlwrap.NewHandleAt(netns.NsHandle(fd), unix.NETLINK_XFRM)
 	if err != nil {
 		unix.Close(fd)
 		return nil, fmt.Errorf("failed to open xfrm netlink socket: %w", err)

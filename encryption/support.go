@@ -4,11 +4,11 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
-	"runtime"
 
-	"github.com/vishvananda/netlink"
-	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
+
+	"github.com/overlayd/overlayd/internal/netnsutil"
+	"github.com/overlayd/overlayd/internal/nlwrap"
 )
 
 // CheckKernelSupport reports whether this kernel can do what encrypted
@@ -38,12 +38,12 @@ const supportHint = " — encrypted networks need the esp4 (esp6 for an IPv6 und
 	"load them (modprobe) or use a kernel that has them"
 
 func checkKernelSupport(local, remote netip.Addr) (err error) {
-	ns, err := newNetNS()
+	ns, err := netnsutil.New()
 	if err != nil {
 		return fmt.Errorf("encryption support check: %w", err)
 	}
 	defer ns.Close()
-	nl, err := netlink.NewHandleAt(ns, unix.NETLINK_XFRM)
+	nl, err := nlwrap.NewHandleAt(ns, unix.NETLINK_XFRM)
 	if err != nil {
 		return fmt.Errorf("%w: no xfrm netlink (xfrm_user): %w%s", ErrKernelUnsupported, err, supportHint)
 	}
@@ -86,44 +86,4 @@ func checkKernelSupport(local, remote netip.Addr) (err error) {
 		return fmt.Errorf("kernel does not hold overlayd's nftables rules as installed: %w", err)
 	}
 	return nil
-}
-
-// newNetNS creates an anonymous network namespace and returns a handle to
-// it, without leaving any goroutine's thread in it: it switches a locked
-// thread, and switches it back before unlocking it. If switching back fails
-// the thread stays locked, so the runtime ends it with its goroutine
-// instead of handing a thread in the wrong namespace to other goroutines.
-func newNetNS() (netns.NsHandle, error) {
-	type result struct {
-		ns  netns.NsHandle
-		err error
-	}
-	ch := make(chan result, 1)
-	go func() {
-		runtime.LockOSThread()
-		orig, err := netns.Get()
-		if err != nil {
-			runtime.UnlockOSThread()
-			ch <- result{netns.None(), fmt.Errorf("failed to get the current network namespace: %w", err)}
-			return
-		}
-		defer orig.Close()
-		ns, err := netns.New() // unshare + open: switches this (locked) thread
-		if serr := netns.Set(orig); serr != nil {
-			if err == nil {
-				ns.Close()
-			}
-			// Leave the thread locked: it dies with this goroutine.
-			ch <- result{netns.None(), fmt.Errorf("failed to restore the network namespace after creating one: %w", serr)}
-			return
-		}
-		runtime.UnlockOSThread()
-		if err != nil {
-			ch <- result{netns.None(), fmt.Errorf("failed to create a network namespace: %w", err)}
-			return
-		}
-		ch <- result{ns, nil}
-	}()
-	r := <-ch
-	return r.ns, r.err
 }

@@ -75,13 +75,8 @@ func (p *Programmer) xfrmDump() (*actualXfrm, error) {
 	a := &actualXfrm{states: map[stateKey]netlink.XfrmState{}, policies: map[polKey]netlink.XfrmPolicy{}}
 	var states []netlink.XfrmState
 	var err error
-	for try := 0; try < 5; try++ {
-		p.stats.XfrmDumps++
-		states, err = p.nl.XfrmStateList(netlink.FAMILY_ALL)
-		if !errors.Is(err, netlink.ErrDumpInterrupted) {
-			break
-		}
-	}
+	p.stats.XfrmDumps++
+	states, err = p.nl.XfrmStateList(netlink.FAMILY_ALL) // retried on interruption (nlwrap)
 	if err != nil {
 		return nil, fmt.Errorf("failed to dump xfrm states: %w", err)
 	}
@@ -94,14 +89,8 @@ func (p *Programmer) xfrmDump() (*actualXfrm, error) {
 	// One dump per family: the library cannot tell 0.0.0.0/0 from ::/0 in
 	// a dump of all families, and our policies select "any source".
 	for _, fam := range []int{netlink.FAMILY_V4, netlink.FAMILY_V6} {
-		var pols []netlink.XfrmPolicy
-		for try := 0; try < 5; try++ {
-			p.stats.XfrmDumps++
-			pols, err = p.nl.XfrmPolicyList(fam)
-			if !errors.Is(err, netlink.ErrDumpInterrupted) {
-				break
-			}
-		}
+		p.stats.XfrmDumps++
+		pols, err := p.nl.XfrmPolicyList(fam)
 		if err != nil {
 			return nil, fmt.Errorf("failed to dump xfrm policies: %w", err)
 		}

@@ -10,6 +10,8 @@ import (
 	"strings"
 
 	"github.com/vishvananda/netlink"
+
+	"github.com/overlayd/overlayd/internal/nlwrap"
 )
 
 // CheckHost checks the settings that must fit this host, in the network
@@ -85,7 +87,7 @@ func checkSecretFile(path string) error {
 // hostAddrs lists the addresses assigned to the interfaces of the current
 // network namespace.
 func hostAddrs() ([]netip.Addr, error) {
-	list, err := netlink.AddrList(nil, netlink.FAMILY_ALL)
+	list, err := nlwrap.Retry(func() ([]netlink.Addr, error) { return netlink.AddrList(nil, netlink.FAMILY_ALL) })
 	if err != nil {
 		return nil, err
 	}

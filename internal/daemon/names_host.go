@@ -8,6 +8,8 @@ import (
 
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
+
+	"github.com/overlayd/overlayd/internal/nlwrap"
 )
 
 // hostClients decides whom the host listener answers: this host's own
@@ -21,7 +23,7 @@ type hostClients struct {
 	self netip.Addr
 	// nl is a handle in the host's namespace (the listener's goroutines
 	// may run on any thread).
-	nl *netlink.Handle
+	nl *nlwrap.Handle
 	mu sync.Mutex // a leaf: guards cache
 	// cache: per client, the verdict and when it expires.
 	cache map[netip.Addr]verdict
@@ -32,7 +34,7 @@ type verdict struct {
 	expires time.Time
 }
 
-func newHostClients(self netip.Addr, nl *netlink.Handle) *hostClients {
+func newHostClients(self netip.Addr, nl *nlwrap.Handle) *hostClients {
 	return &hostClients{self: self, nl: nl, cache: map[netip.Addr]verdict{}}
 }
 

@@ -7,6 +7,7 @@ import (
 
 	"github.com/vishvananda/netlink"
 
+	"github.com/overlayd/overlayd/internal/nlwrap"
 	"github.com/overlayd/overlayd/internal/testutil/nstest"
 )
 
@@ -56,7 +57,7 @@ func TestHostClients(t *testing.T) {
 	if err := h.RouteAdd(&netlink.Route{LinkIndex: br0.Attrs().Index, Gw: net.ParseIP("192.0.2.254"), Priority: 500}); err != nil {
 		t.Fatal(err)
 	}
-	hc := newHostClients(netip.MustParseAddr("169.254.53.53"), h)
+	hc := newHostClients(netip.MustParseAddr("169.254.53.53"), nlwrap.Wrap(h))
 	for _, c := range []struct {
 		addr string
 		want bool

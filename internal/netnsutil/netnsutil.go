@@ -23,12 +23,16 @@ import (
 // namespace lives as long as a handle (or a mount, or a process) refers to it.
 func New() (netns.NsHandle, error) {
 	var ns netns.NsHandle
+	ns = netns.None()
 	err := Do(func(orig netns.NsHandle) error {
 		var err error
 		ns, err = netns.New() // unshare + open; switches this (locked) thread
 		return err
 	})
 	if err != nil {
+		if ns.IsOpen() {
+			ns.Close() // made, but the thread could not switch back
+		}
 		return netns.None(), fmt.Errorf("failed to create network namespace: %w", err)
 	}
 	return ns, nil

@@ -29,7 +29,7 @@ import (
 // meanwhile then removes them, and one that had ended already cannot.
 func (sb *Sandbox) Audit(want peerdb.State, endpoints []Endpoint, reaping bool) ([]string, error) {
 	var problems []string
-	links, err := linkList(sb.h)
+	links, err := sb.h.LinkList()
 	if err != nil {
 		return nil, fmt.Errorf("failed to list links in sandbox %s: %w", sb.path, err)
 	}

@@ -8,6 +8,7 @@ import (
 	"github.com/vishvananda/netlink"
 
 	"github.com/overlayd/overlayd/internal/netnsutil"
+	"github.com/overlayd/overlayd/internal/nlwrap"
 	"github.com/overlayd/overlayd/peerdb"
 )
 
@@ -142,7 +143,7 @@ func (sb *Sandbox) RetireEndpoint(sandboxName string) (retired bool, err error) 
 // Retired returns the names of the sandbox's links that await deletion
 // (RetireEndpoint), sorted.
 func (sb *Sandbox) Retired() ([]string, error) {
-	links, err := linkList(sb.h)
+	links, err := sb.h.LinkList()
 	if err != nil {
 		return nil, fmt.Errorf("failed to list links in sandbox %s: %w", sb.path, err)
 	}
@@ -184,7 +185,7 @@ func (hs *Host) ReapRetired(id string) error {
 
 // RemoveHostLink deletes a link left in the host namespace (the host end of a
 // veth whose sandbox end could not be created). Missing is not an error.
-func RemoveHostLink(h *netlink.Handle, name string) error {
+func RemoveHostLink(h *nlwrap.Handle, name string) error {
 	l, err := h.LinkByName(name)
 	if err != nil {
 		if isNotFound(err) {

@@ -1,9 +1,11 @@
 package sandbox
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"net/netip"
+	"slices"
 	"sort"
 	"time"
 
@@ -141,13 +143,13 @@ type Kernel struct {
 func (sb *Sandbox) Dump() (Kernel, error) {
 	k := Kernel{Neigh: map[peerdb.NeighKey]peerdb.MAC{}, FDB: map[peerdb.FDBKey]netip.Addr{}}
 	for i, sl := range sb.subnets {
-		neighs, err := neighList(sb.h, sl.vxlan, unix.AF_INET)
+		neighs, err := sb.h.NeighList(sl.vxlan, unix.AF_INET)
 		if err != nil {
 			return k, fmt.Errorf("failed to dump neighbours of %s in sandbox %s: %w", VXLANName(sl.VNI), sb.path, err)
 		}
 		// IPv6 neighbours of every segment, not only of those with IPv6:
 		// an entry nobody wants is reported and removed wherever it is.
-		neighs6, err := neighList(sb.h, sl.vxlan, unix.AF_INET6)
+		neighs6, err := sb.h.NeighList(sl.vxlan, unix.AF_INET6)
 		if err != nil {
 			return k, fmt.Errorf("failed to dump IPv6 neighbours of %s in sandbox %s: %w", VXLANName(sl.VNI), sb.path, err)
 		}
@@ -163,7 +165,7 @@ func (sb *Sandbox) Dump() (Kernel, error) {
 			}
 			k.Neigh[peerdb.NeighKey{Subnet: i, IP: ip.Unmap()}] = peerdb.MAC(n.HardwareAddr)
 		}
-		fdbs, err := neighList(sb.h, sl.vxlan, unix.AF_BRIDGE)
+		fdbs, err := sb.h.NeighList(sl.vxlan, unix.AF_BRIDGE)
 		if err != nil {
 			return k, fmt.Errorf("failed to dump fdb of %s in sandbox %s: %w", VXLANName(sl.VNI), sb.path, err)
 		}
@@ -188,8 +190,9 @@ func (sb *Sandbox) Dump() (Kernel, error) {
 }
 
 // Diff compares what the kernel holds with the desired state. The result's
-// Delta turns the kernel into the desired state; Problems describes each
-// difference, naming the object.
+// Delta turns the kernel into the desired state, its slices sorted as a
+// DB's (peerdb.Delta.Sort); the problems describe each difference, naming
+// the object, sorted.
 func Diff(want peerdb.State, have Kernel) (peerdb.Delta, []string) {
 	var d peerdb.Delta
 	var problems []string
@@ -226,6 +229,10 @@ func Diff(want peerdb.State, have Kernel) (peerdb.Delta, []string) {
 	}
 	problems = append(problems, have.Foreign...)
 	sort.Strings(problems)
+	// In key order, as a DB's deltas are: what is programmed, and in what
+	// order, does not depend on map iteration.
+	d.Sort()
+	slices.SortFunc(d.NeighMoved, func(a, b peerdb.Neigh) int { return cmp.Or(cmp.Compare(a.Subnet, b.Subnet), a.IP.Compare(b.IP)) })
 	return d, problems
 }
 
@@ -261,31 +268,4 @@ func (sb *Sandbox) Populate(want peerdb.State) error {
 		d.FDBSet = append(d.FDBSet, peerdb.FDB{Subnet: k.Subnet, MAC: k.MAC, VTEP: vtep})
 	}
 	return sb.ApplyDelta(d)
-}
-
-// neighList dumps the neighbour (or, for AF_BRIDGE, FDB) entries of a link,
-// retrying when the kernel reports the dump was interrupted by a concurrent
-// change (the partial result would be wrong).
-func neighList(h *netlink.Handle, index, family int) ([]netlink.Neigh, error) {
-	var err error
-	for attempt := 0; attempt < 10; attempt++ {
-		var res []netlink.Neigh
-		res, err = h.NeighList(index, family)
-		if !errors.Is(err, netlink.ErrDumpInterrupted) {
-			return res, err
-		}
-	}
-	return nil, err
-}
-
-func linkList(h *netlink.Handle) ([]netlink.Link, error) {
-	var err error
-	for attempt := 0; attempt < 10; attempt++ {
-		var res []netlink.Link
-		res, err = h.LinkList()
-		if !errors.Is(err, netlink.ErrDumpInterrupted) {
-			return res, err
-		}
-	}
-	return nil, err
 }

@@ -31,7 +31,7 @@ func (sb *Sandbox) portProblems(sl subnetLinks) ([]string, []netlink.Neigh, erro
 	if pi.Learning {
 		problems = append(problems, fmt.Sprintf("vxlan %s: bridge port learning on, want off", vxName))
 	}
-	fdbs, err := neighList(sb.h, sl.vxlan, unix.AF_BRIDGE)
+	fdbs, err := sb.h.NeighList(sl.vxlan, unix.AF_BRIDGE)
 	if err != nil {
 		return nil, nil, fmt.Errorf("failed to dump fdb of %s in sandbox %s: %w", vxName, sb.path, err)
 	}
@@ -114,7 +114,7 @@ func (sb *Sandbox) missingStatic(endpoints []Endpoint) ([]Endpoint, error) {
 		} else if ep.SandboxName < g.first.SandboxName {
 			g.first = ep
 		}
-		fdbs, err := neighList(sb.h, l.Attrs().Index, unix.AF_BRIDGE)
+		fdbs, err := sb.h.NeighList(l.Attrs().Index, unix.AF_BRIDGE)
 		if err != nil {
 			return nil, fmt.Errorf("failed to dump fdb of %s in sandbox %s: %w", ep.SandboxName, sb.path, err)
 		}

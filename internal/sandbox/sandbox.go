@@ -51,6 +51,7 @@ import (
 
 	"github.com/overlayd/overlayd/internal/netnsutil"
 	"github.com/overlayd/overlayd/internal/nlbatch"
+	"github.com/overlayd/overlayd/internal/nlwrap"
 )
 
 // Host is the host side the sandboxes of one driver share: the namespace
@@ -58,7 +59,7 @@ import (
 // and a netlink handle bound to it.
 type Host struct {
 	NS        netns.NsHandle
-	Handle    *netlink.Handle
+	Handle    *nlwrap.Handle
 	Dir       string // directory where sandbox namespaces are mounted
 	VXLANPort int
 	IPv6      bool // the underlay is IPv6: VXLAN links get an IPv6 family
@@ -141,7 +142,7 @@ type Sandbox struct {
 	id      string
 	path    string
 	ns      netns.NsHandle
-	h       *netlink.Handle
+	h       *nlwrap.Handle
 	batch   *nlbatch.Conn
 	subnets []subnetLinks
 	arp     int // packet socket for announcements, -1 until the first (see announce)
@@ -401,7 +402,7 @@ func RemoveLeftover(host *Host, id string) error {
 		// Overlayd's links in two requests (one grace period each), then
 		// whatever else is there one by one.
 		gerr := errors.Join(deleteGroup(ns, LinkGroup), deleteGroup(ns, RetiredGroup))
-		h, err := netlink.NewHandleAt(ns, unix.NETLINK_ROUTE)
+		h, err := nlwrap.NewHandleAt(ns, unix.NETLINK_ROUTE)
 		ns.Close()
 		if err != nil {
 			return errors.Join(gerr, fmt.Errorf("failed to open netlink handle in leftover sandbox %s: %w", path, err))
@@ -417,8 +418,8 @@ func RemoveLeftover(host *Host, id string) error {
 
 // deleteAllLinks deletes every link but loopback in the namespace of h:
 // VXLANs first (they hold VNIs in the host namespace), then the rest.
-func deleteAllLinks(h *netlink.Handle, path string) error {
-	links, err := linkList(h)
+func deleteAllLinks(h *nlwrap.Handle, path string) error {
+	links, err := h.LinkList()
 	if err != nil {
 		return fmt.Errorf("failed to list links in sandbox %s: %w", path, err)
 	}
@@ -509,7 +510,7 @@ func Adopt(host *Host, id string, subnets []Subnet) (_ *Sandbox, err error) {
 // openHandles opens the netlink handle and the batch socket bound to the
 // sandbox's namespace.
 func (sb *Sandbox) openHandles() (err error) {
-	if sb.h, err = netlink.NewHandleAt(sb.ns, unix.NETLINK_ROUTE); err != nil {
+	if sb.h, err = nlwrap.NewHandleAt(sb.ns, unix.NETLINK_ROUTE); err != nil {
 		return fmt.Errorf("failed to open netlink handle in sandbox %s: %w", sb.path, err)
 	}
 	if sb.batch, err = nlbatch.Open(sb.ns); err != nil {
