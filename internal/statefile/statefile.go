@@ -101,9 +101,21 @@ type CorruptError struct {
 }
 
 func (e *CorruptError) Error() string {
-	return fmt.Sprintf("state file %s is unreadable: %v. overlayd refuses to start rather than forget networks that containers use. "+
-		"To recover: stop the containers on overlayd networks, move the file aside (mv %s %s.broken), start overlayd, and re-create the networks; "+
-		"or restore the file from a backup", e.Path, e.Err, e.Path, e.Path)
+	what := fmt.Sprintf("is unreadable: %v", e.Err)
+	advice := "To recover: " + startEmpty(e.Path) + "; or restore the file from a backup"
+	if d, ok := errors.AsType[*fileDamage](e.Err); ok {
+		what = d.what
+		if d.advice != "" {
+			advice = d.advice
+		}
+	}
+	return fmt.Sprintf("state file %s %s. overlayd refuses to start rather than forget networks that containers use. %s", e.Path, what, advice)
+}
+
+// startEmpty is the recovery that always works and loses the host's
+// networks.
+func startEmpty(path string) string {
+	return fmt.Sprintf("stop the containers on overlayd networks, move the file aside (mv %s %s.broken), start overlayd, and re-create the networks", path, path)
 }
 
 func (e *CorruptError) Unwrap() error { return e.Err }
@@ -132,6 +144,10 @@ func Open(dir string) (s *File, err error) {
 		return nil, fmt.Errorf("failed to check state file %s: %w", path, err)
 	case fi.Size() == 0:
 		return nil, &CorruptError{Path: path, Err: errors.New("the file is empty (0 bytes), not a state file")}
+	default:
+		if _, err := checkFile(path); err != nil {
+			return nil, err
+		}
 	}
 	db, err := bolt.Open(path, 0o600, &bolt.Options{Timeout: 2 * time.Second})
 	if err != nil {

@@ -1,0 +1,202 @@
+package statefile
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+// The tests below damage real state files the ways a disk, a crash or a
+// hand can, and want each one refused with a CorruptError that names the
+// file and what is wrong, never a crash and never a silent loss; and every
+// file that still holds everything to open with everything.
+
+// damageFixture is a state file written by overlayd and closed: network n1
+// with endpoints, the last of them, "last", written by the file's last
+// transaction of its own.
+type damageFixture struct {
+	dir       string
+	endpoints int    // how many endpoints it holds, "last" included
+	pageSize  int64  // bbolt's page size
+	need      int64  // the bytes the last transaction's pages run to
+	size      int64  // the file's size
+	txid      uint64 // the last transaction
+}
+
+func newDamageFixture(t *testing.T, endpoints int) damageFixture {
+	t.Helper()
+	s, dir := openNew(t)
+	if err := s.PutNetwork(Network{ID: "n1", VNIs: []uint32{5}}); err != nil {
+		t.Fatal(err)
+	}
+	for i := range endpoints - 1 {
+		if err := s.PutEndpoint(Endpoint{Network: "n1", ID: fmt.Sprintf("e%03d", i), Addr: "192.0.2.3/24", MAC: "02:42:c0:00:02:03"}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := s.PutEndpoint(Endpoint{Network: "n1", ID: "last", Addr: "192.0.2.4/24"}); err != nil {
+		t.Fatal(err)
+	}
+	fx := damageFixture{dir: dir, endpoints: endpoints}
+	s.view(func(tx *txAlias) error {
+		fx.pageSize, fx.need, fx.txid = int64(tx.DB().Info().PageSize), tx.Size(), uint64(tx.ID())
+		return nil
+	})
+	s.Close()
+	fi, err := os.Stat(fx.path())
+	if err != nil {
+		t.Fatal(err)
+	}
+	fx.size = fi.Size()
+	return fx
+}
+
+func (fx damageFixture) path() string { return filepath.Join(fx.dir, FileName) }
+
+// copy returns a copy of the fixture's state directory, to damage.
+func (fx damageFixture) copy(t *testing.T) damageFixture {
+	t.Helper()
+	c := fx
+	c.dir = t.TempDir()
+	entries, err := os.ReadDir(fx.dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range entries {
+		b, err := os.ReadFile(filepath.Join(fx.dir, e.Name()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(c.dir, e.Name()), b, 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return c
+}
+
+// overwrite writes b over the state file at offset off.
+func (fx damageFixture) overwrite(t *testing.T, off int64, b []byte) {
+	t.Helper()
+	f, err := os.OpenFile(fx.path(), os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if _, err := f.WriteAt(b, off); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// openAndLoad does what a starting daemon does with the file: open it and
+// read every table.
+func openAndLoad(dir string) (*State, error) {
+	s, err := Open(dir)
+	if err != nil {
+		return nil, err
+	}
+	defer s.Close()
+	st, err := s.Load()
+	if err != nil {
+		return nil, err
+	}
+	if _, err := s.LoadIPAM(); err != nil {
+		return nil, err
+	}
+	return st, nil
+}
+
+// wantRefused checks that err is a CorruptError for the fixture's file
+// that says what (once: a wrapped error does not repeat the message) and
+// the recovery steps.
+func (fx damageFixture) wantRefused(t *testing.T, err error, what string) {
+	t.Helper()
+	if _, ok := errors.AsType[*CorruptError](err); !ok {
+		t.Fatalf("want a CorruptError, got %v", err)
+	}
+	msg := err.Error()
+	if !strings.HasPrefix(msg, "state file "+fx.path()+" ") || strings.Count(msg, "state file "+fx.path()) != 1 ||
+		!strings.Contains(msg, what) || !strings.Contains(msg, "refuses to start") || !strings.Contains(msg, "mv "+fx.path()) {
+		t.Fatalf("want the message to start with the file, say %q once, and the recovery steps; got %q", what, msg)
+	}
+}
+
+// wantWhole checks that the fixture's file opens with everything it held
+// and takes a write that survives a reopen.
+func (fx damageFixture) wantWhole(t *testing.T) {
+	t.Helper()
+	st, err := openAndLoad(fx.dir)
+	if err != nil {
+		t.Fatalf("a file that holds everything was refused: %v", err)
+	}
+	if len(st.Endpoints) != fx.endpoints || st.Endpoints[len(st.Endpoints)-1].ID != "last" {
+		t.Fatalf("%d endpoints (the last %+v), want %d ending with \"last\"", len(st.Endpoints), st.Endpoints[len(st.Endpoints)-1], fx.endpoints)
+	}
+	s, err := Open(fx.dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.PutEndpoint(Endpoint{Network: "n1", ID: "zz-after", Addr: "192.0.2.5/24"}); err != nil {
+		t.Fatal(err)
+	}
+	s.Close()
+	if st, err := openAndLoad(fx.dir); err != nil || len(st.Endpoints) != fx.endpoints+1 {
+		t.Fatalf("after a write: %v, %+v", err, st)
+	}
+}
+
+// A truncated file is refused before bbolt maps it (which faulted past
+// the end of the file: SIGBUS, a traceback and exit 2); one cut only
+// after the last page in use holds everything and opens. Transactions
+// alternate between two sets of pages, so the cuts are tried on files
+// whose last transaction ended on either.
+func TestTruncatedFileRefused(t *testing.T) {
+	for _, endpoints := range []int{4, 5} {
+		t.Run(fmt.Sprintf("%d endpoints", endpoints), func(t *testing.T) { testTruncated(t, newDamageFixture(t, endpoints)) })
+	}
+}
+
+func testTruncated(t *testing.T, fx damageFixture) {
+	ps := fx.pageSize
+	if fx.need <= fx.size/2 || fx.need <= 3*ps {
+		t.Fatalf("fixture: the pages in use (%d bytes) must reach past half the file (%d bytes) and three pages", fx.need, fx.size)
+	}
+	for _, c := range []struct {
+		name string
+		size int64
+		want string
+	}{
+		{"1 byte", 1, "page 0 is cut short (1 of its 80 bytes are in the file)"},
+		{"50 bytes", 50, "has no valid meta page"},
+		{"100 bytes", 100, fmt.Sprintf("is truncated: 100 of the %d bytes its last transaction needs", fx.need)},
+		{"one page", ps, fmt.Sprintf("is truncated: %d of the %d bytes", ps, fx.need)},
+		{"two pages", 2 * ps, fmt.Sprintf("is truncated: %d of the %d bytes", 2*ps, fx.need)},
+		{"half", fx.size / 2, fmt.Sprintf("is truncated: %d of the %d bytes", fx.size/2, fx.need)},
+		{"all but the last page in use", fx.need - ps, fmt.Sprintf("is truncated: %d of the %d bytes", fx.need-ps, fx.need)},
+		{"one byte short", fx.need - 1, fmt.Sprintf("is truncated: %d of the %d bytes", fx.need-1, fx.need)},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			d := fx.copy(t)
+			if err := os.Truncate(d.path(), c.size); err != nil {
+				t.Fatal(err)
+			}
+			_, err := openAndLoad(d.dir)
+			d.wantRefused(t, err, c.want)
+		})
+	}
+	// bbolt grows the file ahead of its use: what lies past the last page
+	// in use is free space, and a file cut there (or mid-page there) has
+	// lost nothing.
+	for _, size := range []int64{fx.need, fx.need + 100} {
+		t.Run(fmt.Sprintf("cut at %d of %d bytes, after the pages in use", size, fx.size), func(t *testing.T) {
+			d := fx.copy(t)
+			if err := os.Truncate(d.path(), size); err != nil {
+				t.Fatal(err)
+			}
+			d.wantWhole(t)
+		})
+	}
+	t.Run("untouched", func(t *testing.T) { fx.copy(t).wantWhole(t) })
+}
