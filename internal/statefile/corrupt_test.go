@@ -1,6 +1,8 @@
 package statefile
 
 import (
+	"bytes"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"os"
@@ -199,4 +201,118 @@ func testTruncated(t *testing.T, fx damageFixture) {
 		})
 	}
 	t.Run("untouched", func(t *testing.T) { fx.copy(t).wantWhole(t) })
+}
+
+// A page of the data overwritten is refused when the file is opened (not
+// at some later call that reaches it), with one message, however the
+// garbage looks to bbolt: a page it cannot make sense of (a panic), or
+// records that point outside the file (a fault, which killed overlayd
+// with a traceback). Garbage over a page no transaction uses loses
+// nothing.
+func TestOverwrittenDataPageRefused(t *testing.T) {
+	fx := newDamageFixture(t, 100)
+	var table int64 // the endpoints table's root page
+	var free int64  // a page no transaction uses
+	s, err := Open(fx.copy(t).dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.view(func(tx *txAlias) error {
+		table = int64(tx.Bucket(bucketEndpoints).Root())
+		for id := 2; id < int(fx.need/fx.pageSize); id++ {
+			if p, err := tx.Page(id); err == nil && p != nil && p.Type == "free" {
+				free = int64(id)
+			}
+		}
+		return nil
+	})
+	s.Close()
+	if table == 0 || free == 0 {
+		t.Fatalf("fixture: the endpoints table has no page of its own (%d) or no page is free (%d)", table, free)
+	}
+	ps := int(fx.pageSize)
+	garbage := []byte(strings.Repeat("garbage!", ps/8))
+	outside := make([]byte, ps) // a leaf page whose three records lie 128 MiB further
+	order := binary.NativeEndian
+	order.PutUint64(outside[0:], uint64(table))
+	order.PutUint16(outside[8:], 0x02) // leaf
+	order.PutUint16(outside[10:], 3)
+	for i := range 3 {
+		e := outside[pageHeaderSize+16*i:]
+		order.PutUint32(e[4:], 1<<27) // offset of the key from the element
+		order.PutUint32(e[8:], 8)     // key size
+		order.PutUint32(e[12:], 8)    // value size
+	}
+	at := table * fx.pageSize
+	for _, c := range []struct {
+		name string
+		off  int64
+		b    []byte
+		want string
+	}{
+		{"garbage", at, garbage, "is unreadable: "},
+		{"zeros", at, make([]byte, ps), "is unreadable: "},
+		{"records outside the file", at, outside, "is unreadable: a page it refers to is damaged or missing (reading it faulted at "},
+		{"page header flags", at + 8, []byte{0xff}, "is unreadable: "},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			d := fx.copy(t)
+			d.overwrite(t, c.off, c.b)
+			s, err := Open(d.dir)
+			if err == nil {
+				s.Close()
+			}
+			d.wantRefused(t, err, c.want)
+		})
+	}
+	// Damage done while the file is open (bbolt maps it shared: the
+	// next read sees it) is refused by the call that reads it, a fault
+	// included, and the message says it once.
+	for _, c := range []struct {
+		name   string
+		damage func(d damageFixture)
+	}{
+		{"garbage while open", func(d damageFixture) { d.overwrite(t, at, garbage) }},
+		{"records outside the file while open", func(d damageFixture) { d.overwrite(t, at, outside) }},
+		{"truncated while open", func(d damageFixture) {
+			if err := os.Truncate(d.path(), 2*fx.pageSize); err != nil {
+				t.Fatal(err)
+			}
+		}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			d := fx.copy(t)
+			s, err := Open(d.dir)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer s.Close()
+			c.damage(d)
+			_, err = s.Load()
+			d.wantRefused(t, err, "is unreadable: ")
+		})
+	}
+	t.Run("a free page", func(t *testing.T) {
+		d := fx.copy(t)
+		d.overwrite(t, free*fx.pageSize, garbage)
+		d.wantWhole(t)
+	})
+}
+
+// A flipped byte that breaks a record is refused by the load that reads
+// it, naming the record.
+func TestFlippedRecordByteRefused(t *testing.T) {
+	fx := newDamageFixture(t, 100)
+	b, err := os.ReadFile(fx.path())
+	if err != nil {
+		t.Fatal(err)
+	}
+	rec := []byte(`{"network":"n1","id":"e050"`)
+	at := bytes.Index(b, rec)
+	if at < 0 || bytes.Count(b, rec) != 1 {
+		t.Fatalf("fixture: record %s found %d times", rec, bytes.Count(b, rec))
+	}
+	fx.overwrite(t, int64(at), []byte{'{' ^ 0x01})
+	_, err = openAndLoad(fx.dir)
+	fx.wantRefused(t, err, `is unreadable: endpoint "n1/e050"`)
 }

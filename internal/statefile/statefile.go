@@ -14,9 +14,11 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"hash/crc32"
 	"maps"
 	"os"
 	"path/filepath"
+	"runtime/debug"
 	"slices"
 	"time"
 
@@ -121,16 +123,21 @@ func startEmpty(path string) string {
 func (e *CorruptError) Unwrap() error { return e.Err }
 
 // Open opens (creating if needed) the state file in dir. It fails clearly if
-// another process holds the file or if it is corrupt.
+// another process holds the file or if it is corrupt: every page of the
+// file is read before it returns.
 func Open(dir string) (s *File, err error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("failed to create state directory %s: %w", dir, err)
 	}
 	path := filepath.Join(dir, FileName)
+	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
+	var db *bolt.DB
 	defer func() {
-		// bbolt panics on some kinds of corruption: turn that into an error.
 		if r := recover(); r != nil {
-			err = &CorruptError{Path: path, Err: fmt.Errorf("%v", r)}
+			if db != nil {
+				db.Close()
+			}
+			s, err = nil, &CorruptError{Path: path, Err: fromPanic(r)}
 		}
 	}()
 	// Only a missing file is a fresh start. An empty one is what a crash
@@ -149,7 +156,7 @@ func Open(dir string) (s *File, err error) {
 			return nil, err
 		}
 	}
-	db, err := bolt.Open(path, 0o600, &bolt.Options{Timeout: 2 * time.Second})
+	db, err = bolt.Open(path, 0o600, &bolt.Options{Timeout: 2 * time.Second})
 	if err != nil {
 		if errors.Is(err, bolt.ErrTimeout) {
 			return nil, fmt.Errorf("state file %s is locked by another process (is another overlayd running with --state-dir %s?)", path, dir)
@@ -159,51 +166,101 @@ func Open(dir string) (s *File, err error) {
 	s = &File{db: db, path: path}
 	s.ipamCommit.init()
 	err = db.Update(func(tx *bolt.Tx) error {
-		meta := tx.Bucket(bucketMeta)
-		stored := 0 // the file's schema version; 0 for a fresh file
-		if meta != nil {
-			if v := meta.Get(keySchema); v != nil {
-				if err := json.Unmarshal(v, &stored); err != nil {
-					return &CorruptError{Path: path, Err: fmt.Errorf("schema version %q: %w", v, err)}
-				}
-				if stored > SchemaVersion {
-					return fmt.Errorf("state file %s has schema version %d, newer than this overlayd understands (%d): run the newer overlayd, or move the file aside", path, stored, SchemaVersion)
-				}
-			}
+		if err := initTables(tx, path, fresh); err != nil {
+			return err
 		}
-		for _, b := range [][]byte{bucketMeta, bucketNetworks, bucketEndpoints, bucketAllocs, bucketIPAM} {
-			if tx.Bucket(b) != nil {
-				continue
-			}
-			// A table missing from a file this process did not just
-			// create was lost: re-creating it empty would drop what it
-			// held without a word. The one exception is a table newer
-			// than the file's schema (ipam in a version 1 file).
-			upgrade := bytes.Equal(b, bucketIPAM) && stored == 1
-			if !fresh && !upgrade {
-				return &CorruptError{Path: path, Err: fmt.Errorf("table %q is missing", b)}
-			}
-			if _, err := tx.CreateBucket(b); err != nil {
-				return err
-			}
-		}
-		if stored == 0 && !fresh {
-			return &CorruptError{Path: path, Err: errors.New("the schema version is missing")}
-		}
-		if stored == SchemaVersion {
-			return nil
-		}
-		return tx.Bucket(bucketMeta).Put(keySchema, []byte(fmt.Sprint(SchemaVersion)))
+		return readAll(tx)
 	})
 	if err != nil {
 		db.Close()
-		var ce *CorruptError
-		if errors.As(err, &ce) {
+		if _, ok := errors.AsType[*CorruptError](err); ok {
 			return nil, err
 		}
 		return nil, fmt.Errorf("failed to initialise state file %s: %w", path, err)
 	}
 	return s, nil
+}
+
+// initTables checks the schema version and the tables of the file at path
+// and creates what a fresh file, or one of an older schema, lacks.
+func initTables(tx *bolt.Tx, path string, fresh bool) error {
+	meta := tx.Bucket(bucketMeta)
+	stored := 0 // the file's schema version; 0 for a fresh file
+	if meta != nil {
+		if v := meta.Get(keySchema); v != nil {
+			if err := json.Unmarshal(v, &stored); err != nil {
+				return &CorruptError{Path: path, Err: fmt.Errorf("schema version %q: %w", v, err)}
+			}
+			if stored > SchemaVersion {
+				return fmt.Errorf("state file %s has schema version %d, newer than this overlayd understands (%d): run the newer overlayd, or move the file aside", path, stored, SchemaVersion)
+			}
+		}
+	}
+	for _, b := range [][]byte{bucketMeta, bucketNetworks, bucketEndpoints, bucketAllocs, bucketIPAM} {
+		if tx.Bucket(b) != nil {
+			continue
+		}
+		// A table missing from a file this process did not just
+		// create was lost: re-creating it empty would drop what it
+		// held without a word. The one exception is a table newer
+		// than the file's schema (ipam in a version 1 file).
+		upgrade := bytes.Equal(b, bucketIPAM) && stored == 1
+		if !fresh && !upgrade {
+			return &CorruptError{Path: path, Err: fmt.Errorf("table %q is missing", b)}
+		}
+		if _, err := tx.CreateBucket(b); err != nil {
+			return err
+		}
+	}
+	if stored == 0 && !fresh {
+		return &CorruptError{Path: path, Err: errors.New("the schema version is missing")}
+	}
+	if stored == SchemaVersion {
+		return nil
+	}
+	return tx.Bucket(bucketMeta).Put(keySchema, []byte(fmt.Sprint(SchemaVersion)))
+}
+
+// readAll reads every key and value of every table, so that a damaged page
+// anywhere in the file stops the start, rather than a later call that
+// happens to reach it. (bbolt panics on a page it cannot make sense of;
+// Open turns that into a CorruptError.)
+func readAll(tx *bolt.Tx) error {
+	h := crc32.NewIEEE() // reading means touching every byte
+	var read func(b *bolt.Bucket) error
+	read = func(b *bolt.Bucket) error {
+		return b.ForEach(func(k, v []byte) error {
+			h.Write(k)
+			h.Write(v)
+			if v != nil {
+				return nil
+			}
+			if sub := b.Bucket(k); sub != nil {
+				return read(sub)
+			}
+			return nil
+		})
+	}
+	return tx.ForEach(func(_ []byte, b *bolt.Bucket) error { return read(b) })
+}
+
+// fromPanic is the error a CorruptError carries for what bbolt panicked
+// with: an assertion on a damaged page, or a fault reading a page the file
+// does not back (SetPanicOnFault turns that into a panic).
+func fromPanic(r any) error {
+	if f, ok := r.(interface{ Addr() uintptr }); ok {
+		return fmt.Errorf("a page it refers to is damaged or missing (reading it faulted at %#x)", f.Addr())
+	}
+	return fmt.Errorf("%v", r)
+}
+
+// corrupt returns err as a CorruptError of the file at path (as it is when
+// it is one already).
+func corrupt(path string, err error) error {
+	if _, ok := errors.AsType[*CorruptError](err); ok {
+		return err
+	}
+	return &CorruptError{Path: path, Err: err}
 }
 
 // Path returns the state file's path.
@@ -380,15 +437,16 @@ func (s *File) Load() (*State, error) {
 		})
 	})
 	if err != nil {
-		return nil, &CorruptError{Path: s.path, Err: err}
+		return nil, corrupt(s.path, err)
 	}
 	return st, nil
 }
 
 func (s *File) update(what string, fn func(*bolt.Tx) error) (err error) {
+	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
 	defer func() {
 		if r := recover(); r != nil {
-			err = &CorruptError{Path: s.path, Err: fmt.Errorf("%v", r)}
+			err = &CorruptError{Path: s.path, Err: fromPanic(r)}
 		}
 	}()
 	start := time.Now()
@@ -401,9 +459,10 @@ func (s *File) update(what string, fn func(*bolt.Tx) error) (err error) {
 }
 
 func (s *File) view(fn func(*bolt.Tx) error) (err error) {
+	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
 	defer func() {
 		if r := recover(); r != nil {
-			err = &CorruptError{Path: s.path, Err: fmt.Errorf("%v", r)}
+			err = &CorruptError{Path: s.path, Err: fromPanic(r)}
 		}
 	}()
 	return s.db.View(fn)
