@@ -85,6 +85,7 @@ type State struct {
 type File struct {
 	db   *bolt.DB
 	path string
+	lock *os.File // the state directory, flocked while the file is open
 	// writes times every write transaction (bbolt fsyncs each one): the
 	// figure that tells a slow disk from a slow plugin call.
 	writes latency.Recorder
@@ -130,6 +131,10 @@ func Open(dir string) (s *File, err error) {
 		return nil, fmt.Errorf("failed to create state directory %s: %w", dir, err)
 	}
 	path := filepath.Join(dir, FileName)
+	lock, err := lockDir(dir)
+	if err != nil {
+		return nil, err
+	}
 	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
 	var db *bolt.DB
 	defer func() {
@@ -138,6 +143,9 @@ func Open(dir string) (s *File, err error) {
 				db.Close()
 			}
 			s, err = nil, &CorruptError{Path: path, Err: fromPanic(r)}
+		}
+		if err != nil {
+			lock.Close()
 		}
 	}()
 	// Only a missing file is a fresh start. An empty one is what a crash
@@ -163,7 +171,7 @@ func Open(dir string) (s *File, err error) {
 		}
 		return nil, &CorruptError{Path: path, Err: err}
 	}
-	s = &File{db: db, path: path}
+	s = &File{db: db, path: path, lock: lock}
 	s.ipamCommit.init()
 	err = db.Update(func(tx *bolt.Tx) error {
 		if err := initTables(tx, path, fresh); err != nil {
@@ -267,7 +275,11 @@ func corrupt(path string, err error) error {
 func (s *File) Path() string { return s.path }
 
 // Close closes the file.
-func (s *File) Close() error { return s.db.Close() }
+func (s *File) Close() error {
+	err := s.db.Close()
+	s.lock.Close()
+	return err
+}
 
 func epKey(network, id string) []byte { return []byte(network + "/" + id) }
 
