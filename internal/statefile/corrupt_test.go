@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 )
@@ -136,6 +137,13 @@ func (fx damageFixture) wantWhole(t *testing.T) {
 	if len(st.Endpoints) != fx.endpoints || st.Endpoints[len(st.Endpoints)-1].ID != "last" {
 		t.Fatalf("%d endpoints (the last %+v), want %d ending with \"last\"", len(st.Endpoints), st.Endpoints[len(st.Endpoints)-1], fx.endpoints)
 	}
+	fx.wantWritable(t, len(st.Endpoints))
+}
+
+// wantWritable checks that the fixture's file, holding endpoints, takes a
+// write that survives a reopen.
+func (fx damageFixture) wantWritable(t *testing.T, endpoints int) {
+	t.Helper()
 	s, err := Open(fx.dir)
 	if err != nil {
 		t.Fatal(err)
@@ -144,7 +152,7 @@ func (fx damageFixture) wantWhole(t *testing.T) {
 		t.Fatal(err)
 	}
 	s.Close()
-	if st, err := openAndLoad(fx.dir); err != nil || len(st.Endpoints) != fx.endpoints+1 {
+	if st, err := openAndLoad(fx.dir); err != nil || len(st.Endpoints) != endpoints+1 {
 		t.Fatalf("after a write: %v, %+v", err, st)
 	}
 }
@@ -315,4 +323,97 @@ func TestFlippedRecordByteRefused(t *testing.T) {
 	fx.overwrite(t, int64(at), []byte{'{' ^ 0x01})
 	_, err = openAndLoad(fx.dir)
 	fx.wantRefused(t, err, `is unreadable: endpoint "n1/e050"`)
+}
+
+// fixtureNewestIn returns a fixture whose last transaction wrote meta page
+// page (transaction n writes page n%2).
+func fixtureNewestIn(t *testing.T, page int) damageFixture {
+	t.Helper()
+	fx := newDamageFixture(t, 4)
+	if int(fx.txid%2) != page {
+		fx = newDamageFixture(t, 5)
+	}
+	if int(fx.txid%2) != page {
+		t.Fatalf("fixture: transaction %d is not in meta page %d", fx.txid, page)
+	}
+	return fx
+}
+
+// metaDamage is the ways a meta page is damaged in these tests: damage
+// changes a copy of the page.
+var metaDamage = []struct {
+	name   string
+	damage func(page []byte)
+	want   string
+}{
+	{"garbage", func(p []byte) { copy(p, strings.Repeat("garbage!", len(p)/8)) }, "lacks bbolt's marker"},
+	{"zeros", func(p []byte) { clear(p) }, "lacks bbolt's marker"},
+	{"a flipped bit of its txid", func(p []byte) { p[pageHeaderSize+48] ^= 0x10 }, "fails its checksum"},
+}
+
+// damageMeta applies damage to meta page page of the fixture's file.
+func (fx damageFixture) damageMeta(t *testing.T, page int, damage func([]byte)) {
+	t.Helper()
+	b, err := os.ReadFile(fx.path())
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := b[int64(page)*fx.pageSize : int64(page+1)*fx.pageSize]
+	damage(p)
+	fx.overwrite(t, int64(page)*fx.pageSize, p)
+}
+
+// Garbage over the meta page of the last transaction made bbolt open the
+// one before it without a word: the last transaction's endpoint was gone.
+// It is refused, on either meta page.
+func TestDamagedNewestMetaPageRefused(t *testing.T) {
+	for page := range 2 {
+		fx := fixtureNewestIn(t, page)
+		for _, c := range metaDamage {
+			t.Run(fmt.Sprintf("page %d %s", page, c.name), func(t *testing.T) {
+				d := fx.copy(t)
+				d.damageMeta(t, page, c.damage)
+				_, err := openAndLoad(d.dir)
+				d.wantRefused(t, err, fmt.Sprintf("has a damaged meta page: page %d %s", page, c.want))
+				if !strings.Contains(err.Error(), fmt.Sprintf("keep transaction %d and lose what came after it", fx.txid-1)) {
+					t.Errorf("the message does not offer to keep transaction %d: %v", fx.txid-1, err)
+				}
+			})
+		}
+	}
+	t.Run("both pages", func(t *testing.T) {
+		d := newDamageFixture(t, 4)
+		d.damageMeta(t, 0, metaDamage[0].damage)
+		d.damageMeta(t, 1, metaDamage[0].damage)
+		_, err := openAndLoad(d.dir)
+		d.wantRefused(t, err, "has no valid meta page (bbolt's two headers that say where the data is): page 0 lacks bbolt's marker")
+	})
+}
+
+// The recovery docs/operations.md gives for a damaged meta page, to keep
+// the transaction before it: copy the valid meta page over the damaged
+// one (dd). The file then opens without the last transaction's endpoint,
+// and its next transaction rewrites the copied page.
+func TestKeepOlderTransactionRecovery(t *testing.T) {
+	for page := range 2 {
+		t.Run(fmt.Sprintf("page %d", page), func(t *testing.T) {
+			fx := fixtureNewestIn(t, page)
+			fx.damageMeta(t, page, metaDamage[0].damage)
+			b, err := os.ReadFile(fx.path())
+			if err != nil {
+				t.Fatal(err)
+			}
+			// dd if=overlayd.db of=overlayd.db bs=<page size> skip=<valid page> seek=<damaged page> count=1 conv=notrunc
+			valid := 1 - page
+			fx.overwrite(t, int64(page)*fx.pageSize, b[int64(valid)*fx.pageSize:int64(valid+1)*fx.pageSize])
+			st, err := openAndLoad(fx.dir)
+			if err != nil {
+				t.Fatalf("after the recovery: %v", err)
+			}
+			if len(st.Endpoints) != fx.endpoints-1 || slices.ContainsFunc(st.Endpoints, func(e Endpoint) bool { return e.ID == "last" }) {
+				t.Fatalf("after the recovery: %+v, want the endpoints before \"last\"", st.Endpoints)
+			}
+			fx.wantWritable(t, len(st.Endpoints))
+		})
+	}
 }

@@ -115,6 +115,13 @@ func (e *CorruptError) Error() string {
 	return fmt.Sprintf("state file %s %s. overlayd refuses to start rather than forget networks that containers use. %s", e.Path, what, advice)
 }
 
+// keepOlder is the recovery of a file that lost (or may have lost) the
+// transactions after txid.
+func keepOlder(path string, txid uint64) string {
+	return fmt.Sprintf("To recover: restore the file from a backup; or keep transaction %d and lose what came after it (see \"A refused state file\" in docs/operations.md); or %s",
+		txid, startEmpty(path))
+}
+
 // startEmpty is the recovery that always works and loses the host's
 // networks.
 func startEmpty(path string) string {
@@ -160,8 +167,16 @@ func Open(dir string) (s *File, err error) {
 	case fi.Size() == 0:
 		return nil, &CorruptError{Path: path, Err: errors.New("the file is empty (0 bytes), not a state file")}
 	default:
-		if _, err := checkFile(path); err != nil {
+		l, err := checkFile(path)
+		if err != nil {
 			return nil, err
+		}
+		if l.damaged >= 0 {
+			return nil, &CorruptError{Path: path, Err: &fileDamage{
+				what: fmt.Sprintf("has a damaged meta page: page %d %v. bbolt would open the transaction before (%d, in meta page %d) without a word, "+
+					"and nothing proves that the damaged page did not hold a newer one, whose changes would be lost", l.damaged, l.why, l.txid, 1-l.damaged),
+				advice: keepOlder(path, l.txid),
+			}}
 		}
 	}
 	db, err = bolt.Open(path, 0o600, &bolt.Options{Timeout: 2 * time.Second})
