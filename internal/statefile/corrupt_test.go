@@ -93,6 +93,20 @@ func (fx damageFixture) overwrite(t *testing.T, off int64, b []byte) {
 	}
 }
 
+// addEndpoint opens the fixture's file, writes an endpoint of n1 and
+// closes it.
+func (fx damageFixture) addEndpoint(t *testing.T, id string) {
+	t.Helper()
+	s, err := Open(fx.dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	if err := s.PutEndpoint(Endpoint{Network: "n1", ID: id, Addr: "192.0.2.5/24"}); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // openAndLoad does what a starting daemon does with the file: open it and
 // read every table.
 func openAndLoad(dir string) (*State, error) {
@@ -113,7 +127,7 @@ func openAndLoad(dir string) (*State, error) {
 
 // wantRefused checks that err is a CorruptError for the fixture's file
 // that says what (once: a wrapped error does not repeat the message) and
-// the recovery steps.
+// how to recover.
 func (fx damageFixture) wantRefused(t *testing.T, err error, what string) {
 	t.Helper()
 	if _, ok := errors.AsType[*CorruptError](err); !ok {
@@ -121,8 +135,8 @@ func (fx damageFixture) wantRefused(t *testing.T, err error, what string) {
 	}
 	msg := err.Error()
 	if !strings.HasPrefix(msg, "state file "+fx.path()+" ") || strings.Count(msg, "state file "+fx.path()) != 1 ||
-		!strings.Contains(msg, what) || !strings.Contains(msg, "refuses to start") || !strings.Contains(msg, "mv "+fx.path()) {
-		t.Fatalf("want the message to start with the file, say %q once, and the recovery steps; got %q", what, msg)
+		!strings.Contains(msg, what) || !strings.Contains(msg, "refuses to start") || !strings.Contains(msg, ". To recover: ") {
+		t.Fatalf("want the message to start with the file, say %q once, and how to recover; got %q", what, msg)
 	}
 }
 
@@ -144,14 +158,7 @@ func (fx damageFixture) wantWhole(t *testing.T) {
 // write that survives a reopen.
 func (fx damageFixture) wantWritable(t *testing.T, endpoints int) {
 	t.Helper()
-	s, err := Open(fx.dir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := s.PutEndpoint(Endpoint{Network: "n1", ID: "zz-after", Addr: "192.0.2.5/24"}); err != nil {
-		t.Fatal(err)
-	}
-	s.Close()
+	fx.addEndpoint(t, "zz-after")
 	if st, err := openAndLoad(fx.dir); err != nil || len(st.Endpoints) != endpoints+1 {
 		t.Fatalf("after a write: %v, %+v", err, st)
 	}
@@ -194,6 +201,9 @@ func testTruncated(t *testing.T, fx damageFixture) {
 			}
 			_, err := openAndLoad(d.dir)
 			d.wantRefused(t, err, c.want)
+			if !strings.Contains(err.Error(), "restore the file from a backup") || !strings.Contains(err.Error(), "move the file aside (mv "+d.path()+" "+d.path()+".broken)") {
+				t.Fatalf("the message does not offer a backup or an empty start: %v", err)
+			}
 		})
 	}
 	// bbolt grows the file ahead of its use: what lies past the last page
@@ -375,12 +385,29 @@ func TestDamagedNewestMetaPageRefused(t *testing.T) {
 				d.damageMeta(t, page, c.damage)
 				_, err := openAndLoad(d.dir)
 				d.wantRefused(t, err, fmt.Sprintf("has a damaged meta page: page %d %s", page, c.want))
-				if !strings.Contains(err.Error(), fmt.Sprintf("keep transaction %d and lose what came after it", fx.txid-1)) {
-					t.Errorf("the message does not offer to keep transaction %d: %v", fx.txid-1, err)
+				for _, want := range []string{
+					fmt.Sprintf("would open transaction %d (in meta page %d) without a word, but transaction %d was committed", fx.txid-1, 1-page, fx.txid),
+					fmt.Sprintf("restore the file from a backup; or keep transaction %d and lose what came after it", fx.txid-1),
+					"move the file aside (mv " + d.path() + " " + d.path() + ".broken)",
+				} {
+					if !strings.Contains(err.Error(), want) {
+						t.Errorf("the message does not say %q: %v", want, err)
+					}
 				}
 			})
 		}
 	}
+	// Without the record (an older overlayd wrote the file, or it was
+	// removed) nothing says which transaction the damaged page held.
+	t.Run("older meta page without the record", func(t *testing.T) {
+		d := fixtureNewestIn(t, 0)
+		if err := os.Remove(filepath.Join(d.dir, RecordName)); err != nil && !errors.Is(err, os.ErrNotExist) {
+			t.Fatal(err)
+		}
+		d.damageMeta(t, 1, metaDamage[0].damage)
+		_, err := openAndLoad(d.dir)
+		d.wantRefused(t, err, "without a transaction record")
+	})
 	t.Run("both pages", func(t *testing.T) {
 		d := newDamageFixture(t, 4)
 		d.damageMeta(t, 0, metaDamage[0].damage)
@@ -390,10 +417,29 @@ func TestDamagedNewestMetaPageRefused(t *testing.T) {
 	})
 }
 
+// Garbage over the meta page of the transaction before the last loses
+// nothing, and the record proves it: the file opens with everything.
+func TestDamagedOlderMetaPageOpens(t *testing.T) {
+	for page := range 2 {
+		fx := fixtureNewestIn(t, 1-page)
+		for _, c := range metaDamage {
+			t.Run(fmt.Sprintf("page %d %s", page, c.name), func(t *testing.T) {
+				d := fx.copy(t)
+				d.damageMeta(t, page, c.damage)
+				d.wantWhole(t)
+				if l, err := checkFile(d.path()); err != nil || l.damaged >= 0 {
+					t.Fatalf("the damaged page was not rewritten: %+v, %v", l, err)
+				}
+			})
+		}
+	}
+}
+
 // The recovery docs/operations.md gives for a damaged meta page, to keep
 // the transaction before it: copy the valid meta page over the damaged
-// one (dd). The file then opens without the last transaction's endpoint,
-// and its next transaction rewrites the copied page.
+// one (dd), which the record still refuses as an older copy, and remove
+// the record. The file then opens without the last transaction's
+// endpoint, and its next transaction rewrites the copied page.
 func TestKeepOlderTransactionRecovery(t *testing.T) {
 	for page := range 2 {
 		t.Run(fmt.Sprintf("page %d", page), func(t *testing.T) {
@@ -406,6 +452,11 @@ func TestKeepOlderTransactionRecovery(t *testing.T) {
 			// dd if=overlayd.db of=overlayd.db bs=<page size> skip=<valid page> seek=<damaged page> count=1 conv=notrunc
 			valid := 1 - page
 			fx.overwrite(t, int64(page)*fx.pageSize, b[int64(valid)*fx.pageSize:int64(valid+1)*fx.pageSize])
+			_, err = openAndLoad(fx.dir)
+			fx.wantRefused(t, err, fmt.Sprintf("holds transaction %d, but transaction %d was committed", fx.txid-1, fx.txid))
+			if err := os.Remove(filepath.Join(fx.dir, RecordName)); err != nil {
+				t.Fatal(err)
+			}
 			st, err := openAndLoad(fx.dir)
 			if err != nil {
 				t.Fatalf("after the recovery: %v", err)

@@ -86,6 +86,9 @@ type File struct {
 	db   *bolt.DB
 	path string
 	lock *os.File // the state directory, flocked while the file is open
+	// record holds the newest committed transaction's id, beside the
+	// file: what tells a rolled-back file at the next open.
+	record *txRecord
 	// writes times every write transaction (bbolt fsyncs each one): the
 	// figure that tells a slow disk from a slow plugin call.
 	writes latency.Recorder
@@ -158,25 +161,24 @@ func Open(dir string) (s *File, err error) {
 	// Only a missing file is a fresh start. An empty one is what a crash
 	// during creation or a truncation by hand leaves: bbolt would quietly
 	// initialise it, and every network of this host would be forgotten.
+	rpath := filepath.Join(dir, RecordName)
 	fresh := false
+	var rec recordState
 	switch fi, err := os.Stat(path); {
 	case errors.Is(err, os.ErrNotExist):
 		fresh = true
+		// A record left by a file that is gone (moved aside to start
+		// empty) does not count this one's transactions.
+		if err := removeRecord(rpath); err != nil {
+			return nil, err
+		}
 	case err != nil:
 		return nil, fmt.Errorf("failed to check state file %s: %w", path, err)
 	case fi.Size() == 0:
 		return nil, &CorruptError{Path: path, Err: errors.New("the file is empty (0 bytes), not a state file")}
 	default:
-		l, err := checkFile(path)
-		if err != nil {
+		if rec, err = checkHistory(path, rpath); err != nil {
 			return nil, err
-		}
-		if l.damaged >= 0 {
-			return nil, &CorruptError{Path: path, Err: &fileDamage{
-				what: fmt.Sprintf("has a damaged meta page: page %d %v. bbolt would open the transaction before (%d, in meta page %d) without a word, "+
-					"and nothing proves that the damaged page did not hold a newer one, whose changes would be lost", l.damaged, l.why, l.txid, 1-l.damaged),
-				advice: keepOlder(path, l.txid),
-			}}
 		}
 	}
 	db, err = bolt.Open(path, 0o600, &bolt.Options{Timeout: 2 * time.Second})
@@ -188,7 +190,9 @@ func Open(dir string) (s *File, err error) {
 	}
 	s = &File{db: db, path: path, lock: lock}
 	s.ipamCommit.init()
+	var txid uint64
 	err = db.Update(func(tx *bolt.Tx) error {
+		txid = uint64(tx.ID())
 		if err := initTables(tx, path, fresh); err != nil {
 			return err
 		}
@@ -201,7 +205,76 @@ func Open(dir string) (s *File, err error) {
 		}
 		return nil, fmt.Errorf("failed to initialise state file %s: %w", path, err)
 	}
+	if rec.present {
+		if s.record, err = openRecord(rpath, rec.txid, rec.slot); err == nil {
+			if err = s.record.advance(txid); err != nil {
+				s.record.close()
+			}
+		}
+	} else {
+		s.record, err = createRecord(rpath, txid)
+	}
+	if err != nil {
+		db.Close()
+		return nil, err
+	}
 	return s, nil
+}
+
+// recordState is what the transaction record held when the file was
+// opened.
+type recordState struct {
+	txid    uint64
+	slot    int
+	present bool
+}
+
+// checkHistory checks the state file at path (checkLayout) and that it
+// holds every transaction its record at rpath says was committed. A
+// damaged meta page passes only when the record proves that the valid one
+// holds the newest transaction (bbolt's next commit then rewrites the
+// damaged page).
+func checkHistory(path, rpath string) (recordState, error) {
+	l, err := checkFile(path)
+	if err != nil {
+		return recordState{}, err
+	}
+	var r recordState
+	r.txid, r.slot, r.present, err = readRecord(rpath)
+	if _, ok := errors.AsType[*fileDamage](err); ok {
+		return recordState{}, &CorruptError{Path: path, Err: err}
+	}
+	if err != nil {
+		return recordState{}, err
+	}
+	lost := r.present && r.txid > l.txid
+	var d *fileDamage
+	switch {
+	case l.damaged >= 0 && lost:
+		d = &fileDamage{
+			what: fmt.Sprintf("has a damaged meta page: page %d %v. bbolt would open transaction %d (in meta page %d) without a word, but transaction %d was committed (%s says so): "+
+				"the changes after transaction %d would be lost", l.damaged, l.why, l.txid, 1-l.damaged, r.txid, rpath, l.txid),
+			advice: keepOlder(path, l.txid),
+		}
+	case l.damaged >= 0 && !r.present:
+		d = &fileDamage{
+			what: fmt.Sprintf("has a damaged meta page: page %d %v. bbolt would open the transaction before (%d, in meta page %d) without a word, "+
+				"and without a transaction record (%s) nothing proves that the damaged page did not hold a newer one, whose changes would be lost",
+				l.damaged, l.why, l.txid, 1-l.damaged, rpath),
+			advice: keepOlder(path, l.txid),
+		}
+	case lost:
+		d = &fileDamage{
+			what: fmt.Sprintf("holds transaction %d, but transaction %d was committed (%s says so): an older copy of the file is in its place, and the changes after transaction %d are lost",
+				l.txid, r.txid, rpath, l.txid),
+			advice: fmt.Sprintf("To recover: put the newest copy of the file back; or, if this copy is the one to keep, remove the record (rm %s) and start overlayd again; or %s",
+				rpath, startEmpty(path)),
+		}
+	}
+	if d != nil {
+		return recordState{}, &CorruptError{Path: path, Err: d}
+	}
+	return r, nil
 }
 
 // initTables checks the schema version and the tables of the file at path
@@ -292,6 +365,7 @@ func (s *File) Path() string { return s.path }
 // Close closes the file.
 func (s *File) Close() error {
 	err := s.db.Close()
+	s.record.close()
 	s.lock.Close()
 	return err
 }
@@ -477,7 +551,15 @@ func (s *File) update(what string, fn func(*bolt.Tx) error) (err error) {
 		}
 	}()
 	start := time.Now()
-	err = s.db.Update(fn)
+	var txid uint64
+	err = s.db.Update(func(tx *bolt.Tx) error {
+		txid = uint64(tx.ID())
+		return fn(tx)
+	})
+	if err == nil {
+		// Committed: the record follows before the caller is told.
+		err = s.record.advance(txid)
+	}
 	s.writes.Observe(time.Since(start))
 	if err != nil {
 		return fmt.Errorf("failed to save %s to %s: %w", what, s.path, err)
