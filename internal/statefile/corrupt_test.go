@@ -219,6 +219,24 @@ func testTruncated(t *testing.T, fx damageFixture) {
 		})
 	}
 	t.Run("untouched", func(t *testing.T) { fx.copy(t).wantWhole(t) })
+	// The check docs/operations.md offers for a truncated file: extend it
+	// to its size again (truncate -s), with zeros where the pages were.
+	// Where the cut took only pages no transaction uses, the file holds
+	// everything and opens; where it took one in use, the zeros are
+	// refused when the file is read at open. Never a silent loss.
+	t.Run("cut at half and extended again", func(t *testing.T) {
+		d := fx.copy(t)
+		for _, size := range []int64{fx.size / 2, fx.need} {
+			if err := os.Truncate(d.path(), size); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if _, err := openAndLoad(d.dir); err != nil {
+			d.wantRefused(t, err, "is unreadable: ")
+			return
+		}
+		d.wantWhole(t)
+	})
 }
 
 // A page of the data overwritten is refused when the file is opened (not
