@@ -16,6 +16,7 @@ import (
 	"github.com/vishvananda/netlink"
 
 	"github.com/overlayd/overlayd/internal/netnsutil"
+	"github.com/overlayd/overlayd/internal/statefile"
 	"github.com/overlayd/overlayd/internal/testutil/nstest"
 )
 
@@ -239,5 +240,67 @@ func TestKeysRotateFailsWhenItCannotRun(t *testing.T) {
 	oneLine(t, "keys rotate after leave", errOut, "overlayd keys rotate: key rotation cannot run: this host left the cluster")
 	if _, err := net.Dial("unix", filepath.Join(dir, "overlayd.sock")); err != nil {
 		t.Errorf("the plugin stopped serving after leave: %v", err)
+	}
+}
+
+// A state file the daemon cannot trust stops the start with one line on
+// stderr naming the file, what is wrong and what to do, exit status 1, and
+// no traceback: a file cut short (bbolt faulted on it: a Go traceback and
+// exit 2), and an older copy put in place of the newest (it started and
+// forgot the newest network).
+func TestUntrustedStateFileIsOneLineAndExit1(t *testing.T) {
+	nstest.RequireRoot(t)
+	bin := buildBinary(t)
+	ns := hostNS(t, "192.0.2.1/24", false)
+	for _, c := range []struct {
+		name   string
+		damage func(t *testing.T, path string, older []byte)
+		want   []string
+	}{
+		{"truncated", func(t *testing.T, path string, _ []byte) {
+			// Two pages: the meta pages, and none of the pages they
+			// refer to.
+			if err := os.Truncate(path, 8192); err != nil {
+				t.Fatal(err)
+			}
+		}, []string{" is truncated: 8192 of the ", "restore the file from a backup"}},
+		{"an older copy", func(t *testing.T, path string, older []byte) {
+			if err := os.WriteFile(path, older, 0o600); err != nil {
+				t.Fatal(err)
+			}
+		}, []string{" an older copy of the file is in its place", "rm " + "STATE.txid"}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			dir := t.TempDir()
+			state := filepath.Join(dir, "state")
+			path := filepath.Join(state, statefile.FileName)
+			sf, err := statefile.Open(state)
+			if err != nil {
+				t.Fatal(err)
+			}
+			older, err := os.ReadFile(path) // no network yet
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := sf.PutNetwork(statefile.Network{ID: "n1", VNIs: []uint32{5}, Pools: []string{"10.10.0.0/24"}, Gateways: []string{""}, MTU: 1450}); err != nil {
+				t.Fatal(err)
+			}
+			sf.Close()
+			c.damage(t, path, older)
+			code, stdout, stderr := runBin(t, "nsenter", append([]string{"--net=" + ns, bin}, daemonArgs(t, dir)...)...)
+			if code != 1 {
+				t.Errorf("exit %d, want 1", code)
+			}
+			want := []string{"overlayd: state file " + path + " ", "overlayd refuses to start"}
+			for _, w := range c.want {
+				want = append(want, strings.ReplaceAll(w, "STATE", path))
+			}
+			oneLine(t, c.name, stderr, want...)
+			for _, trace := range []string{"goroutine ", "panic", "fatal error", "unexpected fault address", "SIGBUS", "SIGSEGV"} {
+				if strings.Contains(stdout+stderr, trace) {
+					t.Errorf("output has %q: stdout %q, stderr %q", trace, stdout, stderr)
+				}
+			}
+		})
 	}
 }

@@ -28,7 +28,7 @@ func (s *File) LoadIPAM() (map[string][]byte, error) {
 		})
 	})
 	if err != nil {
-		return nil, &CorruptError{Path: s.path, Err: err}
+		return nil, corrupt(s.path, err)
 	}
 	return out, nil
 }

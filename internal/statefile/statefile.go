@@ -14,9 +14,11 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"hash/crc32"
 	"maps"
 	"os"
 	"path/filepath"
+	"runtime/debug"
 	"slices"
 	"time"
 
@@ -91,6 +93,10 @@ type State struct {
 type File struct {
 	db   *bolt.DB
 	path string
+	lock *os.File // the state directory, flocked while the file is open
+	// record holds the newest committed transaction's id, beside the
+	// file: what tells a rolled-back file at the next open.
+	record *txRecord
 	// writes times every write transaction (bbolt fsyncs each one): the
 	// figure that tells a slow disk from a slow plugin call.
 	writes latency.Recorder
@@ -109,100 +115,268 @@ type CorruptError struct {
 }
 
 func (e *CorruptError) Error() string {
-	return fmt.Sprintf("state file %s is unreadable: %v. overlayd refuses to start rather than forget networks that containers use. "+
-		"To recover: stop the containers on overlayd networks, move the file aside (mv %s %s.broken), start overlayd, and re-create the networks; "+
-		"or restore the file from a backup", e.Path, e.Err, e.Path, e.Path)
+	what := fmt.Sprintf("is unreadable: %v", e.Err)
+	advice := "To recover: " + startEmpty(e.Path) + "; or restore the file from a backup"
+	if d, ok := errors.AsType[*fileDamage](e.Err); ok {
+		what = d.what
+		if d.advice != "" {
+			advice = d.advice
+		}
+	}
+	return fmt.Sprintf("state file %s %s. overlayd refuses to start rather than forget networks that containers use. %s", e.Path, what, advice)
+}
+
+// keepOlder is the recovery of a file that lost (or may have lost) the
+// transactions after txid.
+func keepOlder(path string, txid uint64) string {
+	return fmt.Sprintf("To recover: restore the file from a backup; or keep transaction %d and lose what came after it (see \"A refused state file\" in docs/operations.md); or %s",
+		txid, startEmpty(path))
+}
+
+// startEmpty is the recovery that always works and loses the host's
+// networks.
+func startEmpty(path string) string {
+	return fmt.Sprintf("stop the containers on overlayd networks, move the file aside (mv %s %s.broken), start overlayd, and re-create the networks", path, path)
 }
 
 func (e *CorruptError) Unwrap() error { return e.Err }
 
 // Open opens (creating if needed) the state file in dir. It fails clearly if
-// another process holds the file or if it is corrupt.
+// another process holds the file or if it is corrupt: every page of the
+// file is read before it returns.
 func Open(dir string) (s *File, err error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("failed to create state directory %s: %w", dir, err)
 	}
 	path := filepath.Join(dir, FileName)
+	lock, err := lockDir(dir)
+	if err != nil {
+		return nil, err
+	}
+	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
+	var db *bolt.DB
 	defer func() {
-		// bbolt panics on some kinds of corruption: turn that into an error.
 		if r := recover(); r != nil {
-			err = &CorruptError{Path: path, Err: fmt.Errorf("%v", r)}
+			if db != nil {
+				db.Close()
+			}
+			s, err = nil, &CorruptError{Path: path, Err: fromPanic(r)}
+		}
+		if err != nil {
+			lock.Close()
 		}
 	}()
 	// Only a missing file is a fresh start. An empty one is what a crash
 	// during creation or a truncation by hand leaves: bbolt would quietly
 	// initialise it, and every network of this host would be forgotten.
+	rpath := filepath.Join(dir, RecordName)
 	fresh := false
+	var rec recordState
 	switch fi, err := os.Stat(path); {
 	case errors.Is(err, os.ErrNotExist):
 		fresh = true
+		// A record left by a file that is gone (moved aside to start
+		// empty) does not count this one's transactions.
+		if err := removeRecord(rpath); err != nil {
+			return nil, err
+		}
 	case err != nil:
 		return nil, fmt.Errorf("failed to check state file %s: %w", path, err)
 	case fi.Size() == 0:
 		return nil, &CorruptError{Path: path, Err: errors.New("the file is empty (0 bytes), not a state file")}
+	default:
+		if rec, err = checkHistory(path, rpath); err != nil {
+			return nil, err
+		}
 	}
-	db, err := bolt.Open(path, 0o600, &bolt.Options{Timeout: 2 * time.Second})
+	db, err = bolt.Open(path, 0o600, &bolt.Options{Timeout: 2 * time.Second})
 	if err != nil {
 		if errors.Is(err, bolt.ErrTimeout) {
 			return nil, fmt.Errorf("state file %s is locked by another process (is another overlayd running with --state-dir %s?)", path, dir)
 		}
 		return nil, &CorruptError{Path: path, Err: err}
 	}
-	s = &File{db: db, path: path}
+	s = &File{db: db, path: path, lock: lock}
 	s.ipamCommit.init()
+	var txid uint64
 	err = db.Update(func(tx *bolt.Tx) error {
-		meta := tx.Bucket(bucketMeta)
-		stored := 0 // the file's schema version; 0 for a fresh file
-		if meta != nil {
-			if v := meta.Get(keySchema); v != nil {
-				if err := json.Unmarshal(v, &stored); err != nil {
-					return &CorruptError{Path: path, Err: fmt.Errorf("schema version %q: %w", v, err)}
-				}
-				if stored > SchemaVersion {
-					return fmt.Errorf("state file %s has schema version %d, newer than this overlayd understands (%d): run the newer overlayd, or move the file aside", path, stored, SchemaVersion)
-				}
-			}
+		txid = uint64(tx.ID())
+		if err := initTables(tx, path, fresh); err != nil {
+			return err
 		}
-		for _, b := range [][]byte{bucketMeta, bucketNetworks, bucketEndpoints, bucketAllocs, bucketIPAM} {
-			if tx.Bucket(b) != nil {
-				continue
-			}
-			// A table missing from a file this process did not just
-			// create was lost: re-creating it empty would drop what it
-			// held without a word. The one exception is a table newer
-			// than the file's schema (ipam in a version 1 file).
-			upgrade := bytes.Equal(b, bucketIPAM) && stored == 1
-			if !fresh && !upgrade {
-				return &CorruptError{Path: path, Err: fmt.Errorf("table %q is missing", b)}
-			}
-			if _, err := tx.CreateBucket(b); err != nil {
-				return err
-			}
-		}
-		if stored == 0 && !fresh {
-			return &CorruptError{Path: path, Err: errors.New("the schema version is missing")}
-		}
-		if stored == SchemaVersion {
-			return nil
-		}
-		return tx.Bucket(bucketMeta).Put(keySchema, []byte(fmt.Sprint(SchemaVersion)))
+		return readAll(tx)
 	})
 	if err != nil {
 		db.Close()
-		var ce *CorruptError
-		if errors.As(err, &ce) {
+		if _, ok := errors.AsType[*CorruptError](err); ok {
 			return nil, err
 		}
 		return nil, fmt.Errorf("failed to initialise state file %s: %w", path, err)
 	}
+	if rec.present {
+		if s.record, err = openRecord(rpath, rec.txid, rec.slot); err == nil {
+			if err = s.record.advance(txid); err != nil {
+				s.record.close()
+			}
+		}
+	} else {
+		s.record, err = createRecord(rpath, txid)
+	}
+	if err != nil {
+		db.Close()
+		return nil, err
+	}
 	return s, nil
+}
+
+// recordState is what the transaction record held when the file was
+// opened.
+type recordState struct {
+	txid    uint64
+	slot    int
+	present bool
+}
+
+// checkHistory checks the state file at path (checkLayout) and that it
+// holds every transaction its record at rpath says was committed. A
+// damaged meta page passes only when the record proves that the valid one
+// holds the newest transaction (bbolt's next commit then rewrites the
+// damaged page).
+func checkHistory(path, rpath string) (recordState, error) {
+	l, err := checkFile(path)
+	if err != nil {
+		return recordState{}, err
+	}
+	var r recordState
+	r.txid, r.slot, r.present, err = readRecord(rpath)
+	if _, ok := errors.AsType[*fileDamage](err); ok {
+		return recordState{}, &CorruptError{Path: path, Err: err}
+	}
+	if err != nil {
+		return recordState{}, err
+	}
+	lost := r.present && r.txid > l.txid
+	var d *fileDamage
+	switch {
+	case l.damaged >= 0 && lost:
+		d = &fileDamage{
+			what: fmt.Sprintf("has a damaged meta page: page %d %v. bbolt would open transaction %d (in meta page %d) without a word, but transaction %d was committed (%s says so): "+
+				"the changes after transaction %d would be lost", l.damaged, l.why, l.txid, 1-l.damaged, r.txid, rpath, l.txid),
+			advice: keepOlder(path, l.txid),
+		}
+	case l.damaged >= 0 && !r.present:
+		d = &fileDamage{
+			what: fmt.Sprintf("has a damaged meta page: page %d %v. bbolt would open the transaction before (%d, in meta page %d) without a word, "+
+				"and without a transaction record (%s) nothing proves that the damaged page did not hold a newer one, whose changes would be lost",
+				l.damaged, l.why, l.txid, 1-l.damaged, rpath),
+			advice: keepOlder(path, l.txid),
+		}
+	case lost:
+		d = &fileDamage{
+			what: fmt.Sprintf("holds transaction %d, but transaction %d was committed (%s says so): an older copy of the file is in its place, and the changes after transaction %d are lost",
+				l.txid, r.txid, rpath, l.txid),
+			advice: fmt.Sprintf("To recover: put the newest copy of the file back; or, if this copy is the one to keep, remove the record (rm %s) and start overlayd again; or %s",
+				rpath, startEmpty(path)),
+		}
+	}
+	if d != nil {
+		return recordState{}, &CorruptError{Path: path, Err: d}
+	}
+	return r, nil
+}
+
+// initTables checks the schema version and the tables of the file at path
+// and creates what a fresh file, or one of an older schema, lacks.
+func initTables(tx *bolt.Tx, path string, fresh bool) error {
+	meta := tx.Bucket(bucketMeta)
+	stored := 0 // the file's schema version; 0 for a fresh file
+	if meta != nil {
+		if v := meta.Get(keySchema); v != nil {
+			if err := json.Unmarshal(v, &stored); err != nil {
+				return &CorruptError{Path: path, Err: fmt.Errorf("schema version %q: %w", v, err)}
+			}
+			if stored > SchemaVersion {
+				return fmt.Errorf("state file %s has schema version %d, newer than this overlayd understands (%d): run the newer overlayd, or move the file aside", path, stored, SchemaVersion)
+			}
+		}
+	}
+	for _, b := range [][]byte{bucketMeta, bucketNetworks, bucketEndpoints, bucketAllocs, bucketIPAM} {
+		if tx.Bucket(b) != nil {
+			continue
+		}
+		// A table missing from a file this process did not just
+		// create was lost: re-creating it empty would drop what it
+		// held without a word. The one exception is a table newer
+		// than the file's schema (ipam in a version 1 file).
+		upgrade := bytes.Equal(b, bucketIPAM) && stored == 1
+		if !fresh && !upgrade {
+			return &CorruptError{Path: path, Err: fmt.Errorf("table %q is missing", b)}
+		}
+		if _, err := tx.CreateBucket(b); err != nil {
+			return err
+		}
+	}
+	if stored == 0 && !fresh {
+		return &CorruptError{Path: path, Err: errors.New("the schema version is missing")}
+	}
+	if stored == SchemaVersion {
+		return nil
+	}
+	return tx.Bucket(bucketMeta).Put(keySchema, []byte(fmt.Sprint(SchemaVersion)))
+}
+
+// readAll reads every key and value of every table, so that a damaged page
+// anywhere in the file stops the start, rather than a later call that
+// happens to reach it. (bbolt panics on a page it cannot make sense of;
+// Open turns that into a CorruptError.)
+func readAll(tx *bolt.Tx) error {
+	h := crc32.NewIEEE() // reading means touching every byte
+	var read func(b *bolt.Bucket) error
+	read = func(b *bolt.Bucket) error {
+		return b.ForEach(func(k, v []byte) error {
+			h.Write(k)
+			h.Write(v)
+			if v != nil {
+				return nil
+			}
+			if sub := b.Bucket(k); sub != nil {
+				return read(sub)
+			}
+			return nil
+		})
+	}
+	return tx.ForEach(func(_ []byte, b *bolt.Bucket) error { return read(b) })
+}
+
+// fromPanic is the error a CorruptError carries for what bbolt panicked
+// with: an assertion on a damaged page, or a fault reading a page the file
+// does not back (SetPanicOnFault turns that into a panic).
+func fromPanic(r any) error {
+	if f, ok := r.(interface{ Addr() uintptr }); ok {
+		return fmt.Errorf("a page it refers to is damaged or missing (reading it faulted at %#x)", f.Addr())
+	}
+	return fmt.Errorf("%v", r)
+}
+
+// corrupt returns err as a CorruptError of the file at path (as it is when
+// it is one already).
+func corrupt(path string, err error) error {
+	if _, ok := errors.AsType[*CorruptError](err); ok {
+		return err
+	}
+	return &CorruptError{Path: path, Err: err}
 }
 
 // Path returns the state file's path.
 func (s *File) Path() string { return s.path }
 
 // Close closes the file.
-func (s *File) Close() error { return s.db.Close() }
+func (s *File) Close() error {
+	err := s.db.Close()
+	s.record.close()
+	s.lock.Close()
+	return err
+}
 
 func epKey(network, id string) []byte { return []byte(network + "/" + id) }
 
@@ -372,19 +546,28 @@ func (s *File) Load() (*State, error) {
 		})
 	})
 	if err != nil {
-		return nil, &CorruptError{Path: s.path, Err: err}
+		return nil, corrupt(s.path, err)
 	}
 	return st, nil
 }
 
 func (s *File) update(what string, fn func(*bolt.Tx) error) (err error) {
+	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
 	defer func() {
 		if r := recover(); r != nil {
-			err = &CorruptError{Path: s.path, Err: fmt.Errorf("%v", r)}
+			err = &CorruptError{Path: s.path, Err: fromPanic(r)}
 		}
 	}()
 	start := time.Now()
-	err = s.db.Update(fn)
+	var txid uint64
+	err = s.db.Update(func(tx *bolt.Tx) error {
+		txid = uint64(tx.ID())
+		return fn(tx)
+	})
+	if err == nil {
+		// Committed: the record follows before the caller is told.
+		err = s.record.advance(txid)
+	}
 	s.writes.Observe(time.Since(start))
 	if err != nil {
 		return fmt.Errorf("failed to save %s to %s: %w", what, s.path, err)
@@ -393,9 +576,10 @@ func (s *File) update(what string, fn func(*bolt.Tx) error) (err error) {
 }
 
 func (s *File) view(fn func(*bolt.Tx) error) (err error) {
+	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
 	defer func() {
 		if r := recover(); r != nil {
-			err = &CorruptError{Path: s.path, Err: fmt.Errorf("%v", r)}
+			err = &CorruptError{Path: s.path, Err: fromPanic(r)}
 		}
 	}()
 	return s.db.View(fn)

@@ -2,6 +2,7 @@ package statefile
 
 import (
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"reflect"
@@ -209,4 +210,40 @@ func TestUpdateMeta(t *testing.T) {
 	if v, _ := s.GetMeta("enc"); string(v) != "core" {
 		t.Fatalf("core = %q", v)
 	}
+}
+
+// BenchmarkOpen: opening a file of 10,000 endpoints, which reads every
+// page of it.
+func BenchmarkOpen(b *testing.B) {
+	dir := b.TempDir()
+	s, err := Open(dir)
+	if err != nil {
+		b.Fatal(err)
+	}
+	if err := s.PutNetwork(Network{ID: "n1", VNIs: []uint32{5}}); err != nil {
+		b.Fatal(err)
+	}
+	if err := s.update("endpoints", func(tx *txAlias) error {
+		for i := range 10000 {
+			if err := put(tx, bucketEndpoints, epKey("n1", fmt.Sprintf("e%05d", i)), Endpoint{Network: "n1", ID: fmt.Sprintf("e%05d", i), Addr: "192.0.2.3/24", MAC: "02:42:c0:00:02:03"}); err != nil {
+				return err
+			}
+		}
+		return nil
+	}); err != nil {
+		b.Fatal(err)
+	}
+	s.Close()
+	for b.Loop() {
+		s, err := Open(dir)
+		if err != nil {
+			b.Fatal(err)
+		}
+		s.Close()
+	}
+	fi, err := os.Stat(filepath.Join(dir, FileName))
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.ReportMetric(float64(fi.Size())/1024, "file-KiB")
 }
