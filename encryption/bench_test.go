@@ -16,9 +16,9 @@ import (
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
+	"github.com/overlayd/overlayd/internal/nlbatch"
 	"github.com/overlayd/overlayd/internal/statefile"
 	"github.com/overlayd/overlayd/internal/testutil/nstest"
-	"github.com/overlayd/overlayd/internal/xfrmbatch"
 )
 
 // benchRemote is the i-th remote VTEP of the benchmarks: IPv6 documentation
@@ -82,7 +82,7 @@ func startConsoleProfile(b *testing.B) func() {
 // on a shared machine), kernel dumps (xfrm dumps
 // and nftables list requests), kernel requests that change something (an
 // nftables transaction counts one) and the round trips (datagrams) that
-// carried the xfrm requests: they are batched (xfrmbatch).
+// carried the xfrm requests: they are batched (nlbatch).
 //
 // remotes=10-statefile and remotes=1000-statefile are 10 and 1,000 hosts
 // with the daemon's state file as the Owner's store, which the others
@@ -237,7 +237,7 @@ func BenchmarkOwnerRemotes(b *testing.B) {
 // Owner's n remotes in place (the Owner is idle: no loop), then removed
 // again; rounds times. Nothing else is done, so this is the least an
 // overlayd Update could cost with a round trip per request. batchAdd and
-// batchDel are the same requests sent together (xfrmbatch: the adds in
+// batchDel are the same requests sent together (nlbatch: the adds in
 // one datagram, the removal's policy then its SAs in two, as the Owner
 // sends them): the least it can cost now.
 func rawRemoteCost(b *testing.B, ns *nstest.NS, o *Owner, rounds int) (add, del, batchAdd, batchDel time.Duration) {
@@ -247,7 +247,7 @@ func rawRemoteCost(b *testing.B, ns *nstest.NS, o *Owner, rounds int) (add, del,
 		b.Fatal(err)
 	}
 	defer h.Close()
-	xb, err := xfrmbatch.Open(ns.Handle)
+	xb, err := nlbatch.OpenXfrm(ns.Handle)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -255,7 +255,7 @@ func rawRemoteCost(b *testing.B, ns *nstest.NS, o *Owner, rounds int) (add, del,
 	o.mu.Lock()
 	d := o.desiredLocked()
 	o.mu.Unlock()
-	var batch xfrmbatch.Batch
+	var batch nlbatch.XfrmBatch
 	send := func(what string) {
 		errs, _ := xb.Send(&batch)
 		batch.Reset()

@@ -270,7 +270,7 @@
 // changes), no dump (BenchmarkOwnerRemotes).
 //
 // The xfrm requests of an apply are not sent one by one: they are queued
-// and sent together (internal/xfrmbatch: one netlink datagram per 128
+// and sent together (internal/nlbatch: one netlink datagram per 128
 // requests on a NETLINK_XFRM socket of their own, only the last
 // acknowledged, the kernel's error replies mapped back to their requests
 // by sequence number), in at most three rounds that keep the order above:

@@ -12,8 +12,8 @@ import (
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
+	"github.com/overlayd/overlayd/internal/nlbatch"
 	"github.com/overlayd/overlayd/internal/nlwrap"
-	"github.com/overlayd/overlayd/internal/xfrmbatch"
 )
 
 // Stats counts the kernel requests a Programmer made.
@@ -74,8 +74,8 @@ type Programmer struct {
 	nl   *nlwrap.Handle // dumps
 	// xb sends the xfrm changes, batch by batch; pending holds the
 	// bookkeeping of the requests queued in batch (see flush).
-	xb      *xfrmbatch.Conn
-	batch   xfrmbatch.Batch
+	xb      *nlbatch.Conn
+	batch   nlbatch.XfrmBatch
 	pending []func(error)
 	// espWorks: the kernel accepted an SA (it has ESP and the AEAD), so
 	// SA adds no longer go alone (see execute).
@@ -112,7 +112,7 @@ func NewProgrammer(ns netns.NsHandle) (*Programmer, error) {
 		unix.Close(fd)
 		return nil, fmt.Errorf("failed to open xfrm netlink socket: %w", err)
 	}
-	xb, err := xfrmbatch.Open(netns.NsHandle(fd))
+	xb, err := nlbatch.OpenXfrm(netns.NsHandle(fd))
 	if err != nil {
 		nl.Close()
 		unix.Close(fd)

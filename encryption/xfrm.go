@@ -331,7 +331,7 @@ func planXfrm(d *desiredXfrm, a *actualXfrm, port int, local netip.Addr) *xfrmPl
 
 // xfrm operations, each counted and each error naming its object. They are
 // queued into the Programmer's batch and sent together by flush (one
-// netlink datagram per xfrmbatch.MaxPerDatagram requests); then, in the
+// netlink datagram per nlbatch.XfrmBatchSize requests); then, in the
 // order they were queued, each request's outcome is recorded (journal) and
 // passed to its then (nil: applied).
 
@@ -456,7 +456,7 @@ type execResult struct {
 // clear-text window.
 //
 // The requests go to the kernel in at most three rounds (each one netlink
-// datagram per xfrmbatch.MaxPerDatagram requests), the kernel processing
+// datagram per nlbatch.XfrmBatchSize requests), the kernel processing
 // every round in order: (A) the clear policy, SAs, and the policies that
 // do not depend on an SA's outcome, then the policies no longer desired;
 // (B) the policy updates that must not happen when their remote's new SA

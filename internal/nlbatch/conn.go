@@ -1,17 +1,23 @@
-// Package nlbatch programs permanent neighbour entries and VXLAN FDB "self"
-// entries at a high rate.
+// Package nlbatch is overlayd's one netlink transport for bulk kernel
+// programming: many requests sent with one sendto on a socket of one
+// netlink family, an error reported per request. Two families use it:
+// NETLINK_ROUTE (Open, Conn.Apply: permanent neighbour entries and VXLAN
+// FDB "self" entries, route.go) and NETLINK_XFRM (OpenXfrm, Conn.Send: IPsec
+// SAs and policies, xfrm.go). The families differ only in their encoders;
+// the socket, the reply loop, the resynchronisation after lost replies and
+// the errors (ErrResultUnknown, ErrClosed, ErrInvalidOp, *KernelError with
+// the kernel's extended ack) are this file's and errors.go's.
 //
-// Many netlink requests are sent with one sendto on a single NETLINK_ROUTE
-// socket; only the last request of each batch asks for an acknowledgement
-// (NLM_F_ACK). The kernel processes the requests of a datagram one after the
-// other and answers every failing one with an NLMSG_ERROR carrying that
-// request's sequence number, so errors are still reported per operation.
+// Only the last request of each batch asks for an acknowledgement
+// (NLM_F_ACK). The kernel processes the requests of a datagram one after
+// the other and answers every failing one with an NLMSG_ERROR carrying that
+// request's sequence number, so errors are still reported per request.
 // Because the requests of a datagram are handled in order, the reply to the
 // last one (its ACK, or its error) means every earlier request without an
 // error reply succeeded.
 //
 // If replies are lost (the socket's receive queue overflowed: ENOBUFS), the
-// operations of that batch that got no reply are reported with
+// requests of that batch that got no reply are reported with
 // ErrResultUnknown instead of being counted as successes, and the reader
 // resynchronises with an acknowledged NLMSG_NOOP before the next batch.
 package nlbatch
@@ -32,9 +38,15 @@ import (
 )
 
 const (
-	// DefaultBatchSize is the number of requests sent per sendto unless
-	// SetBatchSize says otherwise.
+	// DefaultBatchSize is the number of route requests sent per sendto
+	// unless SetBatchSize says otherwise.
 	DefaultBatchSize = 512
+
+	// XfrmBatchSize is the number of xfrm requests sent per sendto unless
+	// SetBatchSize says otherwise: the kernel's work per request is larger
+	// (an SA or policy insertion) and the xfrm callers send a few hundred
+	// at most.
+	XfrmBatchSize = 128
 
 	// wantRcvBuf and wantSndBuf are the socket buffer sizes asked for.
 	wantRcvBuf = 16 << 20
@@ -60,54 +72,84 @@ const (
 	maxProbes = 64
 )
 
-// Conn is one NETLINK_ROUTE socket opened inside a network namespace. It is
-// safe for concurrent use: an internal mutex serialises Apply (it is a leaf
-// lock: nothing else is locked while holding it).
+// Conn is one netlink socket of one family (NETLINK_ROUTE or NETLINK_XFRM)
+// opened inside a network namespace. It is safe for concurrent use: an
+// internal mutex serialises Apply and Send (it is a leaf lock: nothing else
+// is locked while holding it).
 type Conn struct {
 	mu           sync.Mutex
+	proto        int // NETLINK_ROUTE or NETLINK_XFRM
 	fd           int // -1 once closed
 	portID       uint32
 	seq          uint32
 	batchSize    int           // requested messages per sendto
+	defaultBatch int           // the family's default batch size
 	maxBatch     int           // cap from the receive buffer size
 	maxBytes     int           // cap from the send buffer size
 	replyTimeout time.Duration // SO_RCVTIMEO
+	counts       *counts       // the process-wide totals this Conn adds to; nil: none
 
 	kernel unix.SockaddrNetlink
 
 	// Reused between batches.
-	sbuf []byte   // outgoing datagram
-	rbuf []byte   // incoming datagram
-	idx  []int    // batch position → index into the ops given to Apply
-	kind []Kind   // batch position → kind
-	errs []error  // batch position → error reported by the kernel
-	seen []bool   // batch position → a reply (error) was received
-	tmp  [16]byte // scratch for addresses
+	sbuf     []byte   // route: outgoing datagram
+	rbuf     []byte   // incoming datagram
+	idx      []int    // route: batch position → index into the ops given to Apply
+	absentOK []bool   // batch position → ENOENT and ESRCH count as success
+	out      []byte   // the datagram being exchanged
+	starts   []int    // batch position → offset of its request in out
+	errs     []error  // batch position → error reported by the kernel
+	seen     []bool   // batch position → a reply (error) was received
+	tmp      [16]byte // scratch for addresses
 }
 
-// Open opens a NETLINK_ROUTE socket inside ns. The socket is created on a
-// locked OS thread switched into ns and stays bound to that namespace (and
-// keeps it alive) until Close; the caller may close ns right away. The
-// receive buffer is enlarged (SO_RCVBUFFORCE, else SO_RCVBUF up to
-// net.core.rmem_max) so that the error replies of a whole batch fit.
-func Open(ns netns.NsHandle) (*Conn, error) {
+// Open opens a NETLINK_ROUTE socket inside ns, for Apply. The socket is
+// created on a locked OS thread switched into ns and stays bound to that
+// namespace (and keeps it alive) until Close; the caller may close ns right
+// away. The receive buffer is enlarged (SO_RCVBUFFORCE, else SO_RCVBUF up
+// to net.core.rmem_max) so that the error replies of a whole batch fit.
+func Open(ns netns.NsHandle) (*Conn, error) { return open(ns, unix.NETLINK_ROUTE) }
+
+// OpenXfrm opens a NETLINK_XFRM socket inside ns, for Send; as Open
+// otherwise.
+func OpenXfrm(ns netns.NsHandle) (*Conn, error) { return open(ns, unix.NETLINK_XFRM) }
+
+func familyName(proto int) string {
+	switch proto {
+	case unix.NETLINK_ROUTE:
+		return "NETLINK_ROUTE"
+	case unix.NETLINK_XFRM:
+		return "NETLINK_XFRM"
+	}
+	return fmt.Sprintf("netlink family %d", proto)
+}
+
+func open(ns netns.NsHandle, proto int) (*Conn, error) {
 	if !ns.IsOpen() {
 		return nil, errors.New("nlbatch: invalid network namespace handle")
 	}
-	fd, err := netnsutil.Socket(ns, unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.NETLINK_ROUTE)
+	fd, err := netnsutil.Socket(ns, unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC, proto)
 	if err != nil {
-		return nil, fmt.Errorf("nlbatch: failed to open netlink socket: %w", err)
+		return nil, fmt.Errorf("nlbatch: failed to open %s socket: %w", familyName(proto), err)
 	}
 	c := &Conn{
+		proto:        proto,
 		fd:           fd,
-		batchSize:    DefaultBatchSize,
+		defaultBatch: DefaultBatchSize,
 		replyTimeout: defaultReplyTimeout,
 		kernel:       unix.SockaddrNetlink{Family: unix.AF_NETLINK},
 		rbuf:         make([]byte, recvBufSize),
 	}
+	switch proto {
+	case unix.NETLINK_ROUTE:
+		c.counts = &routeCounts
+	case unix.NETLINK_XFRM:
+		c.defaultBatch = XfrmBatchSize
+	}
+	c.batchSize = c.defaultBatch
 	if err := c.setup(); err != nil {
 		unix.Close(fd)
-		return nil, fmt.Errorf("nlbatch: failed to set up netlink socket: %w", err)
+		return nil, fmt.Errorf("nlbatch: failed to set up %s socket: %w", familyName(proto), err)
 	}
 	return c, nil
 }
@@ -172,14 +214,15 @@ func (c *Conn) setReplyTimeout(d time.Duration) error {
 }
 
 // SetBatchSize sets the number of requests sent per sendto (default
-// DefaultBatchSize). n < 1 restores the default. The effective size is
+// DefaultBatchSize, XfrmBatchSize for an xfrm Conn). n < 1 restores the
+// default. The effective size is
 // further capped so that the error replies of a whole batch fit into the
 // socket's receive buffer.
 func (c *Conn) SetBatchSize(n int) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if n < 1 {
-		n = DefaultBatchSize
+		n = c.defaultBatch
 	}
 	c.batchSize = n
 }
@@ -193,8 +236,8 @@ func (c *Conn) BatchSize() int {
 
 func (c *Conn) effectiveBatch() int { return min(c.batchSize, c.maxBatch) }
 
-// Close closes the socket. Apply on a closed Conn fails every operation with
-// ErrClosed.
+// Close closes the socket. Apply and Send on a closed Conn fail every
+// request with ErrClosed.
 func (c *Conn) Close() error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -206,78 +249,37 @@ func (c *Conn) Close() error {
 	return err
 }
 
-// Apply sends ops in batches and waits for every batch's final
-// acknowledgement. Deleting an entry that does not exist counts as success.
-// It returns nil or an *Error listing every failed operation: ops that are
-// invalid (not sent), ops the kernel refused, and ops whose outcome is unknown
-// (ErrResultUnknown) because replies were lost.
-func (c *Conn) Apply(ops []Op) error {
-	var failed []OpError
-	fail := func(i int, err error) {
-		failed = append(failed, OpError{Index: i, Op: ops[i], Err: err})
+// usable returns the error of every request for family proto on c: nil,
+// ErrClosed, or one wrapping ErrInvalidOp for another family's socket.
+// Expects c.mu held.
+func (c *Conn) usable(proto int) error {
+	switch {
+	case c.fd < 0:
+		return ErrClosed
+	case c.proto != proto:
+		return invalid("%s request on a %s socket", familyName(proto), familyName(c.proto))
 	}
-
-	c.mu.Lock()
-	defer c.mu.Unlock()
-
-	if c.fd < 0 {
-		for i := range ops {
-			fail(i, ErrClosed)
-		}
-		return c.result(failed, len(ops))
-	}
-
-	batch := c.effectiveBatch()
-	c.sbuf = c.sbuf[:0]
-	c.idx = c.idx[:0]
-	c.kind = c.kind[:0]
-	lastMsg := 0 // offset of the last message in sbuf
-	for i := range ops {
-		ip, vtep, err := ops[i].normalize()
-		if err != nil {
-			fail(i, err)
-			continue
-		}
-		if len(c.idx) > 0 && len(c.sbuf)+maxMsgLen > c.maxBytes {
-			c.flush(lastMsg, fail)
-		}
-		lastMsg = len(c.sbuf)
-		c.sbuf = c.appendMsg(c.sbuf, &ops[i], ip, vtep, c.nextSeq())
-		c.idx = append(c.idx, i)
-		c.kind = append(c.kind, ops[i].Kind)
-		if len(c.idx) >= batch {
-			c.flush(lastMsg, fail)
-		}
-	}
-	if len(c.idx) > 0 {
-		c.flush(lastMsg, fail)
-	}
-	return c.result(failed, len(ops))
+	return nil
 }
 
-func (c *Conn) result(failed []OpError, total int) error {
-	if len(failed) == 0 {
-		return nil
-	}
-	slices.SortStableFunc(failed, func(a, b OpError) int { return a.Index - b.Index })
-	return &Error{Failed: failed, Total: total}
-}
-
-// Process-wide counts of what every Conn sent: the kernel work peer
+// Process-wide counts of what every route Conn sent: the kernel work peer
 // programming costs, read by the metrics at scrape time. Package-level
 // because Conns come and go with sandboxes while the totals must not.
-var sentMessages, sentDatagrams, sendFailures atomic.Uint64
+// (xfrm Conns count their datagrams for their callers' own statistics.)
+type counts struct{ messages, datagrams, sendFailures atomic.Uint64 }
 
-// Counts are the totals of every Conn since the process started.
+var routeCounts counts
+
+// Counts are the totals of every route Conn since the process started.
 type Counts struct {
 	Messages     uint64 // requests the kernel accepted in a datagram
 	Datagrams    uint64 // datagrams sent (a batch each)
 	SendFailures uint64 // datagrams the kernel refused as a whole
 }
 
-// Sent returns what every Conn has sent so far.
+// Sent returns what every route Conn has sent so far.
 func Sent() Counts {
-	return Counts{Messages: sentMessages.Load(), Datagrams: sentDatagrams.Load(), SendFailures: sendFailures.Load()}
+	return Counts{Messages: routeCounts.messages.Load(), Datagrams: routeCounts.datagrams.Load(), SendFailures: routeCounts.sendFailures.Load()}
 }
 
 func (c *Conn) nextSeq() uint32 {
@@ -285,45 +287,70 @@ func (c *Conn) nextSeq() uint32 {
 	return c.seq
 }
 
-// flush sends the batch in c.sbuf, whose last message starts at lastMsg,
-// collects the replies and reports failures through fail. It empties the
-// batch.
-func (c *Conn) flush(lastMsg int, fail func(int, error)) {
-	defer func() {
-		c.sbuf = c.sbuf[:0]
-		c.idx = c.idx[:0]
-		c.kind = c.kind[:0]
-	}()
-	n := len(c.idx)
-	// Only the last request asks for an acknowledgement.
-	flags := binary.NativeEndian.Uint16(c.sbuf[lastMsg+6:])
-	binary.NativeEndian.PutUint16(c.sbuf[lastMsg+6:], flags|unix.NLM_F_ACK)
-	first := binary.NativeEndian.Uint32(c.sbuf[8:])
+// exchange sends the requests of dg (whole netlink messages from the
+// family's encoder) as one datagram and reads their replies. It stamps every
+// request with the next sequence number and the socket's port id, and asks
+// for an acknowledgement on the last one only. c.absentOK must have an entry
+// per request.
+//
+// Afterwards, for batch position p (the p-th request of dg), c.errs[p] is
+// the kernel's refusal (nil: applied, or refused with ENOENT or ESRCH where
+// c.absentOK[p]) and c.seen[p] whether a reply came. sendErr is the error
+// of a datagram the kernel refused as a whole (nothing was applied); lost,
+// wrapping ErrResultUnknown, is the outcome of the requests without a reply
+// when replies may have been lost.
+func (c *Conn) exchange(dg []byte) (sendErr, lost error) {
+	c.out = dg
+	c.starts = c.starts[:0]
+	first := c.seq + 1
+	for off := 0; off+unix.SizeofNlMsghdr <= len(dg); {
+		l := int(binary.NativeEndian.Uint32(dg[off:]))
+		if l < unix.SizeofNlMsghdr {
+			break // not from an encoder of ours
+		}
+		c.starts = append(c.starts, off)
+		binary.NativeEndian.PutUint32(dg[off+8:], c.nextSeq())
+		binary.NativeEndian.PutUint32(dg[off+12:], c.portID)
+		flags := binary.NativeEndian.Uint16(dg[off+6:]) &^ unix.NLM_F_ACK
+		binary.NativeEndian.PutUint16(dg[off+6:], flags)
+		off += nlmAlign(l)
+	}
+	n := len(c.starts)
+	if n == 0 {
+		return nil, nil
+	}
+	last := c.starts[n-1]
+	binary.NativeEndian.PutUint16(dg[last+6:], binary.NativeEndian.Uint16(dg[last+6:])|unix.NLM_F_ACK)
 
 	c.errs = slices.Grow(c.errs[:0], n)[:n]
 	c.seen = slices.Grow(c.seen[:0], n)[:n]
 	clear(c.errs)
 	clear(c.seen)
 
-	if err := c.send(c.sbuf); err != nil {
-		sendFailures.Add(1)
-		// The kernel refused the datagram as a whole: nothing was applied.
-		for _, i := range c.idx {
-			fail(i, err)
+	if err := c.send(dg); err != nil {
+		if c.counts != nil {
+			c.counts.sendFailures.Add(1)
 		}
-		return
+		return err, nil
 	}
-	sentMessages.Add(uint64(n))
-	sentDatagrams.Add(1)
-	lost := c.collect(first, n)
-	for p, i := range c.idx {
-		switch {
-		case c.errs[p] != nil:
-			fail(i, c.errs[p])
-		case lost != nil && !c.seen[p]:
-			fail(i, lost)
-		}
+	if c.counts != nil {
+		c.counts.messages.Add(uint64(n))
+		c.counts.datagrams.Add(1)
 	}
+	return nil, c.collect(first, n)
+}
+
+// request returns the request at batch position p as sent, or nil.
+func (c *Conn) request(p int) []byte {
+	if p >= len(c.starts) {
+		return nil
+	}
+	start := c.starts[p]
+	if start+unix.SizeofNlMsghdr > len(c.out) {
+		return nil
+	}
+	l := int(binary.NativeEndian.Uint32(c.out[start:]))
+	return c.out[start:min(start+l, len(c.out))]
 }
 
 func (c *Conn) send(b []byte) error {
@@ -444,114 +471,42 @@ type batchState struct {
 // once replies were lost, the acknowledgement of a probe. Messages for other
 // ports, of other sequence numbers and of other types are ignored.
 func (c *Conn) handleReplies(b []byte, st *batchState) (done bool) {
-	for len(b) >= unix.SizeofNlMsghdr {
-		l := int(binary.NativeEndian.Uint32(b[0:]))
-		typ := binary.NativeEndian.Uint16(b[4:])
-		flags := binary.NativeEndian.Uint16(b[6:])
-		seq := binary.NativeEndian.Uint32(b[8:])
-		pid := binary.NativeEndian.Uint32(b[12:])
-		if l < unix.SizeofNlMsghdr || l > len(b) {
-			break // malformed: ignore the rest of the datagram
-		}
-		msg := b[:l]
-		b = b[min(nlmAlign(l), len(b)):]
+	forEachMsg(b, func(msg []byte, typ, flags uint16, seq, pid uint32) {
 		if pid != c.portID {
-			continue
+			return
 		}
 		if typ != unix.NLMSG_ERROR && typ != unix.NLMSG_DONE {
-			continue // NLMSG_NOOP, or something we did not ask for
+			return // NLMSG_NOOP, or something we did not ask for
 		}
 		if st.probes > 0 && seq-st.probeLo <= st.probeHi-st.probeLo {
 			done = done || st.lost != nil
-			continue
+			return
 		}
 		p := seq - st.first
 		if p >= st.n {
-			continue // another batch's, or stale
+			return // another batch's, or stale
 		}
 		if errno, ok := replyErrno(msg); ok {
 			c.seen[p] = true
 			if errno != 0 && !c.ignorable(int(p), errno) {
-				c.errs[p] = withExtAck(errno, typ, flags, msg)
+				c.errs[p] = kernelErr(errno, typ, flags, msg, c.request(int(p)))
 			}
 		}
 		if p == st.n-1 && st.lost == nil {
 			done = true
 		}
-	}
+	})
 	return done
 }
 
 var errTruncated = errors.New("truncated netlink reply")
 
 // ignorable reports whether errno for the request at batch position p
-// counts as success: deleting what does not exist.
+// counts as success: deleting what does not exist, where the family's
+// encoder said so.
 func (c *Conn) ignorable(p int, errno unix.Errno) bool {
-	switch c.kind[p] {
-	case NeighDel, FDBDel:
-		return errno == unix.ENOENT || errno == unix.ESRCH
-	}
-	return false
+	return p < len(c.absentOK) && c.absentOK[p] && (errno == unix.ENOENT || errno == unix.ESRCH)
 }
-
-// replyErrno extracts the error code of an NLMSG_ERROR or NLMSG_DONE message.
-func replyErrno(msg []byte) (unix.Errno, bool) {
-	if len(msg) < unix.SizeofNlMsghdr+4 {
-		return 0, binary.NativeEndian.Uint16(msg[4:]) == unix.NLMSG_DONE
-	}
-	e := int32(binary.NativeEndian.Uint32(msg[unix.SizeofNlMsghdr:]))
-	if e < 0 {
-		e = -e
-	}
-	return unix.Errno(e), true
-}
-
-// withExtAck wraps errno with the kernel's extended-ack message, if any.
-func withExtAck(errno unix.Errno, typ, flags uint16, msg []byte) error {
-	if typ != unix.NLMSG_ERROR || flags&unix.NLM_F_ACK_TLVS == 0 {
-		return errno
-	}
-	// struct nlmsgerr: int error; struct nlmsghdr msg; then, unless
-	// capped, the rest of the request; then the TLVs.
-	off := unix.SizeofNlMsghdr + unix.SizeofNlMsgerr
-	if off > len(msg) {
-		return errno
-	}
-	if flags&unix.NLM_F_CAPPED == 0 {
-		reqLen := int(binary.NativeEndian.Uint32(msg[unix.SizeofNlMsghdr+4:]))
-		off = unix.SizeofNlMsghdr + 4 + nlmAlign(reqLen)
-	}
-	for off+unix.SizeofNlAttr <= len(msg) {
-		alen := int(binary.NativeEndian.Uint16(msg[off:]))
-		atyp := binary.NativeEndian.Uint16(msg[off+2:]) & nlaTypeMask
-		if alen < unix.SizeofNlAttr || off+alen > len(msg) {
-			break
-		}
-		if atyp == unix.NLMSGERR_ATTR_MSG {
-			s := msg[off+unix.SizeofNlAttr : off+alen]
-			for len(s) > 0 && s[len(s)-1] == 0 {
-				s = s[:len(s)-1]
-			}
-			if len(s) > 0 {
-				return &kernelError{Errno: errno, Msg: string(s)}
-			}
-			break
-		}
-		off += nlmAlign(alen)
-	}
-	return errno
-}
-
-// kernelError is an errno with the kernel's extended-ack message.
-type kernelError struct {
-	Errno unix.Errno
-	Msg   string
-}
-
-func (e *kernelError) Error() string { return fmt.Sprintf("%v (kernel: %s)", e.Errno, e.Msg) }
-func (e *kernelError) Unwrap() error { return e.Errno }
-
-func nlmAlign(n int) int { return (n + unix.NLMSG_ALIGNTO - 1) &^ (unix.NLMSG_ALIGNTO - 1) }
 
 // probe returns an NLMSG_NOOP request with NLM_F_ACK: the kernel acknowledges
 // it after everything sent before, which resynchronises the reader.
@@ -560,6 +515,3 @@ func (c *Conn) probe(seq uint32) []byte {
 	putHdr(b[:], unix.SizeofNlMsghdr, unix.NLMSG_NOOP, unix.NLM_F_REQUEST|unix.NLM_F_ACK, seq, c.portID)
 	return b[:]
 }
-
-// nlaTypeMask strips NLA_F_NESTED and NLA_F_NET_BYTEORDER from an attribute type.
-const nlaTypeMask = ^uint16(unix.NLA_F_NESTED | unix.NLA_F_NET_BYTEORDER)

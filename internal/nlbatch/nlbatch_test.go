@@ -486,9 +486,13 @@ func TestStaleReplies(t *testing.T) {
 	c.mu.Lock()
 	bad := fdbSet(badIfindex, peerMAC(1), vtep4(1))
 	ip, vtep, _ := bad.normalize()
-	msg := c.appendMsg(nil, &bad, ip, vtep, c.nextSeq())
-	binary.NativeEndian.PutUint16(msg[6:], binary.NativeEndian.Uint16(msg[6:])|unix.NLM_F_ACK)
-	future := c.appendMsg(nil, &bad, ip, vtep, c.seq+1_000_000)
+	stamped := func(seq uint32, ack uint16) []byte {
+		m := c.appendMsg(nil, &bad, ip, vtep)
+		putHdr(m, uint32(len(m)), unix.RTM_NEWNEIGH, binary.NativeEndian.Uint16(m[6:])|ack, seq, c.portID)
+		return m
+	}
+	msg := stamped(c.nextSeq(), unix.NLM_F_ACK)
+	future := stamped(c.seq+1_000_000, 0)
 	for _, m := range [][]byte{msg, c.probe(c.nextSeq()), future} {
 		if err := c.send(m); err != nil {
 			c.mu.Unlock()

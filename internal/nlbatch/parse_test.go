@@ -48,7 +48,7 @@ func nlMsg(typ uint16, seq, pid uint32, payload []byte) []byte {
 func TestHandleReplies(t *testing.T) {
 	const pid, first = 4242, 100
 	c := &Conn{portID: pid}
-	c.kind = []Kind{NeighSet, FDBSet, FDBDel, NeighDel, NeighSet}
+	c.absentOK = []bool{false, false, true, true, false} // neigh set, fdb set, fdb del, neigh del, neigh set
 	c.errs = make([]error, 5)
 	c.seen = make([]bool, 5)
 	st := &batchState{first: first, n: 5}
@@ -80,7 +80,7 @@ func TestHandleReplies(t *testing.T) {
 		t.Fatal("final ACK did not end the batch")
 	}
 
-	var ke *kernelError
+	var ke *KernelError
 	if !errors.As(c.errs[0], &ke) || ke.Errno != unix.EINVAL || ke.Msg != "bad thing" {
 		t.Errorf("errs[0] = %v, want EINVAL with the kernel's message", c.errs[0])
 	}

@@ -25,11 +25,11 @@ var guestPackages = []struct{ name, pkg, run string }{
 	{"guest.test", "./test/vm/guest", ""},
 	{"encryption.test", "./encryption", ""},
 	{"driver.test", "./driver", "^TestEncryptedNetwork"},
-	{"xfrmbatch.test", "./internal/xfrmbatch", ""},
+	{"nlbatch.test", "./internal/nlbatch", "^TestXfrm"},
 }
 
 // mustPass are guest tests that must have passed (not skipped) in the VM.
-var mustPass = []string{"TestDaemonEncryptedDualStackVM", "TestDaemonEncryptedFlushesVM", "TestEncryptedNetworkRealPath", "TestEncryptedOverlay", "TestOwnerFlushesVM", "TestOwnerGenerationsVM", "TestOwnerRepairsOnNotification", "TestOwnerRotation", "TestBatchRefusedRequestReported", "TestSendStates"}
+var mustPass = []string{"TestDaemonEncryptedDualStackVM", "TestDaemonEncryptedFlushesVM", "TestEncryptedNetworkRealPath", "TestEncryptedOverlay", "TestOwnerFlushesVM", "TestOwnerGenerationsVM", "TestOwnerRepairsOnNotification", "TestOwnerRotation", "TestBatchRefusedRequestReported", "TestXfrmSendStates"}
 
 func moduleRoot(t *testing.T) string {
 	out, err := exec.Command("go", "env", "GOMOD").Output()

@@ -1,13 +1,20 @@
 package nlbatch
 
 import (
-	"errors"
+	"encoding/binary"
 	"fmt"
 	"math"
 	"net"
 	"net/netip"
+	"slices"
 	"strings"
+
+	"golang.org/x/sys/unix"
 )
+
+// The route family (NETLINK_ROUTE): permanent neighbour entries and VXLAN
+// FDB "self" entries, given as Ops to Conn.Apply and encoded into the
+// Conn's datagram as they are sent.
 
 // Kind is the kind of a netlink operation.
 type Kind uint8
@@ -84,22 +91,6 @@ func addrString(a netip.Addr) string {
 	return a.String()
 }
 
-// ErrInvalidOp is wrapped by the errors of operations that were rejected
-// before anything was sent to the kernel.
-var ErrInvalidOp = errors.New("invalid netlink operation")
-
-// ErrResultUnknown is wrapped by the errors of operations whose outcome could
-// not be learnt: the kernel may or may not have applied them (for example
-// because replies were dropped when the socket's receive buffer overflowed).
-var ErrResultUnknown = errors.New("result unknown")
-
-// ErrClosed is reported for operations applied on a closed Conn.
-var ErrClosed = errors.New("netlink connection closed")
-
-func invalid(format string, args ...any) error {
-	return fmt.Errorf("%w: %s", ErrInvalidOp, fmt.Sprintf(format, args...))
-}
-
 // normalize validates o and returns its addresses in the form sent to the
 // kernel.
 func (o Op) normalize() (ip, vtep netip.Addr, err error) {
@@ -135,7 +126,7 @@ func checkAddr(what string, a netip.Addr) (netip.Addr, error) {
 type OpError struct {
 	Index int   // index of Op in the slice given to Apply
 	Op    Op    // the operation
-	Err   error // a syscall.Errno (possibly wrapped with the kernel's message), or wraps ErrInvalidOp, ErrResultUnknown or ErrClosed
+	Err   error // a unix.Errno, or a *KernelError (the errno with the kernel's extended ack), or wraps ErrInvalidOp, ErrResultUnknown or ErrClosed
 }
 
 func (e OpError) Error() string { return fmt.Sprintf("%v: %v", e.Op, e.Err) }
@@ -177,4 +168,145 @@ func (e *Error) Unwrap() []error {
 		errs[i] = e.Failed[i]
 	}
 	return errs
+}
+
+// Apply sends ops in batches and waits for every batch's final
+// acknowledgement. Deleting an entry that does not exist counts as success.
+// It returns nil or an *Error listing every failed operation: ops that are
+// invalid (not sent), ops the kernel refused, and ops whose outcome is unknown
+// (ErrResultUnknown) because replies were lost.
+func (c *Conn) Apply(ops []Op) error {
+	var failed []OpError
+	fail := func(i int, err error) {
+		failed = append(failed, OpError{Index: i, Op: ops[i], Err: err})
+	}
+
+	c.mu.Lock()
+	defer c.mu.Unlock()
+
+	if err := c.usable(unix.NETLINK_ROUTE); err != nil {
+		for i := range ops {
+			fail(i, err)
+		}
+		return opsResult(failed, len(ops))
+	}
+
+	batch := c.effectiveBatch()
+	c.sbuf = c.sbuf[:0]
+	c.idx = c.idx[:0]
+	c.absentOK = c.absentOK[:0]
+	for i := range ops {
+		ip, vtep, err := ops[i].normalize()
+		if err != nil {
+			fail(i, err)
+			continue
+		}
+		if len(c.idx) > 0 && len(c.sbuf)+maxMsgLen > c.maxBytes {
+			c.flushRoute(fail)
+		}
+		c.sbuf = c.appendMsg(c.sbuf, &ops[i], ip, vtep)
+		c.idx = append(c.idx, i)
+		// Deleting what does not exist counts as success.
+		c.absentOK = append(c.absentOK, ops[i].Kind == NeighDel || ops[i].Kind == FDBDel)
+		if len(c.idx) >= batch {
+			c.flushRoute(fail)
+		}
+	}
+	if len(c.idx) > 0 {
+		c.flushRoute(fail)
+	}
+	return opsResult(failed, len(ops))
+}
+
+func opsResult(failed []OpError, total int) error {
+	if len(failed) == 0 {
+		return nil
+	}
+	slices.SortStableFunc(failed, func(a, b OpError) int { return a.Index - b.Index })
+	return &Error{Failed: failed, Total: total}
+}
+
+// flushRoute sends the batch in c.sbuf and reports its failures through
+// fail. It empties the batch.
+func (c *Conn) flushRoute(fail func(int, error)) {
+	sendErr, lost := c.exchange(c.sbuf)
+	for p, i := range c.idx {
+		switch {
+		case sendErr != nil:
+			// The kernel refused the datagram as a whole: nothing was applied.
+			fail(i, sendErr)
+		case c.errs[p] != nil:
+			fail(i, c.errs[p])
+		case lost != nil && !c.seen[p]:
+			fail(i, lost)
+		}
+	}
+	c.sbuf = c.sbuf[:0]
+	c.idx = c.idx[:0]
+	c.absentOK = c.absentOK[:0]
+}
+
+// maxMsgLen is the longest request appendMsg produces: header, ndmsg, an
+// IPv6 NDA_DST and NDA_LLADDR.
+const maxMsgLen = unix.SizeofNlMsghdr + unix.SizeofNdMsg +
+	unix.SizeofRtAttr + 16 + // NDA_DST (IPv6)
+	unix.SizeofRtAttr + 8 // NDA_LLADDR (6 bytes, padded)
+
+// appendMsg appends the request for op (already validated; ip and vtep are
+// its normalised addresses) to b.
+func (c *Conn) appendMsg(b []byte, op *Op, ip, vtep netip.Addr) []byte {
+	var (
+		typ    uint16
+		flags  uint16
+		family uint8
+		state  uint16
+		ndf    uint8
+	)
+	switch op.Kind {
+	case NeighSet:
+		typ, flags, family, state = unix.RTM_NEWNEIGH, unix.NLM_F_CREATE|unix.NLM_F_REPLACE, addrFamily(ip), unix.NUD_PERMANENT
+	case NeighDel:
+		typ, family = unix.RTM_DELNEIGH, addrFamily(ip)
+	case FDBSet:
+		typ, flags, family, state, ndf = unix.RTM_NEWNEIGH, unix.NLM_F_CREATE|unix.NLM_F_REPLACE, unix.AF_BRIDGE, unix.NUD_PERMANENT, unix.NTF_SELF
+	case FDBDel:
+		typ, family, ndf = unix.RTM_DELNEIGH, unix.AF_BRIDGE, unix.NTF_SELF
+	}
+	b, start := beginMsg(b, typ, flags)
+	// struct ndmsg
+	var nd [unix.SizeofNdMsg]byte
+	nd[0] = family
+	binary.NativeEndian.PutUint32(nd[4:], uint32(int32(op.LinkIndex)))
+	binary.NativeEndian.PutUint16(nd[8:], state)
+	nd[10] = ndf
+	b = append(b, nd[:]...)
+
+	switch op.Kind {
+	case NeighSet:
+		b = c.appendAddr(b, unix.NDA_DST, ip)
+		b = appendAttr(b, unix.NDA_LLADDR, op.MAC[:])
+	case NeighDel:
+		b = c.appendAddr(b, unix.NDA_DST, ip)
+	case FDBSet, FDBDel:
+		b = appendAttr(b, unix.NDA_LLADDR, op.MAC[:])
+		b = c.appendAddr(b, unix.NDA_DST, vtep)
+	}
+	return endMsg(b, start)
+}
+
+func addrFamily(a netip.Addr) uint8 {
+	if a.Is4() {
+		return unix.AF_INET
+	}
+	return unix.AF_INET6
+}
+
+func (c *Conn) appendAddr(b []byte, typ uint16, a netip.Addr) []byte {
+	if a.Is4() {
+		v := a.As4()
+		copy(c.tmp[:], v[:])
+		return appendAttr(b, typ, c.tmp[:4])
+	}
+	c.tmp = a.As16()
+	return appendAttr(b, typ, c.tmp[:16])
 }

@@ -1,4 +1,4 @@
-package xfrmbatch
+package nlbatch
 
 import (
 	"errors"
@@ -58,13 +58,13 @@ func dumpPolicies(t *testing.T, h *netlink.Handle) []string {
 	return out
 }
 
-// openInNewNS opens a Conn in a new namespace, and a netlink handle there
-// to read what it did; both close when the test ends.
-func openInNewNS(t *testing.T) (*Conn, *netlink.Handle) {
+// openXfrmInNewNS opens an xfrm Conn in a new namespace, and a netlink
+// handle there to read what it did; both close when the test ends.
+func openXfrmInNewNS(t *testing.T) (*Conn, *netlink.Handle) {
 	t.Helper()
 	nstest.RequireRoot(t)
 	ns := nstest.NewNS(t, "xb")
-	c, err := Open(ns.Handle)
+	c, err := OpenXfrm(ns.Handle)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -77,13 +77,13 @@ func openInNewNS(t *testing.T) (*Conn, *netlink.Handle) {
 	return c, h
 }
 
-// TestSendReportsEachRefusedRequest: requests sent together are applied
+// TestXfrmSendReportsEachRefusedRequest: requests sent together are applied
 // in order, and the requests the kernel refuses, and only those, get an
-// error, also across datagrams (more requests than MaxPerDatagram) and
+// error, also across datagrams (more requests than XfrmBatchSize) and
 // when the refused one is a datagram's last (the acknowledged one). What
 // the batch installs is what netlink's own XfrmPolicyAdd installs.
-func TestSendReportsEachRefusedRequest(t *testing.T) {
-	c, h := openInNewNS(t)
+func TestXfrmSendReportsEachRefusedRequest(t *testing.T) {
+	c, h := openXfrmInNewNS(t)
 
 	// The library's own encoding, as the reference.
 	ref := testPolicy(0)
@@ -94,7 +94,7 @@ func TestSendReportsEachRefusedRequest(t *testing.T) {
 	if err := h.XfrmPolicyDel(ref); err != nil {
 		t.Fatal(err)
 	}
-	var b Batch
+	var b XfrmBatch
 	if err := b.SetPolicy(ref, false); err != nil {
 		t.Fatal(err)
 	}
@@ -107,8 +107,8 @@ func TestSendReportsEachRefusedRequest(t *testing.T) {
 
 	// n adds; the ones at refused already exist (EEXIST), one of them the
 	// last of the first datagram, one the very last request.
-	n := 2*MaxPerDatagram + 7
-	refused := []int{0, 5, MaxPerDatagram - 1, MaxPerDatagram + 3, n - 1}
+	n := 2*XfrmBatchSize + 7
+	refused := []int{0, 5, XfrmBatchSize - 1, XfrmBatchSize + 3, n - 1}
 	for _, i := range refused[1:] {
 		if err := h.XfrmPolicyAdd(testPolicy(i)); err != nil {
 			t.Fatal(err)
@@ -163,12 +163,12 @@ func TestSendReportsEachRefusedRequest(t *testing.T) {
 	}
 }
 
-// TestSendStates: an SA add is one request whose outcome is its own,
+// TestXfrmSendStates: an SA add is one request whose outcome is its own,
 // between policy requests that succeed. Where the kernel has no ESP (this
 // machine), it is refused and the error says so; where it has (test/vm),
 // the SA is installed as netlink's dump reads it back.
-func TestSendStates(t *testing.T) {
-	c, h := openInNewNS(t)
+func TestXfrmSendStates(t *testing.T) {
+	c, h := openXfrmInNewNS(t)
 	src, dst := netip.MustParseAddr("192.0.2.1"), netip.MustParseAddr("192.0.2.2")
 	st := &netlink.XfrmState{
 		Src: src.AsSlice(), Dst: dst.AsSlice(), Proto: netlink.XFRM_PROTO_ESP, Mode: netlink.XFRM_MODE_TRANSPORT,
@@ -177,7 +177,7 @@ func TestSendStates(t *testing.T) {
 		Selector: &netlink.XfrmPolicy{Src: &net.IPNet{IP: src.AsSlice(), Mask: net.CIDRMask(32, 32)},
 			Dst: &net.IPNet{IP: dst.AsSlice(), Mask: net.CIDRMask(32, 32)}, Proto: netlink.Proto(unix.IPPROTO_UDP), DstPort: 4799},
 	}
-	var b Batch
+	var b XfrmBatch
 	if err := b.SetPolicy(testPolicy(1), false); err != nil {
 		t.Fatal(err)
 	}
