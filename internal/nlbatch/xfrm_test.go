@@ -240,3 +240,83 @@ func TestXfrmSendStates(t *testing.T) {
 		t.Fatalf("deleting twice: %v, want nil then ESRCH", errs)
 	}
 }
+
+// TestXfrmSendLostReplies: when the error replies of a datagram overflow
+// the receive buffer, the requests without a reply are reported as
+// ErrResultUnknown, the datagrams after it are not sent, and the Conn
+// works normally afterwards.
+func TestXfrmSendLostReplies(t *testing.T) {
+	c, h := openXfrmInNewNS(t)
+	n := 2 * XfrmBatchSize
+	var b XfrmBatch
+	for i := range n {
+		if err := b.SetPolicy(testPolicy(i), false); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if errs, _ := c.Send(&b); errors.Join(errs...) != nil {
+		t.Fatal(errors.Join(errs...))
+	}
+	// The same adds again: every one is refused (EEXIST), and the replies
+	// do not fit a minimal receive buffer.
+	if err := unix.SetsockoptInt(c.fd, unix.SOL_SOCKET, unix.SO_RCVBUF, 0); err != nil {
+		t.Fatal(err)
+	}
+	errs, sent := c.Send(&b)
+	if sent != 1 {
+		t.Errorf("%d datagrams sent, want 1: none after the one whose replies were lost", sent)
+	}
+	unknown := 0
+	for i, err := range errs {
+		switch {
+		case errors.Is(err, ErrResultUnknown):
+			unknown++
+		case !errors.Is(err, unix.EEXIST):
+			t.Fatalf("request %d: %v, want EEXIST or ErrResultUnknown", i, err)
+		case i >= XfrmBatchSize:
+			t.Fatalf("request %d of an unsent datagram: %v", i, err)
+		}
+	}
+	if unknown < XfrmBatchSize {
+		t.Fatalf("%d requests of unknown outcome, want at least the %d not sent", unknown, XfrmBatchSize)
+	}
+	t.Logf("%d of %d requests of unknown outcome: %v", unknown, n, errs[n-1])
+
+	if err := unix.SetsockoptInt(c.fd, unix.SOL_SOCKET, unix.SO_RCVBUFFORCE, wantRcvBuf); err != nil {
+		t.Fatal(err)
+	}
+	b.Reset()
+	for i := range n {
+		b.DelPolicy(testPolicy(i))
+	}
+	if errs, _ := c.Send(&b); errors.Join(errs...) != nil {
+		t.Fatal(errors.Join(errs...))
+	}
+	if got := dumpPolicies(t, h); len(got) != 0 {
+		t.Fatalf("%d policies left", len(got))
+	}
+}
+
+// TestFamilies: a Conn takes only its own family's requests, and none
+// once closed.
+func TestFamilies(t *testing.T) {
+	x, _ := openXfrmInNewNS(t)
+	e := newEnv(t, envOpts{})
+	var b XfrmBatch
+	b.DelPolicy(testPolicy(1))
+	if errs, sent := e.conn.Send(&b); sent != 0 || !errors.Is(errs[0], ErrInvalidOp) {
+		t.Errorf("xfrm batch on a route Conn: %v (%d sent), want ErrInvalidOp", errs, sent)
+	}
+	if err := x.Apply([]Op{neighDel(e.link, peerIP(1))}); !errors.Is(err, ErrInvalidOp) {
+		t.Errorf("route ops on an xfrm Conn: %v, want ErrInvalidOp", err)
+	}
+	if x.BatchSize() != XfrmBatchSize || e.conn.BatchSize() != DefaultBatchSize {
+		t.Errorf("batch sizes %d (xfrm), %d (route), want %d and %d", x.BatchSize(), e.conn.BatchSize(), XfrmBatchSize, DefaultBatchSize)
+	}
+	if err := x.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if errs, sent := x.Send(&b); sent != 0 || !errors.Is(errs[0], ErrClosed) {
+		t.Errorf("Send on a closed Conn: %v (%d sent), want ErrClosed", errs, sent)
+	}
+}
