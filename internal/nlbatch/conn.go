@@ -96,7 +96,7 @@ type Conn struct {
 	rbuf     []byte   // incoming datagram
 	idx      []int    // route: batch position → index into the ops given to Apply
 	absentOK []bool   // batch position → ENOENT and ESRCH count as success
-	out      []byte   // the datagram being exchanged
+	out      []byte   // the datagram being exchanged (during exchange only)
 	starts   []int    // batch position → offset of its request in out
 	errs     []error  // batch position → error reported by the kernel
 	seen     []bool   // batch position → a reply (error) was received
@@ -215,9 +215,8 @@ func (c *Conn) setReplyTimeout(d time.Duration) error {
 
 // SetBatchSize sets the number of requests sent per sendto (default
 // DefaultBatchSize, XfrmBatchSize for an xfrm Conn). n < 1 restores the
-// default. The effective size is
-// further capped so that the error replies of a whole batch fit into the
-// socket's receive buffer.
+// default. The effective size is further capped so that the error replies
+// of a whole batch fit into the socket's receive buffer.
 func (c *Conn) SetBatchSize(n int) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -236,9 +235,12 @@ func (c *Conn) BatchSize() int {
 
 func (c *Conn) effectiveBatch() int { return min(c.batchSize, c.maxBatch) }
 
-// Close closes the socket. Apply and Send on a closed Conn fail every
-// request with ErrClosed.
+// Close closes the socket; closing a nil Conn does nothing. Apply and Send
+// on a closed Conn fail every request with ErrClosed.
 func (c *Conn) Close() error {
+	if c == nil {
+		return nil
+	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.fd < 0 {
@@ -265,7 +267,7 @@ func (c *Conn) usable(proto int) error {
 // Process-wide counts of what every route Conn sent: the kernel work peer
 // programming costs, read by the metrics at scrape time. Package-level
 // because Conns come and go with sandboxes while the totals must not.
-// (xfrm Conns count their datagrams for their callers' own statistics.)
+// xfrm Conns add to none: Send returns its datagrams to its caller.
 type counts struct{ messages, datagrams, sendFailures atomic.Uint64 }
 
 var routeCounts counts
@@ -328,6 +330,7 @@ func (c *Conn) exchange(dg []byte) (sendErr, lost error) {
 	clear(c.seen)
 
 	if err := c.send(dg); err != nil {
+		c.out = nil
 		if c.counts != nil {
 			c.counts.sendFailures.Add(1)
 		}
@@ -337,7 +340,9 @@ func (c *Conn) exchange(dg []byte) (sendErr, lost error) {
 		c.counts.messages.Add(uint64(n))
 		c.counts.datagrams.Add(1)
 	}
-	return nil, c.collect(first, n)
+	lost = c.collect(first, n)
+	c.out = nil // the caller's
+	return nil, lost
 }
 
 // request returns the request at batch position p as sent, or nil.
