@@ -515,7 +515,7 @@ func TestOwnerPersistence(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer oo.Close()
-	if st := oo.Status(); st.Send != 3 || st.Target != 4 || !slices.Equal(st.Accept, []uint32{3, 4}) || st.Gen == 0 || !oo.adopting || !slices.Equal(oo.adopted.remotes, []netip.Addr{ownerRemote}) {
+	if st := oo.Status(); st.Send != 3 || st.Target != 4 || !slices.Equal(st.Accept, []uint32{3, 4}) || st.Gen == 0 || !oo.led.adopting || !slices.Equal(oo.led.adopted.remotes, []netip.Addr{ownerRemote}) {
 		t.Fatalf("old record: %+v", st)
 	}
 }
@@ -537,7 +537,7 @@ func TestOwnerRecordPerRemote(t *testing.T) {
 	state := func(o *Owner) string {
 		o.mu.Lock()
 		defer o.mu.Unlock()
-		return fmt.Sprintf("gen %d keys %v installed %v gens %v adopted %v %v %v", o.gen, o.keys, o.installed, o.remoteGens, o.adopted.enc, o.adopted.clear, o.adopted.remotes)
+		return fmt.Sprintf("gen %d keys %v installed %v gens %v adopted %v %v %v", o.led.gen, o.led.keys, o.led.installed, o.led.remoteGens, o.led.adopted.enc, o.led.adopted.clear, o.led.adopted.remotes)
 	}
 	o1, err := NewOwner(OwnerConfig{NS: ns.Handle, Port: 4799, Secret: testSecret, Tick: time.Hour, Store: store})
 	if err != nil {
@@ -551,8 +551,8 @@ func TestOwnerRecordPerRemote(t *testing.T) {
 	// reconcile that programs what the restart adopted), even when it is
 	// a change of one remote's.
 	o1.mu.Lock()
-	o1.programmed = programmed{enc: o1.adopted.enc, remotes: slices.Clone(o1.adopted.remotes)}
-	err = o1.persistRemotesLocked([]netip.Addr{r1})
+	o1.led.programmed = programmed{enc: o1.led.adopted.enc, remotes: slices.Clone(o1.led.adopted.remotes)}
+	err = o1.led.persist([]netip.Addr{r1})
 	o1.mu.Unlock()
 	if err != nil {
 		t.Fatal(err)
