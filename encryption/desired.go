@@ -369,7 +369,7 @@ func (d *Desired) normalized() bool {
 // or generation differ (touchedRemotes).
 func sameXfrmBasis(a, b *Desired) bool {
 	return a.Local == b.Local && a.Port == b.Port && a.Send == b.Send && a.Gen == b.Gen && a.NoSAs == b.NoSAs &&
-		slices.Equal(normAccept(a.Accept), normAccept(b.Accept)) && bytes.Equal(a.Secret, b.Secret)
+		(slices.Equal(a.Accept, b.Accept) || slices.Equal(normAccept(a.Accept), normAccept(b.Accept))) && bytes.Equal(a.Secret, b.Secret)
 }
 
 // setBasis makes d (a record of its own, see cloneLists) hold b's basis:
