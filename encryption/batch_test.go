@@ -17,17 +17,6 @@ import (
 	"github.com/overlayd/overlayd/internal/testutil/nstest"
 )
 
-// newTestProgrammer returns a Programmer for ns, closed when the test ends.
-func newTestProgrammer(t *testing.T, ns *nstest.NS) *Programmer {
-	t.Helper()
-	p, err := NewProgrammer(ns.Handle)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { p.Close() })
-	return p
-}
-
 // plantInbound installs, behind overlayd's back, an SA with the SPI and
 // addresses of remote r's inbound SA in d but another key: the kernel
 // then refuses overlayd's add of that SA (EEXIST), and only that one.
@@ -69,7 +58,7 @@ func TestBatchRefusedRequestReported(t *testing.T) {
 	}
 	t.Run("Programmer", func(t *testing.T) {
 		ns := nstest.NewNS(t, "host")
-		p := newTestProgrammer(t, ns)
+		p := newTracked(t, ns)
 		if err := p.Apply(testDesired(2)); err != nil {
 			t.Fatal(err)
 		}
@@ -99,7 +88,7 @@ func TestBatchRefusedRequestReported(t *testing.T) {
 		if !out || !slices.ContainsFunc(remote, func(p netlink.XfrmPolicy) bool { return addrOf(p.Dst.IP) == added }) {
 			t.Fatalf("the requests after the refused one were not applied: outbound SA %v, policies %d", out, len(remote))
 		}
-		if p.known != nil {
+		if p.t.kernel != nil {
 			t.Fatal("the record is still trusted after a refused request")
 		}
 		if err := p.Apply(d); err != nil {
@@ -120,7 +109,7 @@ func TestBatchRefusedRequestReported(t *testing.T) {
 		d := o.desiredLocked()
 		d.Remotes = append(slices.Clone(d.Remotes), added)
 		d.RemoteGens = maps.Clone(d.RemoteGens)
-		d.RemoteGens[added] = o.remoteGens[added]
+		d.RemoteGens[added] = o.led.remoteGens[added]
 		o.mu.Unlock()
 		w := plantInbound(t, ns, d, added)
 		before := o.Status().DeltaFailures
@@ -154,7 +143,7 @@ func TestBatchRefusedRequestReported(t *testing.T) {
 func TestBatchPolicyExistsRetried(t *testing.T) {
 	nstest.RequireRoot(t)
 	ns := nstest.NewNS(t, "host")
-	p := newTestProgrammer(t, ns)
+	p := newTracked(t, ns)
 	base := testDesired(2)
 	base.NoSAs = true
 	if err := p.Apply(base); err != nil {

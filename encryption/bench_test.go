@@ -126,9 +126,9 @@ func BenchmarkOwnerRemotes(b *testing.B) {
 				remotes[i] = benchRemote(i + 1)
 			}
 			o.mu.Lock()
-			o.keys = NodeKeys{Accept: []uint32{1}, Send: 1, Target: 1}
+			o.led.keys = NodeKeys{Accept: []uint32{1}, Send: 1, Target: 1}
 			for i, r := range remotes {
-				o.remoteGens[r] = uint64(1000 + i)
+				o.led.remoteGens[r] = uint64(1000 + i)
 			}
 			o.mu.Unlock()
 			if err := o.SetLocal(local); err != nil {
@@ -153,7 +153,7 @@ func BenchmarkOwnerRemotes(b *testing.B) {
 			for i := 0; i < b.N; i++ {
 				extra := benchExtra(2*i + 1)
 				o.mu.Lock()
-				o.remoteGens[extra] = uint64(5000 + i)
+				o.led.remoteGens[extra] = uint64(5000 + i)
 				o.mu.Unlock()
 				// The driver's way: the change alone (AddRemotes before
 				// the peers are programmed, RemoveRemotes after).
@@ -176,7 +176,7 @@ func BenchmarkOwnerRemotes(b *testing.B) {
 				// are compared with the list the caller passes.
 				extra = benchExtra(2*i + 2)
 				o.mu.Lock()
-				o.remoteGens[extra] = uint64(5000 + i)
+				o.led.remoteGens[extra] = uint64(5000 + i)
 				o.mu.Unlock()
 				plus := share
 				plus.Remotes = append(slices.Clip(remotes), extra)
@@ -216,8 +216,8 @@ func BenchmarkOwnerRemotes(b *testing.B) {
 			b.ReportMetric(count(upStats.XfrmDumps+upStats.NftDumps), "update-dumps")
 			if c.store {
 				o.mu.Lock()
-				size := len(o.savedCore)
-				for _, e := range o.savedRemotes {
+				size := len(o.led.savedCore)
+				for _, e := range o.led.savedRemotes {
 					size += len(e)
 				}
 				b.ReportMetric(float64(size), "record-bytes")

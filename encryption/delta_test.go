@@ -2,6 +2,7 @@ package encryption
 
 import (
 	"crypto/sha256"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"net/netip"
@@ -88,11 +89,7 @@ func TestApplyDeltaMatchesFull(t *testing.T) {
 	supported := espSupported(t)
 	rng := rand.New(rand.NewPCG(testSeed(t), 14))
 	nsDelta, nsFull := nstest.NewNS(t, "delta"), nstest.NewNS(t, "full")
-	pd, err := NewProgrammer(nsDelta.Handle)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pd.Close()
+	pd := newTracked(t, nsDelta)
 	pf, err := NewProgrammer(nsFull.Handle)
 	if err != nil {
 		t.Fatal(err)
@@ -236,14 +233,93 @@ func minusStrings(a, b []string) []string {
 	return out
 }
 
+// trackedProgrammer is a Programmer driven through a tracker as the Owner
+// drives it: Apply resyncs (dumps), and applyDelta plans against the
+// record, for the remotes whose state differs from the last Desired's
+// alone when the keys, generation and VTEP are the same (what the Owner
+// marks dirty), else for every remote.
+type trackedProgrammer struct {
+	*Programmer
+	t tracker
+}
+
+func newTracked(t *testing.T, ns *nstest.NS) *trackedProgrammer {
+	t.Helper()
+	p, err := NewProgrammer(ns.Handle)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { p.Close() })
+	return &trackedProgrammer{Programmer: p}
+}
+
+// Apply is a resync to d.
+func (tp *trackedProgrammer) Apply(d Desired) error {
+	tp.t.markResync()
+	ax, an, dumped, err := tp.t.view(tp.Programmer)
+	if err != nil {
+		return err
+	}
+	res, err := tp.t.apply(tp.Programmer, &d, nil, nil, true, ax, an, dumped)
+	return errors.Join(append([]error{err}, res.collisions...)...)
+}
+
+// applyDelta applies d against the record; ok is false (nothing done)
+// without a record, or when d wants nothing (a resync's case).
+func (tp *trackedProgrammer) applyDelta(d *Desired) (res execResult, err error, ok bool) {
+	if tp.t.kernel == nil || tp.t.resync || d.Empty() {
+		return execResult{}, nil, false
+	}
+	if l := tp.t.last; l != nil && d.normalized() && sameXfrmBasis(l, d) {
+		tp.t.markDirty(touchedRemotes(l, d)...)
+	} else {
+		tp.t.markAll()
+	}
+	scope, whole := tp.t.scope(d, false)
+	var dx *desiredXfrm
+	if !whole {
+		if dx, ok = tp.t.fits(d, tp.derived, scope); !ok {
+			scope, whole = nil, true
+		}
+	}
+	ax, an, dumped, err := tp.t.view(tp.Programmer)
+	if err != nil {
+		return execResult{}, err, true
+	}
+	res, err = tp.t.apply(tp.Programmer, d, dx, scope, whole, ax, an, dumped)
+	return res, err, true
+}
+
+// touchedRemotes returns, sorted, the remotes whose xfrm state differs
+// between a and b (both normalized, with the same basis): those in one of
+// their Remotes, KeepOutbound or Blocked lists but not in the other's, and
+// those whose generation changed.
+func touchedRemotes(a, b *Desired) []netip.Addr {
+	var out []netip.Addr
+	symdiff := func(x, y []netip.Addr) {
+		added, gone := diffSorted(x, y)
+		out = append(append(out, added...), gone...)
+	}
+	symdiff(a.Remotes, b.Remotes)
+	symdiff(a.KeepOutbound, b.KeepOutbound)
+	symdiff(a.Blocked, b.Blocked)
+	for _, r := range b.Remotes {
+		if a.RemoteGens[r] != b.RemoteGens[r] {
+			out = append(out, r)
+		}
+	}
+	slices.SortFunc(out, netip.Addr.Compare)
+	return slices.Compact(out)
+}
+
 // establishKeys gives o epoch 1 and a generation for each remote, as if
 // the others had advertised them (tests without gossip).
 func establishKeys(o *Owner, remotes []netip.Addr) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	o.keys = NodeKeys{Accept: []uint32{1}, Send: 1, Target: 1}
+	o.led.keys = NodeKeys{Accept: []uint32{1}, Send: 1, Target: 1}
 	for i, r := range remotes {
-		o.remoteGens[r] = uint64(2000 + i)
+		o.led.remoteGens[r] = uint64(2000 + i)
 	}
 }
 

@@ -2,11 +2,8 @@ package encryption
 
 import (
 	"bytes"
-	"crypto/sha256"
-	"encoding/binary"
 	"errors"
 	"fmt"
-	"hash/maphash"
 	"maps"
 	"net"
 	"net/netip"
@@ -372,153 +369,14 @@ func (d *Desired) normalized() bool {
 // or generation differ (touchedRemotes).
 func sameXfrmBasis(a, b *Desired) bool {
 	return a.Local == b.Local && a.Port == b.Port && a.Send == b.Send && a.Gen == b.Gen && a.NoSAs == b.NoSAs &&
-		slices.Equal(normAccept(a.Accept), normAccept(b.Accept)) && bytes.Equal(a.Secret, b.Secret)
+		(slices.Equal(a.Accept, b.Accept) || slices.Equal(normAccept(a.Accept), normAccept(b.Accept))) && bytes.Equal(a.Secret, b.Secret)
 }
 
-// touchedRemotes returns, sorted, the remotes whose xfrm state differs
-// between a and b (both normalized, with the same basis): those in one of
-// their Remotes, KeepOutbound or Blocked lists but not in the other's, and
-// those whose generation changed.
-func touchedRemotes(a, b *Desired) []netip.Addr {
-	var out []netip.Addr
-	symdiff := func(x, y []netip.Addr) {
-		i, j := 0, 0
-		for i < len(x) || j < len(y) {
-			switch {
-			case j == len(y) || (i < len(x) && x[i].Compare(y[j]) < 0):
-				out = append(out, x[i])
-				i++
-			case i == len(x) || y[j].Compare(x[i]) < 0:
-				out = append(out, y[j])
-				j++
-			default:
-				i, j = i+1, j+1
-			}
-		}
-	}
-	symdiff(a.Remotes, b.Remotes)
-	symdiff(a.KeepOutbound, b.KeepOutbound)
-	symdiff(a.Blocked, b.Blocked)
-	for _, r := range b.Remotes {
-		if a.RemoteGens[r] != b.RemoteGens[r] {
-			out = append(out, r)
-		}
-	}
-	slices.SortFunc(out, netip.Addr.Compare)
-	return slices.Compact(out)
-}
-
-// fingerprint identifies d without its secret: two Desireds with the same
-// fingerprint want the same kernel state (given the same secret). It is a
-// SHA-256 of a binary encoding of everything but the remotes and their
-// generations (formatting thousands of remotes as text cost more than the
-// kernel change of one remote), followed by the remotes' digest
-// (remoteDigest), which a change of a few remotes updates without
-// visiting the others (Owner.changeRemotesLocked).
-func (d *Desired) fingerprint() string { return d.fingerprintWith(d.digest()) }
-
-// digest is the remotes' digest of d (see remoteDigest).
-func (d *Desired) digest() remoteDigest {
-	var dig remoteDigest
-	for _, r := range d.Remotes {
-		g, ok := d.RemoteGens[r]
-		dig.add(r, g, ok, +1)
-	}
-	return dig
-}
-
-// fingerprintWith is fingerprint with the remotes' digest given.
-func (d *Desired) fingerprintWith(dig remoteDigest) string {
-	b := make([]byte, 0, 128+20*(len(d.KeepOutbound)+len(d.Blocked))+4*(len(d.VNIs)+len(d.ClearVNIs)+len(d.Accept)))
-	addr := func(a netip.Addr) {
-		s := a.As16()
-		b = append(b, s[:]...)
-		if a.Is4() {
-			b = append(b, 4)
-		} else {
-			b = append(b, 6)
-		}
-	}
-	list := func(tag byte, n int) {
-		b = append(b, tag)
-		b = binary.BigEndian.AppendUint32(b, uint32(n))
-	}
-	addr(d.Local)
-	b = binary.BigEndian.AppendUint32(b, uint32(d.Port))
-	for _, l := range []struct {
-		tag byte
-		v   []uint32
-	}{{'v', d.VNIs}, {'c', d.ClearVNIs}, {'a', d.Accept}} {
-		list(l.tag, len(l.v))
-		for _, v := range l.v {
-			b = binary.BigEndian.AppendUint32(b, v)
-		}
-	}
-	for _, l := range []struct {
-		tag byte
-		v   []netip.Addr
-	}{{'k', d.KeepOutbound}, {'b', d.Blocked}} {
-		list(l.tag, len(l.v))
-		for _, a := range l.v {
-			addr(a)
-		}
-	}
-	b = binary.BigEndian.AppendUint32(b, d.Send)
-	b = binary.BigEndian.AppendUint64(b, d.Gen)
-	if d.NoSAs {
-		b = append(b, 1)
-	} else {
-		b = append(b, 0)
-	}
-	sum := sha256.Sum256(b)
-	out := make([]byte, 0, len(sum)+24)
-	out = append(out, sum[:]...)
-	out = binary.BigEndian.AppendUint64(out, dig.n)
-	out = binary.BigEndian.AppendUint64(out, dig.sum[0])
-	out = binary.BigEndian.AppendUint64(out, dig.sum[1])
-	return string(out)
-}
-
-// remoteDigest is an order-independent digest of a desired state's remotes
-// with their generations: their number and the sum (mod 2^64, under two
-// seeds) of a hash of each (remote, generation), so that one remote coming
-// or going updates it in O(1). A fingerprint only decides whether an
-// Update may skip the kernel (the loop reconciles in full anyway), so a
-// 128-bit non-cryptographic digest is enough.
-type remoteDigest struct {
-	n   uint64
-	sum [2]uint64
-}
-
-var digestSeeds = [2]maphash.Seed{maphash.MakeSeed(), maphash.MakeSeed()}
-
-// add adds (sign +1) or removes (sign -1) remote r with its generation g
-// (known: r advertised one).
-func (dg *remoteDigest) add(r netip.Addr, g uint64, known bool, sign int) {
-	var b [26]byte
-	a := r.As16()
-	copy(b[:16], a[:])
-	b[16] = 6
-	if r.Is4() {
-		b[16] = 4
-	}
-	binary.BigEndian.PutUint64(b[17:25], g)
-	if known {
-		b[25] = 1
-	}
-	for i, seed := range digestSeeds {
-		h := maphash.Bytes(seed, b[:])
-		if sign > 0 {
-			dg.sum[i] += h
-		} else {
-			dg.sum[i] -= h
-		}
-	}
-	if sign > 0 {
-		dg.n++
-	} else {
-		dg.n--
-	}
+// setBasis makes d (a record of its own, see cloneLists) hold b's basis:
+// everything but the remotes' lists and generations.
+func (d *Desired) setBasis(b *Desired) {
+	d.Local, d.Port, d.VNIs, d.ClearVNIs = b.Local, b.Port, b.VNIs, b.ClearVNIs
+	d.Accept, d.Send, d.Gen, d.Secret, d.NoSAs = b.Accept, b.Send, b.Gen, b.Secret, b.NoSAs
 }
 
 // cloneLists returns a copy of d that shares none of its lists or maps

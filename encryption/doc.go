@@ -189,9 +189,9 @@
 //
 // # Apply order (fail closed, hitless)
 //
-// Programmer.Apply dumps our SAs, policies and table (a change plans
-// against the Programmer's record instead, see below), diffs against the
-// Desired and changes only the difference, in this order: (1) nftables
+// Programmer.Apply dumps our SAs, policies and table (the Owner plans a
+// change against its tracker's record instead, see below), diffs against
+// the Desired and changes only the difference, in this order: (1) nftables
 // widened first, in one atomic transaction; (2) the clear policy; (3)
 // inbound SAs; (4) per remote the outbound SA, then the policy pointing at
 // it, then kept outbound SAs; (5) policies no longer desired, the clear
@@ -233,38 +233,61 @@
 // accepting an encrypted network, and shows Status and Audit. `overlayd keys rotate`
 // calls Rotate; OwnerConfig.RotateEvery rotates periodically.
 //
-// # Changes as deltas, reconciles in full
+// # Changes mark, one apply programs
 //
-// The Programmer keeps a record of what the kernel holds of ours: the dumps
-// of the last full reconcile, with every request the kernel accepted since
-// applied to them (a journal, replayed only when the whole apply
-// succeeded), and the Desired that made it. A change — Update or Remove of
-// a share — is planned against that record, not against dumps: nothing is
-// dumped, and only the difference is sent, in the order above. When the
-// keys, the generation and the VTEP are the record's, only the remotes
-// whose lists or generation differ (merged from the sorted lists) are
-// derived and compared, through an index of the record by remote; a
-// rotation step, a new generation or an SPI collision is compared against
-// the whole record (still without dumps). Any error forgets the record and
-// the Owner reconciles in full at once (dumps; and everything the failed
-// attempt decided from the record — reservations, kept SAs, vanished SAs —
-// is decided again from them), so a refused request never leaves the
-// kernel half-programmed. Everything else (the tick, kernel notifications,
-// SetLocal, Restored, rotation steps) dumps and compares: what changed
-// behind overlayd's back is repaired there, level-triggered, within a tick
-// or a notification's debounce. A change made in between plans against a
-// record that misses that outside change: at worst it drops traffic (a
-// policy whose SA was flushed), never sends clear text, and the reconcile
-// repairs it; a delta never re-adds an outbound SA it recorded (the
-// vanished-SA rule needs a dump, so it is the reconcile's).
+// Every input change only marks the tracker: a share's remotes that came
+// or went (their need crossed zero; an Update's list is compared with the
+// share's by one merge, no map), a remote's advertised generation, a VNI
+// that came or went, the whole state (a new generation or VTEP), or a
+// resync (the tick, kernel notifications, SetLocal, Restored, any
+// failure). Then one apply (Owner.applyLocked, apply.go) programs what is
+// marked, the same way for every caller:
+//
+//   - Nothing marked, and the last apply succeeded: nothing to do.
+//   - A resync dumps the kernel (three xfrm dumps, the nftables list
+//     requests) and compares every remote: what changed behind overlayd's
+//     back is repaired here, level-triggered, within a tick or a
+//     notification's debounce. An apply that changes the kernel although
+//     nothing was marked is a repair (Status counts them).
+//   - Otherwise the apply plans against the tracker's record of the kernel
+//     (the dumps of the last resync, with every request the kernel
+//     accepted since applied to them), without a dump: every remote when
+//     the keys, the generation or the VTEP differ from the last apply's
+//     (or after an error, while adopting, until the first check of the
+//     kernel, after an SPI collision), else the marked remotes alone —
+//     their desired state, their SAs and policy derived (a cache) and
+//     compared through an index of the record by remote, and the record's
+//     copy of the last Desired patched for them. The table is compared
+//     every time (its sets are small). So a change of one remote costs
+//     that remote, whatever the number of remotes of the host: nothing
+//     else is built, sorted or compared (BenchmarkOwnerRemotes).
+//
+// Either way the remotes compared are settled with the ledger the same
+// way: an outbound SA installed under (Send, gen) but not held intact
+// moves the host to a new generation (against the record this only
+// happens if the record says so; a dump is what finds a flushed SA); a new
+// one is reserved and written before it is added (a write that fails
+// blocks it: its traffic is dropped, and it is tried again at the next
+// apply); one held intact that the ledger missed is adopted; one no longer
+// needed is kept. Any error forgets the record and the apply resyncs at
+// once, deciding again from the dumps what the attempt decided from the
+// record, so a refused request never leaves the kernel half-programmed. A
+// change made between a change behind overlayd's back and the next resync
+// plans against a record that misses it: at worst it drops traffic (a
+// policy whose SA was flushed), never sends clear text, and the resync
+// repairs it. TestApplyDeltaMatchesFull and
+// TestOwnerIncrementalMatchesScratch check, after every step of random
+// sequences, that what the record-planned applies leave equals what full
+// reconciles leave, and that the tracker's state equals the one computed
+// from scratch.
 //
 // # Cost
 //
 // Per remote: accepting an epoch is one SA add, switching Send (or the
 // generation) is an SA add, a policy update and an SA delete, retiring is
 // one SA delete (TestRotationOps; measured on a real kernel by test/vm).
-// A full reconcile adds three xfrm dumps and eight nftables list requests.
-// A change of one remote is its own requests only (an inbound and an
+// A resync adds three xfrm dumps and eight nftables list requests. A
+// change of one remote is its own requests only (an inbound and an
 // outbound SA and a policy to add; the policy and the inbound SA to
 // delete, the outbound SA being kept until the epoch or generation
 // changes), no dump (BenchmarkOwnerRemotes).
@@ -280,35 +303,9 @@
 // refused (the remote stays on its old SA), adds refused because the
 // policy exists retried as updates; (C) only when everything before
 // succeeded, the SAs no longer desired. Adding a remote is one round trip
-// (three requests), removing one two. A refused request is reported as
-// before, naming its object (SA spi, source and destination; policy
-// selector), and fails the delta like any refusal: the Owner reconciles
-// in full. Until the kernel has accepted one SA, the first SA add of an
-// apply goes alone, so that a kernel without ESP is asked once.
-//
-// # Changes of remotes alone: incremental desired state
-//
-// A change of the remotes alone (AddRemotes, RemoveRemotes, or an Update
-// that changes no VNI) costs the change, not the number of remotes of the
-// host: the Owner keeps the desired state incrementally. Each share's
-// remotes are a sorted list (an Update's list is compared by one merge,
-// no map); need counts the shares per remote, and needSorted is its sorted
-// index; the remotes whose count crosses zero are the change (our own
-// VTEP, which the driver passes when our endpoint is seen through another
-// network, is counted but never a pair: when it alone crosses, nothing
-// changes in the kernel). The
-// fingerprint of what was applied ends with a digest of the remotes and
-// their generations (remoteDigest: a sum of one hash per remote) that
-// such a change updates for the crossed remotes only. The Programmer's
-// record of the last Desired is its own copy, patched for the crossed
-// remotes (applyRemotes) rather than rebuilt. So nothing visits the other
-// remotes: no Desired is built, nothing is fingerprinted, sorted or
-// compared in full. This path is taken only when the record holds
-// everything else as it is now (the last reconcile succeeded, same keys,
-// generation, VTEP and VNIs, no remote's generation changed since, no
-// adoption, no SPI collision, no outbound SA of a crossed remote missing
-// from the record, the reservation persisted); otherwise the change takes
-// the path above. TestOwnerIncrementalMatchesScratch checks, after every
-// step of random sequences, that the incremental state equals the one
-// computed from scratch.
+// (three requests), removing one two. A refused request is reported
+// naming its object (SA spi, source and destination; policy selector),
+// and fails the apply like any refusal: the Owner resyncs. Until the
+// kernel has accepted one SA, the first SA add of an apply goes alone, so
+// that a kernel without ESP is asked once.
 package encryption

@@ -18,9 +18,8 @@ import (
 // full reconciles in between — and after every step the state the Owner
 // keeps incrementally equals the one computed from scratch: the need
 // counts and their sorted index (against a model of the shares), the
-// fingerprint of what was applied and its remotes' digest, the
-// Programmer's patched record of the last Desired, the remotes persisted
-// as programmed; and the kernel holds exactly the desired state (audit).
+// tracker's patched copy of the last Desired, the remotes persisted as
+// programmed; and the kernel holds exactly the desired state (audit).
 // Most changes must take the remote-by-remote path without a dump.
 // OVERLAYD_SEED replays a sequence.
 func TestOwnerIncrementalMatchesScratch(t *testing.T) {
@@ -86,15 +85,15 @@ func TestOwnerIncrementalMatchesScratch(t *testing.T) {
 			err = o.Remove(id)
 			delete(model, id)
 		case op == 7:
-			// A remote advertises a new generation, recorded as a rotation
-			// step does before its full apply, but not applied: the next
-			// change must see it (not the change of its remotes alone),
+			// A remote advertises a new generation, recorded and marked
+			// as a rotation step does before its apply, but not applied:
+			// the next change must apply it too (the remote is dirty),
 			// so the kernel differs from the desired state until then.
 			r := pool[rng.IntN(len(pool))]
 			what = fmt.Sprintf("new generation of %v", r)
 			o.mu.Lock()
-			o.remoteGens[r]++
-			o.gensDirty = true
+			o.led.remoteGens[r]++
+			o.markLocked(r)
 			o.mu.Unlock()
 		case op == 8:
 			what = "full reconcile"
@@ -136,7 +135,7 @@ func TestOwnerIncrementalMatchesScratch(t *testing.T) {
 		remoteDeltas += st.RemoteDeltas
 		checkIncremental(t, o, model, what)
 		o.mu.Lock()
-		dirty := o.gensDirty
+		dirty := len(o.trk.dirty) > 0
 		o.mu.Unlock()
 		if a := o.Audit(); len(a) != 0 && !dirty {
 			t.Fatalf("%s: audit: %v", what, a)
@@ -156,7 +155,7 @@ func checkIncremental(t *testing.T, o *Owner, model map[ShareID]map[netip.Addr]b
 	defer o.mu.Unlock()
 	need := map[netip.Addr]int{}
 	for id, rs := range model {
-		sh := o.shares[id]
+		sh := o.idx.shares[id]
 		if sh == nil {
 			t.Fatalf("%s: share %d not registered", what, id)
 		}
@@ -168,49 +167,43 @@ func checkIncremental(t *testing.T, o *Owner, model map[ShareID]map[netip.Addr]b
 			need[r]++
 		}
 	}
-	if len(o.shares) != len(model) {
-		t.Fatalf("%s: %d shares registered, want %d", what, len(o.shares), len(model))
+	if len(o.idx.shares) != len(model) {
+		t.Fatalf("%s: %d shares registered, want %d", what, len(o.idx.shares), len(model))
 	}
-	if o.need.Len() != len(need) {
-		t.Fatalf("%s: %d remotes counted, want %d", what, o.need.Len(), len(need))
+	if o.idx.need.Len() != len(need) {
+		t.Fatalf("%s: %d remotes counted, want %d", what, o.idx.need.Len(), len(need))
 	}
 	for r, n := range need {
-		if got := o.need.Get(r); got != n {
+		if got := o.idx.need.Get(r); got != n {
 			t.Fatalf("%s: remote %v counted %d times, want %d", what, r, got, n)
 		}
 	}
-	if want := slices.SortedFunc(maps.Keys(need), netip.Addr.Compare); !slices.Equal(o.needSorted, want) && len(want)+len(o.needSorted) > 0 {
-		t.Fatalf("%s: sorted index %v, want %v", what, o.needSorted, want)
+	if want := slices.SortedFunc(maps.Keys(need), netip.Addr.Compare); !slices.Equal(o.idx.needSorted, want) && len(want)+len(o.idx.needSorted) > 0 {
+		t.Fatalf("%s: sorted index %v, want %v", what, o.idx.needSorted, want)
 	}
-	if o.applyErr != nil || o.gensDirty {
+	if o.applyErr != nil || len(o.trk.dirty) > 0 {
 		return // nothing claims to be applied
 	}
 	d := o.desiredLocked()
-	if got, want := o.applied, d.fingerprint(); got != want {
-		t.Fatalf("%s: the fingerprint of what was applied differs from the desired state's computed from scratch", what)
+	last := o.trk.last
+	if last == nil || !o.trk.clean(&d) {
+		t.Fatalf("%s: nothing is marked, but the tracker's last applied state is not the desired state's computed from scratch", what)
 	}
-	if o.appliedDigest != d.digest() {
-		t.Fatalf("%s: remotes' digest %+v, from scratch %+v", what, o.appliedDigest, d.digest())
+	if !slices.Equal(o.led.programmed.remotes, d.Remotes) && len(d.Remotes)+len(o.led.programmed.remotes) > 0 {
+		t.Fatalf("%s: programmed remotes %v, desired %v", what, o.led.programmed.remotes, d.Remotes)
 	}
-	if !slices.Equal(o.programmed.remotes, d.Remotes) && len(d.Remotes)+len(o.programmed.remotes) > 0 {
-		t.Fatalf("%s: programmed remotes %v, desired %v", what, o.programmed.remotes, d.Remotes)
+	if !slices.Equal(last.Remotes, d.Remotes) && len(d.Remotes)+len(last.Remotes) > 0 {
+		t.Fatalf("%s: the tracker's remotes %v, desired %v", what, last.Remotes, d.Remotes)
 	}
-	k := o.prog.known
-	if k == nil || k.last == nil {
-		return
-	}
-	if !slices.Equal(k.last.Remotes, d.Remotes) && len(d.Remotes)+len(k.last.Remotes) > 0 {
-		t.Fatalf("%s: the record's remotes %v, desired %v", what, k.last.Remotes, d.Remotes)
-	}
-	if !maps.Equal(k.last.RemoteGens, d.RemoteGens) {
-		t.Fatalf("%s: the record's generations %v, desired %v", what, k.last.RemoteGens, d.RemoteGens)
+	if !maps.Equal(last.RemoteGens, d.RemoteGens) {
+		t.Fatalf("%s: the tracker's generations %v, desired %v", what, last.RemoteGens, d.RemoteGens)
 	}
 	ax, err := o.prog.xfrmDump()
 	if err != nil {
 		t.Fatal(err)
 	}
-	if kept := o.keptLocked(&d, ax); !slices.Equal(k.last.KeepOutbound, kept) && len(kept)+len(k.last.KeepOutbound) > 0 {
-		t.Fatalf("%s: the record keeps outbound SAs to %v, from scratch %v", what, k.last.KeepOutbound, kept)
+	if kept := o.keptLocked(&d, ax); !slices.Equal(last.KeepOutbound, kept) && len(kept)+len(last.KeepOutbound) > 0 {
+		t.Fatalf("%s: the tracker keeps outbound SAs to %v, from scratch %v", what, last.KeepOutbound, kept)
 	}
 }
 

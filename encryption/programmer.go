@@ -31,13 +31,13 @@ type Stats struct {
 	NftBatches    int // nftables transactions (each atomic)
 	NftRebuilds   int // transactions that (re)built the whole table
 	NftElements   int // VNI set elements added or removed
-	// Deltas counts applies computed against the Programmer's record of
-	// the kernel (no dump); DeltaFailures those of them that failed (the
-	// caller then reconciles in full).
+	// Deltas counts the Owner's applies planned against its tracker's
+	// record of the kernel (no dump); DeltaFailures those of them that
+	// failed (the Owner then resyncs at once).
 	Deltas        int
 	DeltaFailures int
-	// RemoteDeltas counts the deltas planned for the remotes they touch
-	// only (keys, generation and VTEP unchanged).
+	// RemoteDeltas counts the deltas planned for their dirty remotes only
+	// (keys, generation and VTEP unchanged).
 	RemoteDeltas int
 }
 
@@ -87,16 +87,8 @@ type Programmer struct {
 	changed int
 	// derived caches the SPIs and keys of the SAs it programs.
 	derived *deriveCache
-	// known is what the kernel holds of ours as far as this Programmer
-	// knows: the dumps of the last full reconcile that succeeded, with
-	// every change made since applied to them; nil when unknown (never
-	// reconciled, or a request failed since). ApplyDelta plans against it
-	// instead of dumping. It can be wrong only by what changed behind
-	// overlayd's back since, which the next full reconcile (Apply, every
-	// tick and on kernel notifications) repairs.
-	known *knownState
-	// journal records the xfrm changes of the apply in progress that the
-	// kernel accepted, for known.
+	// journal records the xfrm changes of the program in progress that
+	// the kernel accepted, for the Owner's tracker.
 	journal []journalEntry
 }
 
@@ -164,7 +156,9 @@ func (p *Programmer) Stats() Stats { return p.stats }
 // SAs (by reqid), policies (by template reqid, or the clear mark) and
 // nftables table, diffs them against d and applies the difference. It is
 // level-triggered: the same call reconciles at start-up, after a crash
-// half-way, or after someone edited the state.
+// half-way, or after someone edited the state. (The Owner plans against
+// its tracker's record instead of dumping when it can; the order below is
+// the same, see program.)
 //
 // Order, chosen so that no step ever lets an encrypted VNI's VXLAN packet
 // leave or enter in clear (fail closed), and so that a rotation drops no
@@ -201,185 +195,70 @@ func (p *Programmer) Stats() Stats { return p.stats }
 // on with the other objects and returns them joined. A caller must not
 // advertise new keys until Apply returned nil.
 func (p *Programmer) Apply(d Desired) error {
-	res, err := p.apply(&d, nil)
+	if err := p.check(&d); err != nil {
+		return err
+	}
+	ax, err := p.xfrmDump()
+	if err != nil {
+		return err
+	}
+	defer p.derived.endRound()
+	res, _, err := p.program(&d, nil, nil, ax, nil)
 	return errors.Join(append([]error{err}, res.collisions...)...)
 }
 
-// apply is Apply with an xfrm dump the caller already made (nil: dump). SPI
-// collisions are returned in the result, not in the error.
-func (p *Programmer) apply(d *Desired, ax *actualXfrm) (execResult, error) {
-	return p.run(d, ax, nil)
-}
-
-// knownXfrm returns the Programmer's record of the xfrm state (see known)
-// when it has one for local and port: what an Apply made, with the changes
-// since. The caller must not modify it.
-func (p *Programmer) knownXfrm(local netip.Addr, port int) (*actualXfrm, bool) {
-	k := p.known
-	if p.nl == nil || k == nil || k.local != local.Unmap() || k.port != port {
-		return nil, false
-	}
-	return k.x, true
-}
-
-// applyDelta is Apply without dumps: it plans against the Programmer's
-// record of the kernel (known), so it sends only the changes from what it
-// programmed last, in Apply's order. When only remotes changed (the keys,
-// generation and VTEP are those of the record), only those remotes' SAs
-// and policies are derived and compared: the cost follows the change, not
-// the number of remotes. ok is false (and nothing is done) when there is
-// no record for d's VTEP and port, or d wants nothing (the table goes:
-// rare, and Apply does it). Any error leaves the record unknown: the
-// caller must then reconcile in full (Apply), which sees what the failed
-// request left.
-func (p *Programmer) applyDelta(d *Desired) (res execResult, err error, ok bool) {
-	if d.Empty() {
-		return execResult{}, nil, false
-	}
-	ax, ok := p.knownXfrm(d.Local, d.Port)
-	if !ok {
-		return execResult{}, nil, false
-	}
-	p.stats.Deltas++
-	k := p.known
-	if touched, dx, ok := k.touched(d, p.derived); ok {
-		p.stats.RemoteDeltas++
-		res, err = p.runFor(d, dx, ax, k.n, touched, false)
-	} else {
-		res, err = p.run(d, ax, k.n)
-	}
-	if err != nil {
-		p.stats.DeltaFailures++
-	}
-	return res, err, true
-}
-
-// run plans and makes the changes that turn ax and an (the kernel's state,
-// nil: dump it) into d, in Apply's order. On success the result is
-// remembered as known; any failure forgets it.
-func (p *Programmer) run(d *Desired, ax *actualXfrm, an *nftActual) (execResult, error) {
-	return p.runFor(d, nil, ax, an, nil, false)
-}
-
-// remotesApplicable reports whether m, a change of the remotes in touched
-// alone, can be applied against the record (applyRemotes): the record is
-// there, for m's VTEP, port, keys and generation, without SPI collision,
-// and no SA m wants for a touched remote collides with another remote's.
-// m holds the touched remotes only (Remotes, KeepOutbound, Blocked and
-// RemoteGens of those), and the record's VNIs. When it can, it returns the
-// xfrm state m wants for them, for applyRemotes: m must not change in
-// between.
-func (p *Programmer) remotesApplicable(m *Desired, touched []netip.Addr) (*desiredXfrm, bool) {
-	k := p.known
-	if p.nl == nil || k == nil || k.last == nil || k.collided || k.local != m.Local.Unmap() || k.port != m.Port ||
-		!sameXfrmBasis(k.last, m) || !slices.Equal(k.last.VNIs, m.VNIs) || !slices.Equal(k.last.ClearVNIs, m.ClearVNIs) {
-		return nil, false
-	}
-	return k.remotesFit(m, p.derived, touched)
-}
-
-// applyRemotes applies m, a change of the remotes in touched alone (see
-// remotesApplicable, which the caller checked), against the record: only
-// those remotes' SAs and policies are derived, compared and changed, and
-// the record's Desired is patched for them, so nothing costs per remote of
-// the host. Errors as applyDelta: the record is then unknown and the
-// caller must reconcile in full.
-func (p *Programmer) applyRemotes(m *Desired, dx *desiredXfrm, touched []netip.Addr) (execResult, error) {
-	if touched == nil {
-		// runFor plans every remote for a nil touched, and m holds only
-		// the touched ones: that would delete the others' SAs and
-		// policies. No remote touched is a plan of the clear policy alone.
-		touched = []netip.Addr{}
-	}
-	k := p.known
-	p.stats.Deltas++
-	p.stats.RemoteDeltas++
-	res, err := p.runFor(m, dx, k.x, k.n, touched, true)
-	if err != nil {
-		p.stats.DeltaFailures++
-	}
-	return res, err
-}
-
-// runFor is run; with touched (a delta: ax and an are the record), only
-// the touched remotes' SAs and policies (and the clear policy) are derived,
-// compared and changed: the others are the same in the record and in d.
-// With patch, d describes the touched remotes only (applyRemotes) and the
-// record's Desired is patched for them rather than replaced by d. dx is
-// the xfrm state d wants when the caller has derived it (nil: derive it).
-func (p *Programmer) runFor(d *Desired, dx *desiredXfrm, ax *actualXfrm, an *nftActual, touched []netip.Addr, patch bool) (res execResult, err error) {
+// check returns why d cannot be programmed: the Programmer is closed, or d
+// is invalid.
+func (p *Programmer) check(d *Desired) error {
 	if p == nil || p.nl == nil {
-		err := errors.New("encryption: Apply on a closed Programmer")
-		return execResult{failClosed: []error{err}}, err
-	}
-	prev := p.known
-	p.known = nil
-	p.journal = p.journal[:0]
-	if touched == nil {
-		// A round of the derivation cache is a whole desired state.
-		defer p.derived.endRound()
+		return errors.New("encryption: Apply on a closed Programmer")
 	}
 	if err := d.Validate(); err != nil {
-		err = fmt.Errorf("invalid desired encryption state: %w", err)
-		return execResult{failClosed: []error{err}}, err
+		return fmt.Errorf("invalid desired encryption state: %w", err)
+	}
+	return nil
+}
+
+// program makes the kernel go from a (overlayd's xfrm state, or the part
+// of it concerning the remotes in only) and an (its table; nil: dumped
+// here) to d, in Apply's order; with only (sorted, d normalized), just
+// those remotes' SAs and policies and the clear policy are derived,
+// compared and changed. dx is the xfrm state d wants for them when the
+// caller derived it (nil: derived here). The requests the kernel accepted
+// are in journal, in order, when it returns; an is returned as it is now.
+// SPI collisions are returned in the result, not in the error.
+func (p *Programmer) program(d *Desired, dx *desiredXfrm, only []netip.Addr, a *actualXfrm, an *nftActual) (res execResult, _ *nftActual, err error) {
+	p.journal = p.journal[:0]
+	if err := p.check(d); err != nil {
+		return execResult{failClosed: []error{err}}, nil, err
 	}
 	if dx == nil {
-		if dx, err = xfrmOfRemotes(d, p.derived, touched); err != nil {
-			return execResult{failClosed: []error{err}}, err
+		if dx, err = xfrmOfRemotes(d, p.derived, only); err != nil {
+			return execResult{failClosed: []error{err}}, nil, err
 		}
-	}
-	view := ax
-	if touched != nil {
-		view = prev.view(touched)
 	}
 	dn := nftOf(d)
 	if an == nil {
 		if an, err = p.nftDump(dn); err != nil {
 			p.nftFailed()
-			return execResult{failClosed: []error{err}}, err
+			return execResult{failClosed: []error{err}}, nil, err
 		}
-	}
-	if ax == nil {
-		if ax, err = p.xfrmDump(); err != nil {
-			return execResult{failClosed: []error{err}}, err
-		}
-		view = ax
 	}
 	// 1.
 	if err := p.nftWiden(dn, an); err != nil {
 		// Without the fail-closed rules nothing else may change.
 		p.nftFailed()
-		return execResult{failClosed: []error{err}}, err
+		return execResult{failClosed: []error{err}}, nil, err
 	}
 	// 2.-6.
-	res, err = p.execute(planXfrm(dx, view, d.Port, d.Local), view, d.Port, d.Local)
+	res, err = p.execute(planXfrm(dx, a, d.Port, d.Local), a, d.Port, d.Local)
 	res.collisions = dx.collisions
 	// 7.
 	nerr := p.nftNarrow(dn, an)
 	if nerr != nil {
 		p.nftFailed()
 	}
-	err = errors.Join(err, nerr)
-	if err == nil {
-		k := &knownState{local: d.Local.Unmap(), port: d.Port, x: ax, n: an, collided: len(dx.collisions) > 0}
-		if touched != nil {
-			k.byRemote = prev.byRemote
-		} else {
-			k.index()
-		}
-		k.replay(p.journal)
-		switch {
-		case patch:
-			k.last = prev.last
-			k.last.patchRemotes(d, touched)
-		case d.normalized():
-			// Its own copy: a later change patches it in place.
-			k.last = d.cloneLists()
-		}
-		p.known = k
-	}
-	p.journal = p.journal[:0]
-	return res, err
+	return res, an, errors.Join(err, nerr)
 }
 
 // Audit returns the differences between the kernel and d, one line each;
