@@ -69,7 +69,7 @@ func (ns *netSyncService) start() {
 			return // stopped
 		}
 		s, err := netsync.New(netsync.Config{
-			Host: ns.st.NodeName, Driver: driver, Engine: netsync.EngineAPI{E: ns.eng},
+			Host: ns.st.NodeName, Driver: driver, Engine: &netsync.EngineAPI{E: ns.eng},
 			Transport: netSyncTransport{ns.cluster}, Store: ns.db, Log: ns.log,
 		})
 		if err != nil {

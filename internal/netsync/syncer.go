@@ -11,7 +11,10 @@ import (
 	"sync/atomic"
 	"time"
 
+	cerrdefs "github.com/containerd/errdefs"
+
 	"github.com/overlayd/overlayd/internal/lockorder"
+	"github.com/overlayd/overlayd/internal/logkeys"
 	"github.com/overlayd/overlayd/internal/netspec"
 )
 
@@ -25,6 +28,8 @@ type Engine interface {
 	Create(ctx context.Context, s netspec.Spec, driver string) (string, error)
 	// Remove removes the network id; the engine refuses one in use.
 	Remove(ctx context.Context, id string) error
+	// Calls is how many API requests were made (for the status).
+	Calls() uint64
 }
 
 // Transport is the cluster's application messages. Send may block (a
@@ -57,8 +62,9 @@ type Config struct {
 	Store     Store
 	Log       *slog.Logger
 	// Interval: the engine is read and the plan carried out at least
-	// this often (default 2 s); engine events and new entries kick it
-	// sooner.
+	// this often (default 10 s: each read is one list and one inspect per
+	// overlayd network); the engine's network events and new entries
+	// kick it at once, so this only bounds how long a lost event lasts.
 	Interval time.Duration
 	// SyncInterval: the whole table goes to one random member this often
 	// (default 2 s): anti-entropy for lost pushes.
@@ -107,6 +113,8 @@ type Status struct {
 	Created   uint64 `json:"replicas_created"` // since start
 	Removed   uint64 `json:"replicas_removed"` // since start
 	Dropped   uint64 `json:"messages_dropped"` // anti-entropy repairs them
+	// EngineCalls: Engine API requests made since start.
+	EngineCalls uint64 `json:"engine_calls"`
 }
 
 // StatusEntry is one entry as the status shows it.
@@ -126,7 +134,7 @@ func New(cfg Config) (*Syncer, error) {
 		cfg.Log = slog.Default()
 	}
 	if cfg.Interval <= 0 {
-		cfg.Interval = 2 * time.Second
+		cfg.Interval = 10 * time.Second
 	}
 	if cfg.SyncInterval <= 0 {
 		cfg.SyncInterval = 2 * time.Second
@@ -205,6 +213,7 @@ func (s *Syncer) Status() Status {
 		st.Entries = append(st.Entries, StatusEntry{Name: e.Name, Live: e.Live, Host: e.Stamp.Host, Time: time.Unix(0, e.Stamp.Time).UTC()})
 	}
 	st.Dropped = s.drops.Load()
+	st.EngineCalls = s.cfg.Engine.Calls()
 	return st
 }
 
@@ -340,7 +349,7 @@ func (s *Syncer) reconcile(ctx context.Context) {
 	s.mu.Unlock()
 	if took := s.table.Merge(p.Writes); len(took) > 0 {
 		for _, e := range took {
-			s.cfg.Log.Info("network definition written", "network", e.Name, "live", e.Live, "event", "netsync_write")
+			s.cfg.Log.Info("network definition written", "network", e.Name, "live", e.Live, logkeys.Event, logkeys.NetsyncWrite)
 		}
 		s.send(kindPush, took, s.cfg.Transport.Members()...)
 	}
@@ -348,12 +357,19 @@ func (s *Syncer) reconcile(ctx context.Context) {
 	var created, removed uint64
 	for _, sp := range p.Create {
 		id, err := s.cfg.Engine.Create(ctx, sp, s.cfg.Driver)
+		if err != nil && cerrdefs.IsConflict(err) {
+			// The user or compose made it meanwhile: the next plan
+			// sees it (the same definition is the cluster's).
+			s.cfg.Log.Debug("a network of that name appeared meanwhile; read again", "network", sp.Name, "error", err)
+			s.Poke()
+			continue
+		}
 		if err != nil {
 			s.warnOnce("create/"+sp.Name, err.Error(), "replica not created; retried", "network", sp.Name, "error", err, "retry", CreateRetry)
 			continue
 		}
 		created++
-		s.cfg.Log.Info("replica created", "network", sp.Name, "id", id, "event", "netsync_create")
+		s.cfg.Log.Info("replica created", "network", sp.Name, "id", id, logkeys.Event, logkeys.NetsyncCreate)
 	}
 	var unasked []string
 	for _, n := range p.Remove {
@@ -363,14 +379,14 @@ func (s *Syncer) reconcile(ctx context.Context) {
 			continue
 		}
 		removed++
-		s.cfg.Log.Info("replica removed", "network", n.Name, "id", n.ID, "event", "netsync_remove")
+		s.cfg.Log.Info("replica removed", "network", n.Name, "id", n.ID, logkeys.Event, logkeys.NetsyncRemove)
 	}
 	for _, c := range p.Conflicts {
 		s.warnOnce("conflict/"+c.Name, strings.Join(c.Diff, "; "), "network of this name differs from the cluster's definition: left alone",
-			"network", c.Name, "id", c.ID, "differences", strings.Join(c.Diff, "; "), "event", "netsync_conflict")
+			"network", c.Name, "id", c.ID, "differences", strings.Join(c.Diff, "; "), logkeys.Event, logkeys.NetsyncConflict)
 	}
 	for _, k := range p.Kept {
-		s.warnOnce("kept/"+k.Name, "", "network removed in the cluster, kept here while in use", "network", k.Name, "containers", k.Endpoints, "event", "netsync_kept")
+		s.warnOnce("kept/"+k.Name, "", "network removed in the cluster, kept here while in use", "network", k.Name, "containers", k.Endpoints, logkeys.Event, logkeys.NetsyncKept)
 	}
 
 	s.mu.Lock()

@@ -2,6 +2,7 @@ package docker
 
 import (
 	"encoding/json"
+	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
@@ -53,8 +54,9 @@ func (e *engine) waitNetwork(name string, want bool, within time.Duration) time.
 // netsyncView is the netsync section of overlayd status, as the tests
 // read it.
 type netsyncView struct {
-	Driver  string
-	Entries []struct {
+	Driver      string
+	EngineCalls uint64 `json:"engine_calls"`
+	Entries     []struct {
 		Name string
 		Live bool
 	}
@@ -127,11 +129,26 @@ func (l *lab) partition(e *engine, cut bool) {
 func TestNetworksDefinedOnce(t *testing.T) {
 	l, es, key := netsyncLab(t, 3)
 	a, b, c := es[0], es[1], es[2]
+	calls := func(e *engine) uint64 {
+		v, raw, ok := e.netsyncStatus()
+		if !ok {
+			t.Fatalf("engine %s: no netsync status: %.2000s", e.name, raw)
+		}
+		return v.EngineCalls
+	}
+	before := []uint64{calls(a), calls(b), calls(c)}
 	a.createNetwork("overlayd", "ov", "--ipam-driver", "overlayd", "-o", "vni=4500", "--subnet", "192.0.2.0/24",
 		"--label", "com.example.team=blue", "--internal")
-	for _, e := range []*engine{b, c} {
+	for i, e := range []*engine{b, c} {
 		took := e.waitNetwork("ov", true, 10*time.Second)
 		t.Logf("engine %s: network ov (created on %s) here after %v", e.name, a.name, took.Round(time.Millisecond))
+		// The replica's own event reads the engine once more: wait for
+		// it (the entry is adopted) before counting.
+		e.waitNetsyncStatus("ov adopted", 10*time.Second, func(v netsyncView) bool {
+			return len(v.Entries) == 1 && v.Entries[0].Live
+		})
+		t.Logf("engine %s: %d Engine API requests by netsync from the create on %s to the replica (%s: %d)",
+			e.name, calls(e)-before[i+1], a.name, a.name, calls(a)-before[0])
 		for _, f := range []struct{ format, want string }{
 			{"{{.Driver}}", "overlayd"},
 			{"{{index .Options \"vni\"}}", "4500"},
@@ -246,5 +263,63 @@ func TestNetsyncOff(t *testing.T) {
 	}
 	if n := strings.Count(a.ovd.logTail(400), "networks defined once are off"); n != 1 {
 		t.Errorf("the log says %d times that networks defined once are off, want once", n)
+	}
+}
+
+// TestComposeNetsync: the compose example on two hosts with networks
+// defined once, the two `compose up` racing: both succeed, the network
+// compose defines exists once per host with the file's settings (no
+// conflict reported), the external one was created on one host only, and
+// the containers reach each other over both.
+func TestComposeNetsync(t *testing.T) {
+	readme := needCompose(t)
+	creates := readmeCommands(t, readme, "docker network create ")
+	if len(creates) != 1 {
+		t.Fatalf("%s: want one docker network create, have %v", readme, creates)
+	}
+	external := creates[0][len(creates[0])-1]
+	_, es, _ := netsyncLab(t, 2)
+	for _, e := range es {
+		e.linkCompose()
+		t.Cleanup(func() { e.compose("down", "--timeout", "1") })
+	}
+	es[0].must(creates[0][1:]...) // once, on h1
+	es[1].waitNetwork(external, true, 10*time.Second)
+
+	errs := make(chan error, len(es))
+	for _, e := range es {
+		go func() {
+			_, err := e.compose("up", "-d")
+			if err != nil {
+				err = fmt.Errorf("engine %s: %w", e.name, err)
+			}
+			errs <- err
+		}()
+	}
+	for range es {
+		if err := <-errs; err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, e := range es {
+		got := e.must("network", "inspect", "-f", `{{.Driver}} {{index .Options "vni"}} {{range .IPAM.Config}}{{.Subnet}}{{end}}`, "demo_backend")
+		if want := "overlayd 4243 192.0.2.128/25"; got != want {
+			t.Errorf("engine %s: demo_backend: %q, want %q", e.name, got, want)
+		}
+		if v, raw, ok := e.netsyncStatus(); !ok || len(v.Conflicts) != 0 {
+			t.Errorf("engine %s: conflicts after the racing compose ups: %.2000s", e.name, raw)
+		}
+	}
+	b := es[1].must("inspect", "-f", `{{(index .NetworkSettings.Networks "demo_backend").IPAddress}}`, "demo-app-1")
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		_, err := es[0].compose("exec", "-T", "app", "ping", "-c", "1", "-W", "1", b)
+		if err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("h1's app does not reach h2's %s over demo_backend within 30 s: %v", b, err)
+		}
+		time.Sleep(200 * time.Millisecond)
 	}
 }
