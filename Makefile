@@ -15,6 +15,7 @@ FUZZ_DECODE ?= 100000x
 FUZZ_ADVERT ?= 50000x
 FUZZ_IPAM   ?= 50000x
 FUZZ_DNS    ?= 100000x
+FUZZ_NETSYNC ?= 50000x
 # Test builds check the lock hierarchy (lockcheck) and carry the driver's
 # trace for the stress harness (testhooks); faultinject adds deliberate bugs.
 TAGS      := lockcheck testhooks
@@ -71,6 +72,8 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzDecodeAdvert$$' -fuzztime $(FUZZ_ADVERT) -fuzzminimizetime 1s ./encryption
 	$(GO) test -run '^$$' -fuzz '^FuzzDecode$$' -fuzztime $(FUZZ_IPAM) -fuzzminimizetime 1s ./internal/ipam
 	$(GO) test -run '^$$' -fuzz '^FuzzServe$$' -fuzztime $(FUZZ_DNS) -fuzzminimizetime 1s ./internal/dnsserver
+	$(GO) test -run '^$$' -fuzz '^FuzzDecode$$' -fuzztime $(FUZZ_NETSYNC) -fuzzminimizetime 1s ./internal/netspec
+	$(GO) test -run '^$$' -fuzz '^FuzzDecodeMessage$$' -fuzztime $(FUZZ_NETSYNC) -fuzzminimizetime 1s ./internal/netsync
 
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \

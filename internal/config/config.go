@@ -55,6 +55,12 @@ type Settings struct {
 	DNSAddress   netip.Addr
 	EngineSocket string
 	ResolvConf   string
+	// Networks defined once (docs/networks.md): NetSync replicates the
+	// overlayd networks created on any host's engine to every host's;
+	// DriverName is the local engine's name of overlayd's driver ("":
+	// found out from the engine).
+	NetSync    bool
+	DriverName string
 
 	// sources says where each setting's value came from ("--flag" or
 	// "$OVERLAYD_..."), so that a refusal names what the user wrote.
@@ -120,6 +126,8 @@ var settings = []setting{
 	{"dns-address", "OVERLAYD_DNS_ADDRESS", DefaultDNSAddress, "IPv4 address of the name server that answers containers the names of other hosts' containers (list it first in daemon.json's \"dns\"; docs/names.md), or off"},
 	{"engine-socket", "OVERLAYD_ENGINE_SOCKET", DefaultEngineSocket, "the local Docker Engine's API socket, read for the names of containers (not needed with --dns-address off)"},
 	{"resolv-conf", "OVERLAYD_RESOLV_CONF", DefaultResolvConf, "resolv.conf whose nameservers get the queries for every other name (re-read when it changes)"},
+	{"netsync", "OVERLAYD_NETSYNC", "on", "networks defined once: an overlayd network created on any host's engine is created on every host's, and removed everywhere when removed on one (docs/networks.md); on or off"},
+	{"driver-name", "OVERLAYD_DRIVER_NAME", "", "the local engine's name of overlayd's network driver, for the networks netsync creates; default: the enabled managed plugin serving overlayd.sock if there is one, else the plugin socket's name (overlayd)"},
 }
 
 // Usage writes the commands and the settings table (flag, environment
@@ -353,6 +361,19 @@ func Parse(args []string, getenv func(string) string) (*Settings, error) {
 	st.ResolvConf, src = get("resolv-conf")
 	if !filepath.IsAbs(st.ResolvConf) {
 		errs = append(errs, fmt.Errorf("%s %q: must be an absolute path", src, st.ResolvConf))
+	}
+	switch v, src := get("netsync"); v {
+	case "on":
+		st.NetSync = true
+	case "off":
+	default:
+		errs = append(errs, fmt.Errorf("%s %q: must be on or off", src, v))
+	}
+	if v, src := get("driver-name"); v != "" {
+		if strings.ContainsAny(v, " \t\n") || len(v) > 255 {
+			errs = append(errs, fmt.Errorf("%s %q: must be a plugin name as docker network ls shows it (overlayd, overlayd:latest, example/overlayd:1.2), at most 255 bytes without spaces", src, v))
+		}
+		st.DriverName = v
 	}
 	if len(errs) > 0 {
 		return nil, &Invalid{oneLine(errs)}

@@ -20,6 +20,7 @@ import (
 	"github.com/overlayd/overlayd/internal/ipam"
 	"github.com/overlayd/overlayd/internal/lockorder"
 	"github.com/overlayd/overlayd/internal/netdef"
+	"github.com/overlayd/overlayd/internal/netsync"
 	"github.com/overlayd/overlayd/internal/statefile"
 	"github.com/overlayd/overlayd/peerdb"
 )
@@ -64,6 +65,9 @@ type controlPlane struct {
 	// control plane starts, and the cluster's application messages and
 	// membership changes.
 	alloc *ipam.Allocator
+	// netsync is networks defined once (nil when off): it gets its
+	// application messages and membership changes.
+	netsync *netSyncService
 
 	c atomic.Pointer[cluster.Cluster] // nil until started, and again once left
 
@@ -271,10 +275,19 @@ func (cp *controlPlane) tryStart() {
 			if cp.alloc != nil {
 				cp.alloc.MembersChanged()
 			}
+			if cp.netsync != nil {
+				cp.netsync.membersChanged()
+			}
 		},
-		// The address management's messages (it queues them, never
-		// blocks).
+		// The address management's messages and netsync's (both
+		// queue them, never block).
 		OnAppMessage: func(from string, payload []byte) {
+			if netsync.Is(payload) {
+				if cp.netsync != nil {
+					cp.netsync.handleMessage(from, payload)
+				}
+				return
+			}
 			if cp.alloc != nil {
 				cp.alloc.HandleMessage(from, payload)
 			}

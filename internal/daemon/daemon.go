@@ -95,6 +95,12 @@ func Run(ctx context.Context, st *config.Settings, log *slog.Logger) error {
 		return err
 	}
 	defer names.close()
+	nsync, err := newNetSyncService(st, log, db, cp.c.Load)
+	if err != nil {
+		return err
+	}
+	defer nsync.close()
+	cp.netsync = nsync
 	dcfg := driver.Config{
 		Scope:         st.Scope,
 		AdvertiseAddr: st.AdvertiseAddr,
@@ -155,6 +161,7 @@ func Run(ctx context.Context, st *config.Settings, log *slog.Logger) error {
 			if names != nil {
 				r.Names = names.status.Load()
 			}
+			r.NetSync = nsync.status()
 			return r
 		},
 		Rotate: func() (any, error) {
@@ -217,6 +224,11 @@ func Run(ctx context.Context, st *config.Settings, log *slog.Logger) error {
 	h := pluginapi.New(g, ipamGate{g: g, inner: ia})
 	served := make(chan error, 1)
 	go func() { served <- h.Serve(l) }()
+	// netsync creates networks through the engine, which calls this
+	// plugin: only once the socket serves.
+	if nsync != nil {
+		nsync.start()
+	}
 	// The control plane starts now if the VTEP is known, else when the
 	// driver settles it (DiscoverNew in swarm).
 	cp.done.Add(1)

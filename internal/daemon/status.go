@@ -12,6 +12,7 @@ import (
 	"github.com/overlayd/overlayd/driver"
 	"github.com/overlayd/overlayd/internal/cluster"
 	"github.com/overlayd/overlayd/internal/ipam"
+	"github.com/overlayd/overlayd/internal/netsync"
 )
 
 // StatusReport is what `overlayd status` shows: the control plane's view
@@ -27,6 +28,8 @@ type StatusReport struct {
 	IPAM *ipam.Status `json:"ipam,omitempty"`
 	// Names: the names served across hosts (nil when off).
 	Names *NamesStatus `json:"names,omitempty"`
+	// NetSync: networks defined once (nil when off or not started).
+	NetSync *netsync.Status `json:"netsync,omitempty"`
 }
 
 // Render writes r for humans, section by section: this node, the members,
@@ -44,7 +47,39 @@ func (r *StatusReport) Render(w io.Writer) {
 	r.renderEncryption(w)
 	r.renderIPAM(w)
 	r.renderNames(w)
+	r.renderNetSync(w)
 	r.renderDriver(w, stale)
+}
+
+func (r *StatusReport) renderNetSync(w io.Writer) {
+	n := r.NetSync
+	if n == nil {
+		return
+	}
+	live := 0
+	for _, e := range n.Entries {
+		if e.Live {
+			live++
+		}
+	}
+	fmt.Fprintf(w, "Networks defined once: %d live, %d removed (driver %s; replicas created %d, removed %d)", live, len(n.Entries)-live, n.Driver, n.Created, n.Removed)
+	if n.LastError != "" {
+		fmt.Fprintf(w, " (failing: %s)", n.LastError)
+	}
+	fmt.Fprintln(w)
+	for _, e := range n.Entries {
+		state := "live"
+		if !e.Live {
+			state = "removed"
+		}
+		fmt.Fprintf(w, "  %-24s %-7s by %s at %s\n", e.Name, state, e.Host, e.Time.Format(time.RFC3339))
+	}
+	for _, c := range n.Conflicts {
+		fmt.Fprintf(w, "  conflict: network %s (%s) here differs from the cluster's, left alone: %s\n", c.Name, short(c.ID), strings.Join(c.Diff, "; "))
+	}
+	for _, k := range n.Kept {
+		fmt.Fprintf(w, "  kept: network %s removed in the cluster, used here by %d containers\n", k.Name, k.Endpoints)
+	}
 }
 
 func (r *StatusReport) renderNames(w io.Writer) {

@@ -110,12 +110,18 @@ func (e *Engine) Names(ctx context.Context) (map[string]EndpointNames, error) {
 // connect, disconnect) and after each (re)connection to the engine, until
 // ctx ends. A broken stream is reopened after retry.
 func (e *Engine) Watch(ctx context.Context, retry time.Duration, changed func()) {
-	if retry <= 0 {
-		retry = time.Second
-	}
 	f := make(client.Filters).
 		Add("type", string(events.ContainerEventType), string(events.NetworkEventType)).
 		Add("event", "start", "die", "destroy", "rename", "connect", "disconnect")
+	e.watch(ctx, retry, f, changed)
+}
+
+// watch calls changed after every event that f selects and after each
+// (re)connection, until ctx ends.
+func (e *Engine) watch(ctx context.Context, retry time.Duration, f client.Filters, changed func()) {
+	if retry <= 0 {
+		retry = time.Second
+	}
 	lastErr := ""
 	for ctx.Err() == nil {
 		sctx, cancel := context.WithCancel(ctx)

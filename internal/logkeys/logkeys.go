@@ -47,6 +47,11 @@
 //	dns_served              INFO   network                (served again after dns_serve_failed)
 //	engine_unreadable       WARN   error                  (the engine's names cannot be read; the names in force stay)
 //	engine_readable         INFO                          (read again after engine_unreadable)
+//	netsync_write           INFO   network, live          (a user's create or rm seen here: the cluster's entry written)
+//	netsync_create          INFO   network, id            (a replica created through the local engine)
+//	netsync_remove          INFO   network, id            (an idle replica removed)
+//	netsync_conflict        WARN   network, id, differences  (a network here differs from the cluster's: left alone)
+//	netsync_kept            WARN   network, containers    (removed in the cluster, kept here while in use)
 package logkeys
 
 // Event is the key whose value names the state change a line reports.
@@ -173,4 +178,13 @@ const (
 	DNSServed            = "dns_served"
 	EngineUnreadable     = "engine_unreadable"
 	EngineReadable       = "engine_readable"
+)
+
+// Events of networks defined once (docs/networks.md).
+const (
+	NetsyncWrite    = "netsync_write"
+	NetsyncCreate   = "netsync_create"
+	NetsyncRemove   = "netsync_remove"
+	NetsyncConflict = "netsync_conflict"
+	NetsyncKept     = "netsync_kept"
 )

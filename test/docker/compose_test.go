@@ -64,12 +64,31 @@ func (e *engine) compose(args ...string) (string, error) {
 	return s, nil
 }
 
-func TestCompose(t *testing.T) {
+// needCompose skips a test on an engine without compose and returns the
+// compose example's README.
+func needCompose(t *testing.T) string {
+	t.Helper()
 	prepare(t)
 	if composePlugin == "" {
 		t.Skipf("engine %s has no docker compose plugin (only the 28.5 engine's packages bring docker-compose 2.x)", selected.name)
 	}
-	readme := filepath.Join(composeDocs(), "README.md")
+	return filepath.Join(composeDocs(), "README.md")
+}
+
+// linkCompose gives the engine's CLI the compose plugin: `docker compose`
+// finds it in the CLI's configuration directory.
+func (e *engine) linkCompose() {
+	e.t.Helper()
+	if err := os.MkdirAll(filepath.Join(e.cliConfig, "cli-plugins"), 0o755); err != nil {
+		e.t.Fatal(err)
+	}
+	if err := os.Symlink(composePlugin, filepath.Join(e.cliConfig, "cli-plugins", "docker-compose")); err != nil {
+		e.t.Fatal(err)
+	}
+}
+
+func TestCompose(t *testing.T) {
+	readme := needCompose(t)
 	creates := readmeCommands(t, readme, "docker network create ")
 	removes := readmeCommands(t, readme, "docker network rm ")
 	if len(creates) != 1 || len(removes) != 1 {
@@ -79,14 +98,7 @@ func TestCompose(t *testing.T) {
 
 	_, es := joinedPair(t)
 	for _, e := range es {
-		// `docker compose` finds its plugin in the CLI's configuration
-		// directory.
-		if err := os.MkdirAll(filepath.Join(e.cliConfig, "cli-plugins"), 0o755); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.Symlink(composePlugin, filepath.Join(e.cliConfig, "cli-plugins", "docker-compose")); err != nil {
-			t.Fatal(err)
-		}
+		e.linkCompose()
 	}
 	t.Logf("docker compose version: %s", es[0].must("compose", "version"))
 	for _, e := range es {

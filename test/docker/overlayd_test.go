@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"syscall"
 	"time"
 )
@@ -61,6 +62,12 @@ func (e *engine) startOverlaydAt(socket string, extra ...string) *overlaydProc {
 		"--engine-socket", e.sock,
 		"--resolv-conf", filepath.Join(e.dir, "ovd-resolv.conf"),
 	}, extra...)
+	// Networks defined once only where a test asks for them: the other
+	// tests create each network on every engine themselves, which
+	// netsync's replicas would race ("already exists").
+	if !slices.Contains(extra, "--netsync") {
+		o.args = append(o.args, "--netsync", "off")
+	}
 	e.ovd = o
 	if err := o.start(); err != nil {
 		e.t.Fatalf("engine %s: %v", e.name, err)

@@ -4,8 +4,10 @@ import (
 	"bufio"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
+	"time"
 )
 
 // walkthroughStep is one command of README's two-host walkthrough and the
@@ -89,7 +91,9 @@ func TestReadmeWalkthrough(t *testing.T) {
 			case "make":
 				t.Logf("host %s: %s: left to TestInstall", h, strings.Join(args, " "))
 			case "overlayd":
-				o := e.startOverlayd(args[1:]...)
+				// The README's overlayd runs with the defaults, networks
+				// defined once among them (the lab's default is off).
+				o := e.startOverlayd(append(args[1:], "--netsync", "on")...)
 				// "Copy /var/lib/overlayd/cluster.key to host B": the
 				// key the first start generated.
 				if _, err := os.Stat(keyFile); os.IsNotExist(err) {
@@ -102,6 +106,11 @@ func TestReadmeWalkthrough(t *testing.T) {
 					}
 				}
 			case "docker":
+				// A network created on the other host: "within seconds
+				// every host's engine has it".
+				if i := slices.Index(args, "--network"); i > 0 && i+1 < len(args) {
+					e.waitNetwork(args[i+1], true, 10*time.Second)
+				}
 				out := e.must(args[1:]...)
 				t.Logf("host %s: %s:\n%s", h, strings.Join(args, " "), out)
 				if args[1] == "inspect" {

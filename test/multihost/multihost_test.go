@@ -95,7 +95,7 @@ func startHost(t *testing.T, h *host, keyFile string, join []string) {
 	t.Helper()
 	args := []string{"--net=" + h.nsPath(), binary(t),
 		"--socket", h.socket(), "--state-dir", filepath.Join(h.dir, "state"), "--netns-dir", h.netnsDir,
-		"--secret-file", keyFile, "--control-socket", h.control(),
+		"--secret-file", keyFile, "--control-socket", h.control(), "--netsync", "off",
 		"--node-name", h.name, "--log-level", "debug"}
 	if h.swarm {
 		args = append(args, "--scope", "global")

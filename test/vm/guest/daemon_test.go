@@ -82,7 +82,7 @@ func startDaemonHost(t *testing.T, name string, ns *nstest.NS, vtep, peer netip.
 	args, _ := json.Marshal([]string{
 		"--socket", sock, "--state-dir", filepath.Join(h.dir, "state"), "--netns-dir", h.netnsDir,
 		"--control-socket", filepath.Join(h.dir, "control.sock"), "--advertise-addr", vtep.String(),
-		"--join", peer.String(), "--secret-file", keyFile, "--node-name", name,
+		"--join", peer.String(), "--secret-file", keyFile, "--node-name", name, "--netsync", "off",
 	})
 	cmd := exec.Command(os.Args[0], "-test.run=^TestDaemonProcess$", "-test.v")
 	cmd.Env = append(os.Environ(), daemonArgsEnv+"="+string(args))
