@@ -80,6 +80,9 @@ func (r *StatusReport) renderNetSync(w io.Writer) {
 	for _, k := range n.Kept {
 		fmt.Fprintf(w, "  kept: network %s removed in the cluster, used here by %d containers\n", k.Name, k.Endpoints)
 	}
+	for _, u := range n.Elsewhere {
+		fmt.Fprintf(w, "  still used: network %s (removed) on %s by %d containers\n", u.Name, u.Host, u.Containers)
+	}
 }
 
 func (r *StatusReport) renderNames(w io.Writer) {

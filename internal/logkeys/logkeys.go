@@ -52,6 +52,7 @@
 //	netsync_remove          INFO   network, id            (an idle replica removed)
 //	netsync_conflict        WARN   network, id, differences  (a network here differs from the cluster's: left alone)
 //	netsync_kept            WARN   network, containers    (removed in the cluster, kept here while in use)
+//	netsync_used_elsewhere  INFO   network, host, containers  (on the host that removed it: still used there)
 package logkeys
 
 // Event is the key whose value names the state change a line reports.
@@ -187,4 +188,7 @@ const (
 	NetsyncRemove   = "netsync_remove"
 	NetsyncConflict = "netsync_conflict"
 	NetsyncKept     = "netsync_kept"
+	// NetsyncUsedElsewhere: logged by the host whose user removed a
+	// network, once per host that still uses it.
+	NetsyncUsedElsewhere = "netsync_used_elsewhere"
 )

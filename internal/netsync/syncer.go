@@ -87,9 +87,21 @@ type Syncer struct {
 
 	ledger Ledger // guarded by mu; the loop's, persisted
 	status Status // guarded by mu
+	// usage: what other hosts keep in use although removed, by host,
+	// as last heard (guarded by mu; older than usageTTL is dropped).
+	usage  map[string]heardUsage
 	warned map[string]string
 	errLog string // the last engine or store error logged (once per distinct one)
 }
+
+type heardUsage struct {
+	at   time.Time
+	kept []Kept
+}
+
+// usageTTL: a host's report of what it keeps is in force this many sync
+// intervals (it repeats it every interval while it keeps something).
+const usageTTL = 3
 
 type inbound struct {
 	from    string
@@ -107,6 +119,9 @@ type Status struct {
 	Entries   []StatusEntry `json:"entries"`
 	Conflicts []Conflict    `json:"conflicts,omitempty"`
 	Kept      []Kept        `json:"kept,omitempty"`
+	// Elsewhere: networks the cluster removed that other hosts keep
+	// while in use, with their containers there.
+	Elsewhere []UsedElsewhere `json:"elsewhere,omitempty"`
 	// LastError is the last engine or state-file error, "" once a plan
 	// went through.
 	LastError string `json:"last_error,omitempty"`
@@ -115,6 +130,13 @@ type Status struct {
 	Dropped   uint64 `json:"messages_dropped"` // anti-entropy repairs them
 	// EngineCalls: Engine API requests made since start.
 	EngineCalls uint64 `json:"engine_calls"`
+}
+
+// UsedElsewhere is a removed network another host keeps in use.
+type UsedElsewhere struct {
+	Name       string `json:"name"`
+	Host       string `json:"host"`
+	Containers int    `json:"containers"`
 }
 
 // StatusEntry is one entry as the status shows it.
@@ -143,7 +165,8 @@ func New(cfg Config) (*Syncer, error) {
 		cfg.Now = time.Now
 	}
 	s := &Syncer{cfg: cfg, kick: make(chan struct{}, 1), inbox: make(chan inbound, 64), outbox: make(chan outbound, 256),
-		joined: make(chan struct{}, 1), mu: lockorder.New(lockorder.LevelLeaf), ledger: NewLedger(), warned: map[string]string{}}
+		joined: make(chan struct{}, 1), mu: lockorder.New(lockorder.LevelLeaf), ledger: NewLedger(), warned: map[string]string{},
+		usage: map[string]heardUsage{}}
 	recs, err := cfg.Store.ListMeta("netsync/")
 	if err != nil {
 		return nil, fmt.Errorf("netsync: read the state file: %w", err)
@@ -208,7 +231,17 @@ func (s *Syncer) Status() Status {
 	st := s.status
 	st.Conflicts = slices.Clone(st.Conflicts)
 	st.Kept = slices.Clone(st.Kept)
+	cutoff := s.cfg.Now().Add(-usageTTL * s.cfg.SyncInterval)
+	for host, u := range s.usage {
+		if u.at.Before(cutoff) {
+			continue
+		}
+		for _, k := range u.kept {
+			st.Elsewhere = append(st.Elsewhere, UsedElsewhere{Name: k.Name, Host: host, Containers: k.Endpoints})
+		}
+	}
 	s.mu.Unlock()
+	slices.SortFunc(st.Elsewhere, func(a, b UsedElsewhere) int { return strings.Compare(a.Name+"/"+a.Host, b.Name+"/"+b.Host) })
 	for _, e := range s.table.List() {
 		st.Entries = append(st.Entries, StatusEntry{Name: e.Name, Live: e.Live, Host: e.Stamp.Host, Time: time.Unix(0, e.Stamp.Time).UTC()})
 	}
@@ -235,8 +268,15 @@ func (s *Syncer) Run(ctx context.Context) {
 		case <-s.kick:
 			s.reconcile(ctx)
 		case <-sync.C:
-			if ms := s.cfg.Transport.Members(); len(ms) > 0 {
+			ms := s.cfg.Transport.Members()
+			if len(ms) > 0 {
 				s.send(kindSync, s.table.List(), ms[rand.IntN(len(ms))])
+			}
+			s.mu.Lock()
+			kept := slices.Clone(s.status.Kept)
+			s.mu.Unlock()
+			if len(kept) > 0 {
+				s.sendUsage(kept, ms)
 			}
 		case <-s.joined:
 			s.send(kindSync, s.table.List(), s.cfg.Transport.Members()...)
@@ -252,6 +292,10 @@ func (s *Syncer) receive(in inbound) {
 		s.cfg.Log.Warn("netsync message refused", "from", in.from, "error", err)
 		return
 	}
+	if m.kind == kindUsage {
+		s.heardUsage(in.from, m.usage)
+		return
+	}
 	took := s.table.Merge(m.entries)
 	if len(took) > 0 {
 		if err := s.persistEntries(took); err != nil {
@@ -263,6 +307,40 @@ func (s *Syncer) receive(in inbound) {
 		if back := s.table.Older(m.entries); len(back) > 0 {
 			s.send(kindPush, back, in.from)
 		}
+	}
+}
+
+// sendUsage tells nodes what this host keeps in use although removed.
+func (s *Syncer) sendUsage(kept []Kept, nodes []string) {
+	b, err := encodeMessage(&message{kind: kindUsage, usage: kept[:min(len(kept), MaxEntries)]})
+	if err != nil {
+		s.cfg.Log.Error("netsync: encode usage", "error", err)
+		return
+	}
+	for _, n := range nodes {
+		select {
+		case s.outbox <- outbound{n, b}:
+		default:
+			s.drops.Add(1)
+		}
+	}
+}
+
+// heardUsage records what host keeps in use; the host that removed such
+// a network logs, once per network and host, where it is still used.
+func (s *Syncer) heardUsage(host string, kept []Kept) {
+	entries := s.table.Map()
+	s.mu.Lock()
+	prev := s.usage[host]
+	s.usage[host] = heardUsage{at: s.cfg.Now(), kept: kept}
+	s.mu.Unlock()
+	for _, k := range kept {
+		e, ok := entries[k.Name]
+		if !ok || e.Live || e.Stamp.Host != s.cfg.Host || slices.ContainsFunc(prev.kept, func(p Kept) bool { return p.Name == k.Name }) {
+			continue
+		}
+		s.cfg.Log.Info("network removed here is still used on another host; removed there once idle",
+			"network", k.Name, "host", host, "containers", k.Endpoints, logkeys.Event, logkeys.NetsyncUsedElsewhere)
 	}
 }
 

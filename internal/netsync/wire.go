@@ -20,6 +20,10 @@ const (
 	// kindSync: the sender's whole table; merge it and answer with a
 	// push of what the sender lacks or has older.
 	kindSync byte = 2
+	// kindUsage: the replicas the sender keeps while in use although the
+	// cluster removed them, with their containers there (the origin of a
+	// removal reports where the network is still used).
+	kindUsage byte = 3
 )
 
 // MaxEntries bounds one message's entries (and the names a peer can make
@@ -44,10 +48,27 @@ type wireEntry struct {
 
 type message struct {
 	kind    byte
-	entries []Entry
+	entries []Entry // kindPush, kindSync
+	usage   []Kept  // kindUsage (IDs are the sender's, not sent)
+}
+
+type wireUsage struct {
+	Name       string `json:"name"`
+	Containers int    `json:"containers"`
 }
 
 func encodeMessage(m *message) ([]byte, error) {
+	if m.kind == kindUsage {
+		us := make([]wireUsage, 0, len(m.usage))
+		for _, k := range m.usage {
+			us = append(us, wireUsage{Name: k.Name, Containers: k.Endpoints})
+		}
+		body, err := json.Marshal(us)
+		if err != nil {
+			return nil, err
+		}
+		return append([]byte{'o', 'n', wireVersion, m.kind}, body...), nil
+	}
 	ws := make([]wireEntry, 0, len(m.entries))
 	for _, e := range m.entries {
 		w := wireEntry{Name: e.Name, Live: e.Live, Time: e.Stamp.Time, Host: e.Stamp.Host}
@@ -84,11 +105,14 @@ func decodeMessage(b []byte) (*message, error) {
 		return nil, fmt.Errorf("netsync message version %d, this host speaks %d", b[2], wireVersion)
 	}
 	m := &message{kind: b[3]}
-	if m.kind != kindPush && m.kind != kindSync {
+	if m.kind != kindPush && m.kind != kindSync && m.kind != kindUsage {
 		return nil, fmt.Errorf("netsync message kind %d unknown", m.kind)
 	}
 	dec := json.NewDecoder(bytes.NewReader(b[4:]))
 	dec.DisallowUnknownFields()
+	if m.kind == kindUsage {
+		return decodeUsage(dec, m)
+	}
 	var ws []wireEntry
 	if err := dec.Decode(&ws); err != nil {
 		return nil, fmt.Errorf("netsync message: %w", err)
@@ -163,4 +187,27 @@ func pages(kind byte, entries []Entry) ([][]byte, error) {
 		entries = entries[n:]
 	}
 	return out, nil
+}
+
+func decodeUsage(dec *json.Decoder, m *message) (*message, error) {
+	var us []wireUsage
+	if err := dec.Decode(&us); err != nil {
+		return nil, fmt.Errorf("netsync usage message: %w", err)
+	}
+	if dec.More() {
+		return nil, errors.New("netsync usage message: data after the list")
+	}
+	if len(us) > MaxEntries {
+		return nil, fmt.Errorf("netsync usage message with %d networks: at most %d", len(us), MaxEntries)
+	}
+	for i, u := range us {
+		if err := netspec.ValidName(u.Name); err != nil {
+			return nil, fmt.Errorf("netsync usage message: network %d: %w", i+1, err)
+		}
+		if u.Containers < 1 {
+			return nil, fmt.Errorf("netsync usage message: network %q: %d containers: must be at least 1", u.Name, u.Containers)
+		}
+		m.usage = append(m.usage, Kept{Name: u.Name, Endpoints: u.Containers})
+	}
+	return m, nil
 }

@@ -2,6 +2,7 @@ package netsync
 
 import (
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -28,6 +29,29 @@ func TestWireRoundTrip(t *testing.T) {
 	}
 	if Is([]byte{'o', 'i', 1, 1}) {
 		t.Fatal("an address management message taken for netsync's")
+	}
+}
+
+func TestUsageRoundTrip(t *testing.T) {
+	b, err := encodeMessage(&message{kind: kindUsage, usage: []Kept{{Name: "ov", ID: "not sent", Endpoints: 2}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := decodeMessage(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(m.usage) != 1 || m.usage[0] != (Kept{Name: "ov", Endpoints: 2}) {
+		t.Fatalf("decoded %+v", m.usage)
+	}
+	for _, tc := range []struct{ in, want string }{
+		{`[{"name":"ov","containers":0}]`, "0 containers: must be at least 1"},
+		{`[{"name":"a/b","containers":1}]`, "is not allowed"},
+		{`[{"name":"ov","containers":1,"id":"x"}]`, `unknown field "id"`},
+	} {
+		if _, err := decodeMessage([]byte("on\x01\x03" + tc.in)); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("usage %s: %v, want %q", tc.in, err, tc.want)
+		}
 	}
 }
 
@@ -98,6 +122,7 @@ func FuzzDecodeMessage(f *testing.F) {
 		{Name: "net1", Live: true, Spec: spec("4242"), Stamp: Stamp{1, "h1"}}, {Name: "x", Stamp: Stamp{2, "h2"}}}})
 	f.Add(good)
 	f.Add([]byte("on\x01\x02[]"))
+	f.Add([]byte(`on` + "\x01\x03" + `[{"name":"ov","containers":1}]`))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		m, err := decodeMessage(b)
 		if err != nil {
@@ -108,7 +133,7 @@ func FuzzDecodeMessage(f *testing.F) {
 			t.Fatalf("accepted message does not encode: %v", err)
 		}
 		m2, err := decodeMessage(again)
-		if err != nil || len(m2.entries) != len(m.entries) {
+		if err != nil || len(m2.entries) != len(m.entries) || !slices.Equal(m2.usage, m.usage) {
 			t.Fatalf("round trip: %v", err)
 		}
 		for i := range m.entries {

@@ -68,6 +68,11 @@ type netsyncView struct {
 		Name       string
 		Containers int
 	}
+	Elsewhere []struct {
+		Name       string
+		Host       string
+		Containers int
+	}
 }
 
 // netsyncStatus is the netsync section of the engine's overlayd status
@@ -192,6 +197,13 @@ func TestNetworksDefinedOnce(t *testing.T) {
 	})
 	if !c.hasNetwork("ov") {
 		t.Fatal("engine h3: ov removed while c1 uses it")
+	}
+	// The host where it was removed reports where it is still used.
+	a.waitNetsyncStatus("ov still used on h3", 10*time.Second, func(v netsyncView) bool {
+		return len(v.Elsewhere) == 1 && v.Elsewhere[0].Name == "ov" && v.Elsewhere[0].Host == c.name && v.Elsewhere[0].Containers == 1
+	})
+	if !strings.Contains(a.ovd.logTail(400), "event=netsync_used_elsewhere") {
+		t.Error("engine h1: no event=netsync_used_elsewhere logged")
 	}
 	c.must("rm", "-f", "c1")
 	c.waitNetwork("ov", false, 10*time.Second)

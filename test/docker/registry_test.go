@@ -181,7 +181,9 @@ func TestPluginFromRegistry(t *testing.T) {
 	settings := func(e *engine) []string {
 		s := []string{"state.source=" + filepath.Join(e.dir, "plugin-state"), "OVERLAYD_NETNS_DIR=" + netnsDir,
 			"OVERLAYD_ADVERTISE_ADDR=" + e.addr.String(), "OVERLAYD_NODE_NAME=" + e.name,
-			"OVERLAYD_SECRET_FILE=" + keyFile, "OVERLAYD_LOG_LEVEL=debug"}
+			"OVERLAYD_SECRET_FILE=" + keyFile, "OVERLAYD_LOG_LEVEL=debug",
+			// Each engine creates its networks itself here.
+			"OVERLAYD_NETSYNC=off"}
 		if e != h1 {
 			s = append(s, "OVERLAYD_JOIN="+h1.addr.String())
 		}
