@@ -233,6 +233,26 @@ func TestNetworksDefinedOnce(t *testing.T) {
 		}
 	}
 
+	// An overlayd restart: B learns what was created while it was down,
+	// and still knows its replicas after it (the ledger is in the state
+	// file): they go when removed on A. A lost ledger would make them
+	// look like B's own networks, kept for good.
+	a.createNetwork("overlayd", "r1", "-o", "vni=4504", "--subnet", "192.0.2.64/26")
+	b.waitNetwork("r1", true, 10*time.Second)
+	if err := b.ovd.stop(); err != nil {
+		t.Fatal(err)
+	}
+	a.createNetwork("overlayd", "r2", "-o", "vni=4505", "--subnet", "192.0.2.128/26")
+	if err := b.ovd.start(); err != nil {
+		t.Fatal(err)
+	}
+	took = b.waitNetwork("r2", true, 20*time.Second)
+	t.Logf("engine %s: r2, created while its overlayd was stopped, here %v after its restart", b.name, took.Round(time.Millisecond))
+	a.must("network", "rm", "r1")
+	a.must("network", "rm", "r2")
+	b.waitNetwork("r1", false, 10*time.Second)
+	b.waitNetwork("r2", false, 10*time.Second)
+
 	// A conflicting network made by hand on B (while B was cut off) is
 	// left alone and reported; the others get A's definition.
 	l.partition(b, true)
