@@ -284,13 +284,6 @@ func (l *localStore) setWantNamesLocked(k recKey, packed string) bool {
 	return true
 }
 
-// namesState returns whether records go out with their names.
-func (l *localStore) namesState() bool {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.names
-}
-
 // ipv6State returns whether records go out with their IPv6 addresses and
 // how many are withheld.
 func (l *localStore) ipv6State() (ok bool, withheld int) {

@@ -79,7 +79,6 @@ func (a *Allocator) Reclaim(ctx context.Context, node string) (ReclaimResult, er
 		puts[prefixReclaimed+e.id.String()] = mustJSON(reclaimRecord{By: e.by.String(), At: a.now().Unix()})
 	}
 	a.mu.Unlock()
-	var changed []*pool
 	for _, p := range a.allPools() {
 		p.mu.Lock()
 		a.dropVotesLocked(p, ids, puts)
@@ -87,7 +86,6 @@ func (a *Allocator) Reclaim(ctx context.Context, node string) (ReclaimResult, er
 			if n := p.ring.reclaim(ids, a.self); n > 0 {
 				puts[prefixPool+p.id] = encodePoolRecord(p.refs, p.ring)
 				res.Pools = append(res.Pools, ReclaimedPool{PoolID: p.id, Addresses: n})
-				changed = append(changed, p)
 				for id := range ids {
 					a.log.Info("ipam: reclaimed the address space of a gone host", logkeys.Event, logkeys.IPAMReclaimed,
 						logkeys.Pool, p.id, logkeys.Member, node, logkeys.HostID, id.hexID(), logkeys.Count, n)

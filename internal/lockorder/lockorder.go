@@ -106,15 +106,3 @@ func New(l Level) *Mutex {
 
 // Level returns m's level (0 for a Mutex not made by New).
 func (m *Mutex) Level() Level { return m.level }
-
-// hierarchy renders the hierarchy for reports.
-func hierarchy() string {
-	s := ""
-	for i, l := range Levels() {
-		if i > 0 {
-			s += " → "
-		}
-		s += l.String()
-	}
-	return s
-}
