@@ -52,7 +52,7 @@ func TestCreateWaitsForInFlightDelete(t *testing.T) {
 		t.Fatal(err)
 	}
 	// Finish the delete as DeleteNetwork does, then release the lock.
-	d.unregister(n)
+	d.unregisterLocked(n)
 	unlock()
 	select {
 	case err := <-done:

@@ -43,9 +43,9 @@ type DefinitionLookup interface {
 	DefinitionOf(vni uint32, host string) (r netdef.Remote, ok bool)
 }
 
-// definition returns n's definition, the same for each of its VNIs;
-// expects n.mu held (its fields are immutable anyway).
-func (n *network) definition() netdef.Definition {
+// definitionLocked returns n's definition, the same for each of its VNIs
+// (its fields are immutable: the lock is the convention's, not a need).
+func (n *network) definitionLocked() netdef.Definition {
 	return definitionOf(n.subnets, n.mtu, n.encrypted, n.internal)
 }
 
@@ -137,13 +137,13 @@ func (d *Driver) checkDefinitions(def *netdef.Definition, mtuGiven bool) error {
 		OptVNI, strings.Join(found, "; "), OptMTU, OptEncrypted, hint)
 }
 
-// checkRemoteDefinitions compares n's definition of vni with the other
+// checkRemoteDefinitionsLocked compares n's definition of vni with the other
 // hosts' and returns the hosts whose records of vni are refused: those
 // whose definition contradicts n's, and those whose definition has not
 // arrived yet (their records wait for it; a host only has records of a
 // VNI it has a network for). A new contradiction is logged at WARN once,
-// and its end at INFO. Expects n.mu held.
-func (d *Driver) checkRemoteDefinitions(n *network, vni uint32) map[string]bool {
+// and its end at INFO.
+func (d *Driver) checkRemoteDefinitionsLocked(n *network, vni uint32) map[string]bool {
 	var cs map[string]contradiction
 	var pending []string
 	// This runs on every pull, one per peer notification: n's definition
@@ -192,14 +192,14 @@ func (d *Driver) checkRemoteDefinitions(n *network, vni uint32) map[string]bool 
 	return refused
 }
 
-// publishDefinition publishes (or, for a deleted network, withdraws) n's
-// definition of each of its VNIs; expects n.mu held.
-func (d *Driver) publishDefinition(n *network, withdraw bool) {
+// publishDefinitionLocked publishes (or, for a deleted network, withdraws)
+// n's definition of each of its VNIs.
+func (d *Driver) publishDefinitionLocked(n *network, withdraw bool) {
 	src := d.cfg.Definitions
 	if src == nil {
 		return
 	}
-	def := n.definition()
+	def := n.definitionLocked()
 	for _, s := range n.subnets {
 		p := &def
 		if withdraw {
@@ -217,7 +217,7 @@ func (d *Driver) publishDefinition(n *network, withdraw bool) {
 func (d *Driver) LocalDefinitions() map[uint32]netdef.Definition {
 	out := map[uint32]netdef.Definition{}
 	d.eachNetwork(func(n *network) {
-		def := n.definition()
+		def := n.definitionLocked()
 		for _, s := range n.subnets {
 			out[s.vni] = def
 		}
@@ -226,7 +226,7 @@ func (d *Driver) LocalDefinitions() map[uint32]netdef.Definition {
 }
 
 // originCheck answers, for a keyed pull of n's records of vni, whether
-// an origin's records are refused — exactly as checkRemoteDefinitions
+// an origin's records are refused — exactly as checkRemoteDefinitionsLocked
 // would (its definition contradicts n's, or has not arrived) — asking the
 // source about that origin only. It remembers the last origin asked about
 // (a pull's keys come sorted by origin); it allocates nothing.
@@ -282,8 +282,8 @@ type DefinitionConflictStatus struct {
 	RefusedRecords int      `json:"refused_records"`
 }
 
-// definitionStatus lists n's contradicting definitions; expects n.mu held.
-func (d *Driver) definitionStatus(n *network) []DefinitionConflictStatus {
+// definitionStatusLocked lists n's contradicting definitions.
+func (d *Driver) definitionStatusLocked(n *network) []DefinitionConflictStatus {
 	var out []DefinitionConflictStatus
 	for _, vni := range slices.Sorted(maps.Keys(n.contra)) {
 		var peers map[peerdb.Key]peerdb.Peer

@@ -24,29 +24,14 @@
 //
 // # Locking
 //
-// The lock hierarchy, from top to bottom (internal/lockorder has every
-// level, the control plane's included):
-//
-//	Driver.vtepMu  — serialises VTEP changes with their notification
-//	network.mu     — one per network; held for every operation on that
-//	                 network (create/delete, endpoints, join/leave, pulls,
-//	                 kernel programming of its sandbox)
-//	encryption owner's lock — taken by the owner's Update/Remove, which a
-//	                 network calls with its lock held
-//	Driver.allocMu — VNI allocation for AllocateNetwork/FreeNetwork (swarm
-//	                 leader); held while the allocation is persisted
-//	Driver.mu      — the driver's maps and the VTEP; never held while
-//	                 calling out of the driver
-//	cluster locks  — the PeerSource's, taken by a pull under network.mu
-//	reaper's lock  — a leaf: a Leave queues its deletions under network.mu,
-//	                 and no deletion takes a network's lock (see leave)
-//
-// A lock may only be taken while holding locks above it, and never two
-// network locks at once. Every lock is made by lockorder.New with its level:
-// test builds (tag lockcheck) check every acquisition against the
-// hierarchy. The caller takes a lock, not the callee: every method says
-// which lock it expects held. Operations on distinct networks never wait
-// for each other except for the short Driver.mu sections.
+// The driver's locks are Driver.vtepMu (lockorder.LevelVTEP), network.mu
+// (LevelNetwork), Driver.allocMu (LevelAlloc) and Driver.mu (LevelDriver);
+// their order among themselves and the other packages' locks is the
+// hierarchy in internal/lockorder, which test builds (tag lockcheck)
+// check at every acquisition. The caller takes a network's lock, not the
+// callee: a method named ...Locked runs under the lock of the network it
+// is given (lockorder's convention). Operations on distinct networks never
+// wait for each other except for the short Driver.mu sections.
 package driver
 
 import (
@@ -165,18 +150,17 @@ type Driver struct {
 	host *sandbox.Host // immutable after New; its netlink handle is safe for concurrent use
 	// reaper runs the kernel deletions Leaves hand over (veths, sandboxes)
 	// off the caller's path; immutable after New. The networks keep their
-	// pending Jobs (see leave).
+	// pending Jobs (see leaveLocked).
 	reaper *reaper.Reaper
 	ownsNS bool
 	hostNS netns.NsHandle
 	// vtepMu serialises VTEP changes with their notification (OnVTEPChange
-	// is called in the order of the changes); top of the hierarchy, never
-	// taken under another lock.
+	// is called in the order of the changes); lockorder.LevelVTEP.
 	vtepMu   *lockorder.Mutex
-	allocMu  *lockorder.Mutex    // allocation lock: below the encryption owner's, above mu; guards allocs and allocNet
+	allocMu  *lockorder.Mutex    // lockorder.LevelAlloc; guards allocs and allocNet
 	allocs   map[uint32]string   // VNIs handed out by AllocateNetwork → network id; guarded by allocMu
 	allocNet map[string][]uint32 // the same, by network id; guarded by allocMu
-	mu       *lockorder.Mutex    // driver.mu: bottom of the hierarchy; guards the fields below
+	mu       *lockorder.Mutex    // driver.mu, lockorder.LevelDriver; guards the fields below
 	nets     map[string]*network // by network id; guarded by mu
 	byVNI    map[uint32]*network // every VNI of every network; guarded by mu
 	vtep     vtepState           // the local VTEP and where it came from; guarded by mu
@@ -282,7 +266,7 @@ func New(cfg Config) (*Driver, error) {
 func (d *Driver) Close() error {
 	d.reaper.Close()
 	d.eachNetwork(func(n *network) {
-		d.settleTeardown(n, true)
+		d.settleTeardownLocked(n, true)
 		if n.sb != nil {
 			n.sb.Close()
 		}

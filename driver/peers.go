@@ -62,15 +62,15 @@ func (d *Driver) PeersChanged(vni uint32, keys []peerdb.Key) {
 		return
 	}
 	defer n.mu.Unlock()
-	if err := d.pull(n, vni, keys); err != nil {
+	if err := d.pullLocked(n, vni, keys); err != nil {
 		d.log.Warn("programming remote peers failed; the periodic reconcile retries", "network", n.id, "vni", vni, "error", err)
 	}
 }
 
-// pull brings n's records of vni in line with the source: the records of
-// keys, or all of them when keys is nil; then programs the kernel. Expects
-// n.mu held.
-func (d *Driver) pull(n *network, vni uint32, keys []peerdb.Key) error {
+// pullLocked brings n's records of vni in line with the source: the
+// records of keys, or all of them when keys is nil; then programs the
+// kernel.
+func (d *Driver) pullLocked(n *network, vni uint32, keys []peerdb.Key) error {
 	src := d.cfg.Peers
 	if src == nil {
 		return nil
@@ -86,13 +86,13 @@ func (d *Driver) pull(n *network, vni uint32, keys []peerdb.Key) error {
 	perOrigin = perOrigin && keys != nil
 	var bad map[string]bool
 	if !perOrigin {
-		bad = d.checkRemoteDefinitions(n, vni)
+		bad = d.checkRemoteDefinitionsLocked(n, vni)
 	}
 	if keys == nil {
 		delta, rej = n.peers.SyncVNI(vni, withoutHosts(src.Peers(vni), bad))
 	} else {
 		check := originCheck{look: look, n: n, vni: vni}
-		lookup := n.lookupAhead(src, keys)
+		lookup := n.lookupAheadLocked(src, keys)
 		delta, rej = n.peers.Pull(vni, keys, func(i int) (peerdb.Peer, bool) {
 			k := keys[i]
 			if bad[k.Origin] || perOrigin && check.refuses(k.Origin) {
@@ -101,19 +101,19 @@ func (d *Driver) pull(n *network, vni uint32, keys []peerdb.Key) error {
 			return lookup(i)
 		})
 	}
-	n.noteRejections(d, rej)
+	n.noteRejectionsLocked(d, rej)
 	d.trace(TraceEvent{Kind: TracePull, Network: n.id, VNI: vni})
 	if faultActive(FaultDropPeerDeletes) {
 		delta.NeighDel, delta.FDBDel = nil, nil
 	}
-	return d.program(n, delta)
+	return d.programLocked(n, delta)
 }
 
-// lookupAhead returns the lookup of keys[i] at src for a keyed pull, which
+// lookupAheadLocked returns the lookup of keys[i] at src for a keyed pull, which
 // asks in order of i: from a PeerBatchSource, pullLookahead keys at a time
-// into n.found; else, and for a single key, one Peer call per key.
-// Expects n.mu held until the pull is done.
-func (n *network) lookupAhead(src PeerSource, keys []peerdb.Key) func(i int) (peerdb.Peer, bool) {
+// into n.found; else, and for a single key, one Peer call per key. n.mu
+// stays held until the pull is done (n.found is reused).
+func (n *network) lookupAheadLocked(src PeerSource, keys []peerdb.Key) func(i int) (peerdb.Peer, bool) {
 	bs, ok := src.(PeerBatchSource)
 	if !ok || len(keys) < 2 {
 		return func(i int) (peerdb.Peer, bool) { return src.Peer(keys[i]) }
@@ -132,27 +132,27 @@ func (n *network) lookupAhead(src PeerSource, keys []peerdb.Key) func(i int) (pe
 	}
 }
 
-// pullAll pulls every VNI of n. Expects n.mu held.
-func (d *Driver) pullAll(n *network) error {
+// pullAllLocked pulls every VNI of n.
+func (d *Driver) pullAllLocked(n *network) error {
 	var errs []error
 	for _, s := range n.subnets {
-		if err := d.pull(n, s.vni, nil); err != nil {
+		if err := d.pullLocked(n, s.vni, nil); err != nil {
 			errs = append(errs, err)
 		}
 	}
 	return errors.Join(errs...)
 }
 
-// program writes a change of n's desired peer state to its sandbox, with
+// programLocked writes a change of n's desired peer state to its sandbox, with
 // the encryption state of new VTEPs in place before their peers and the
-// state of VTEPs gone removed after. Expects n.mu held.
-func (d *Driver) program(n *network, delta peerdb.Delta) error {
+// state of VTEPs gone removed after.
+func (d *Driver) programLocked(n *network, delta peerdb.Delta) error {
 	if n.sb == nil || delta.Empty() {
 		return nil
 	}
 	var errs []error
 	if n.encrypted {
-		if err := d.widenEnc(n, delta); err != nil {
+		if err := d.widenEncLocked(n, delta); err != nil {
 			errs = append(errs, err)
 		}
 	}
@@ -166,7 +166,7 @@ func (d *Driver) program(n *network, delta peerdb.Delta) error {
 		}
 	}
 	if n.encrypted {
-		if err := d.syncEnc(n, false); err != nil {
+		if err := d.syncEncLocked(n, false); err != nil {
 			errs = append(errs, err)
 		}
 	}
@@ -175,10 +175,10 @@ func (d *Driver) program(n *network, delta peerdb.Delta) error {
 	return err
 }
 
-// noteRejections logs records that n newly refuses (once per key and
+// noteRejectionsLocked logs records that n newly refuses (once per key and
 // reason), so a misconfigured peer is visible where the operator looks; all
-// current ones are listed by Status. Expects n.mu held.
-func (n *network) noteRejections(d *Driver, rej []peerdb.Rejection) {
+// current ones are listed by Status.
+func (n *network) noteRejectionsLocked(d *Driver, rej []peerdb.Rejection) {
 	for _, r := range rej {
 		msg := r.Err.Error()
 		if n.logged[r.Key] == msg {

@@ -101,8 +101,7 @@ func (a *Allocator) Reclaim(ctx context.Context, node string) (ReclaimResult, er
 	return res, nil
 }
 
-// dropVotesLocked ends this host's votes for claims of gone identities;
-// the caller holds p.mu.
+// dropVotesLocked ends this host's votes for claims of gone identities.
 func (a *Allocator) dropVotesLocked(p *pool, gone map[Identity]bool, puts map[string][]byte) {
 	if p.vote != nil && gone[p.vote.proposer] && p.claim == nil {
 		p.vote = nil
