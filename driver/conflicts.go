@@ -80,11 +80,9 @@ func (d *Driver) hostOfLocked(vni uint32, p peerdb.Peer) string {
 	if !p.VTEP.IsValid() {
 		return fmt.Sprintf("this host (%s)", d.VTEP())
 	}
-	if src := d.cfg.Peers; src != nil {
-		for k, q := range src.Peers(vni) {
-			if q == p {
-				return fmt.Sprintf("%s (%s)", k.Origin, p.VTEP)
-			}
+	for k, q := range d.cfg.Peers.Peers(vni) {
+		if q == p {
+			return fmt.Sprintf("%s (%s)", k.Origin, p.VTEP)
 		}
 	}
 	return p.VTEP.String()

@@ -11,38 +11,6 @@ import (
 	"github.com/overlayd/overlayd/peerdb"
 )
 
-// DefinitionSource is the one owner of the network definitions hosts
-// gossip (the control plane): this host's, which the driver publishes, and
-// the other hosts', which it asks for. Nobody else keeps a copy.
-//
-// Thread safety: every method is called with a network's lock held
-// (lockorder.LevelNetwork); like PeerSource they must be safe for
-// concurrent use, return promptly, take only locks below the driver's and
-// never call into the Driver.
-type DefinitionSource interface {
-	// Definitions returns the definitions of vni that other hosts have in
-	// force (never this host's).
-	Definitions(vni uint32) []netdef.Remote
-	// PublishDefinition sets (def non-nil) or withdraws (nil) this host's
-	// definition of vni. It never blocks.
-	PublishDefinition(vni uint32, def *netdef.Definition) error
-}
-
-// DefinitionLookup is a DefinitionSource that can also answer for one
-// host: what Definitions(vni) lists for it, without listing the others.
-// A pull of some records (PeersChanged with keys) then asks only about
-// their origins: its cost follows the records, not the cluster's size
-// (listing every member's definition on every pull cost ~70 µs at 100
-// members). The control plane must call PeersChanged(vni, nil) whenever
-// the definitions in force of vni may have changed: those full pulls
-// compare every host's and log contradictions; the keyed pulls between
-// refuse the same hosts' records.
-type DefinitionLookup interface {
-	// DefinitionOf returns host's entry in Definitions(vni); ok is false
-	// when it has none. Def is read, never modified, and not kept.
-	DefinitionOf(vni uint32, host string) (r netdef.Remote, ok bool)
-}
-
 // definitionLocked returns n's definition, the same for each of its VNIs
 // (its fields are immutable: the lock is the convention's, not a need).
 func (n *network) definitionLocked() netdef.Definition {
@@ -88,12 +56,8 @@ func (d *Driver) contradictions(def *netdef.Definition, vni uint32) (out map[str
 	return contradictionsIn(def, vni, d.remoteDefinitions(vni))
 }
 
-// remoteDefinitions returns the definitions of vni other hosts have (none
-// without a definition source).
+// remoteDefinitions returns the definitions of vni other hosts have.
 func (d *Driver) remoteDefinitions(vni uint32) []netdef.Remote {
-	if d.cfg.Definitions == nil {
-		return nil
-	}
 	return d.cfg.Definitions.Definitions(vni)
 }
 
@@ -196,9 +160,6 @@ func (d *Driver) checkRemoteDefinitionsLocked(n *network, vni uint32) map[string
 // n's definition of each of its VNIs.
 func (d *Driver) publishDefinitionLocked(n *network, withdraw bool) {
 	src := d.cfg.Definitions
-	if src == nil {
-		return
-	}
 	def := n.definitionLocked()
 	for _, s := range n.subnets {
 		p := &def
@@ -231,7 +192,7 @@ func (d *Driver) LocalDefinitions() map[uint32]netdef.Definition {
 // source about that origin only. It remembers the last origin asked about
 // (a pull's keys come sorted by origin); it allocates nothing.
 type originCheck struct {
-	look    DefinitionLookup
+	look    DefinitionSource
 	n       *network
 	vni     uint32
 	last    string
@@ -286,10 +247,7 @@ type DefinitionConflictStatus struct {
 func (d *Driver) definitionStatusLocked(n *network) []DefinitionConflictStatus {
 	var out []DefinitionConflictStatus
 	for _, vni := range slices.Sorted(maps.Keys(n.contra)) {
-		var peers map[peerdb.Key]peerdb.Peer
-		if d.cfg.Peers != nil {
-			peers = d.cfg.Peers.Peers(vni)
-		}
+		peers := d.cfg.Peers.Peers(vni)
 		cs := n.contra[vni]
 		for _, host := range slices.Sorted(maps.Keys(cs)) {
 			c := cs[host]

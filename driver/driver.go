@@ -4,17 +4,19 @@
 //
 // # Data flow
 //
-// Remote peers are pulled, never pushed: the control plane owns them
-// (PeerSource) and tells the driver which records of a VNI may have
+// The control plane is four small interfaces of Config, one per concern
+// (controlplane.go). Remote peers are pulled, never pushed: the control
+// plane owns them (PeerSource) and tells the driver which records of a VNI may have
 // changed (PeersChanged); the network with that VNI pulls their current
 // values under its lock into its peer table (peerdb), and programs the
 // difference. Networks also pull everything when created and on Reconcile
 // (the daemon's periodic level-triggered repair). Encryption is the
 // encryption owner's (EncryptionOwner): each network hands it its share.
 // Cluster membership is the control plane's too; the driver only relays
-// where to join: nodes DiscoverNew announces (OnDiscover), and the gossip
-// seeds a swarm network carries (OnSeeds; the leader's AllocateNetwork
-// puts them there from GossipSeeds, see seeds.go).
+// where to join (Membership): nodes DiscoverNew announces, and the gossip
+// seeds a swarm network carries (the leader's AllocateNetwork puts them
+// there from GossipSeeds, see seeds.go). This host's VTEP, records and
+// names go to the LocalPublisher.
 // Network definitions (subnets and VNIs, gateways, MTU, encrypted,
 // internal) are the control plane's too (DefinitionSource): a network
 // publishes its own, a CreateNetwork that contradicts another host's is
@@ -53,7 +55,6 @@ import (
 	"github.com/overlayd/overlayd/internal/reaper"
 	"github.com/overlayd/overlayd/internal/sandbox"
 	"github.com/overlayd/overlayd/internal/statefile"
-	"github.com/overlayd/overlayd/peerdb"
 )
 
 // Defaults shared by the daemon and tests.
@@ -65,13 +66,6 @@ const (
 	vxlanOverhead4   = 50
 	vxlanOverhead6   = 70
 )
-
-// PeerPublisher receives the records of local endpoints as they join and
-// leave, as (prev, next) pairs like remote events. It is called with the
-// network's lock held: it must not block and must not call into the Driver.
-type PeerPublisher interface {
-	PublishLocalPeer(vni uint32, prev, next *peerdb.Peer)
-}
 
 // Config holds the driver's settings. The zero value of every field but
 // NetnsDir has a usable default.
@@ -90,33 +84,14 @@ type Config struct {
 	// VNIStart..VNIEnd is the range AllocateNetwork allocates from.
 	VNIStart, VNIEnd uint32
 	Logger           *slog.Logger
-	// Publisher is told of local endpoints joining and leaving.
-	Publisher PeerPublisher
-	// Peers is the owner of remote records, which networks pull (nil: no
-	// remote peers, e.g. a host without a control plane in tests).
-	Peers PeerSource
-	// OnDiscover is told of every other node DiscoverNew announces (swarm):
-	// the control plane joins them. Called without driver locks held.
-	OnDiscover func(addr netip.Addr)
-	// GossipSeeds returns the gossip addresses ("IP:port") of this node and
-	// of the members it knows, which the swarm leader's AllocateNetwork
-	// hands to every node (option overlayd.seeds); none while the control
-	// plane has not started. It may wait briefly for the start. Called
-	// without driver locks held.
-	GossipSeeds func() []string
-	// OnSeeds is told of the gossip seeds a network carries (option
-	// overlayd.seeds) when it is created or restored: the control plane
-	// joins them unless it is in a cluster with them already. Called
-	// without driver locks held.
-	OnSeeds func(seeds []string)
-	// OnVTEPChange is told of the local VTEP whenever it is settled or
-	// changes (see VTEP), in order, without driver locks held: the control
-	// plane re-announces the local records with it and the encryption
-	// state follows it.
-	OnVTEPChange func(vtep netip.Addr)
-	// Definitions is the owner of the network definitions hosts gossip
-	// (nil: no check, e.g. a host without a control plane in tests).
+	// The control plane, one interface per concern (controlplane.go), all
+	// required: this host's VTEP, records and names go to Publisher; the
+	// other hosts' records come from Peers; the network definitions are
+	// Definitions'; where to join the cluster goes to Membership.
+	Publisher   LocalPublisher
+	Peers       PeerSource
 	Definitions DefinitionSource
+	Membership  Membership
 	// Encryption is the host's encryption owner; without one encrypted
 	// networks are refused.
 	Encryption EncryptionOwner
@@ -130,14 +105,6 @@ type Config struct {
 	// DNSAddress is the name server's address in every sandbox
 	// (DefaultDNSAddress when unset); ignored without a NameServer.
 	DNSAddress netip.Addr
-	// Names receives the DNS names of local endpoints (SetNames), which
-	// travel with their records. Nil: names are served on this host only.
-	Names NamePublisher
-	// OnNamesChanged is told that the local endpoints or their names
-	// changed (Join, Leave, SetNames), so that the names served are
-	// rebuilt. It is called with a network's lock held: it must not block
-	// and must not call into the Driver.
-	OnNamesChanged func()
 	// TestHooks are empty in normal builds; test builds (tag testhooks)
 	// have the stress harness's trace there.
 	TestHooks
@@ -154,8 +121,9 @@ type Driver struct {
 	reaper *reaper.Reaper
 	ownsNS bool
 	hostNS netns.NsHandle
-	// vtepMu serialises VTEP changes with their notification (OnVTEPChange
-	// is called in the order of the changes); lockorder.LevelVTEP.
+	// vtepMu serialises VTEP changes with their notification
+	// (LocalPublisher.VTEPChanged is called in the order of the changes);
+	// lockorder.LevelVTEP.
 	vtepMu   *lockorder.Mutex
 	allocMu  *lockorder.Mutex    // lockorder.LevelAlloc; guards allocs and allocNet
 	allocs   map[uint32]string   // VNIs handed out by AllocateNetwork → network id; guarded by allocMu
@@ -214,6 +182,9 @@ func New(cfg Config) (*Driver, error) {
 	}
 	if cfg.AdvertiseAddr.IsValid() {
 		cfg.AdvertiseAddr = cfg.AdvertiseAddr.Unmap()
+	}
+	if err := checkControlPlane(&cfg); err != nil {
+		return nil, err
 	}
 	if err := checkDNSAddress(&cfg); err != nil {
 		return nil, err
@@ -437,9 +408,7 @@ func (d *Driver) DiscoverNew(req *api.DiscoveryNotification) error {
 		d.discoveredSelf(addr)
 		return nil
 	}
-	if d.cfg.OnDiscover != nil {
-		d.cfg.OnDiscover(addr)
-	}
+	d.cfg.Membership.Discovered(addr)
 	return nil
 }
 

@@ -561,11 +561,8 @@ func (d *Driver) WaitDeletions() { d.reaper.Wait() }
 // publishLocked tells the control plane that a local endpoint joined or
 // left. The record carries no VTEP (see VTEP).
 func (d *Driver) publishLocked(n *network, ep *endpoint, up bool) {
-	if d.cfg.Publisher == nil {
-		return
-	}
 	// No VTEP: the control plane gives the record the VTEP it advertises,
-	// which follows this driver's (OnVTEPChange).
+	// which follows this driver's (LocalPublisher.VTEPChanged).
 	p := ep.peer()
 	vni := n.subnets[ep.subnet].vni
 	if up {

@@ -26,13 +26,11 @@ type NameServer interface {
 	// own goroutines) and must not call into the Driver: it is called
 	// with the network's lock held.
 	Serve(network string, pc net.PacketConn, ln net.Listener)
-}
-
-// NamePublisher receives the names of local endpoints, which travel with
-// their records. Called with a network's lock held: it must not block and
-// must not call into the Driver.
-type NamePublisher interface {
-	PublishLocalNames(vni uint32, endpointID, packed string) error
+	// NamesChanged is told that the local endpoints or their names
+	// changed (Join, Leave, SetNames), so that the names served are
+	// rebuilt. It is called with a network's lock held: it must not
+	// block and must not call into the Driver.
+	NamesChanged()
 }
 
 // checkDNSAddress settles cfg's name server address: the default when a
@@ -112,11 +110,11 @@ func (d *Driver) serveNamesLocked(n *network) {
 	}
 }
 
-// namesChangedLocked tells the daemon that the names served may have
-// changed (see Config.OnNamesChanged).
+// namesChangedLocked tells the name server, if any, that the names
+// served may have changed (see NameServer.NamesChanged).
 func (d *Driver) namesChangedLocked() {
-	if d.cfg.OnNamesChanged != nil {
-		d.cfg.OnNamesChanged()
+	if d.cfg.NameServer != nil {
+		d.cfg.NameServer.NamesChanged()
 	}
 }
 
@@ -150,10 +148,8 @@ func (d *Driver) SetNames(byEndpoint map[string][]string) bool {
 				continue
 			}
 			changed = true
-			if d.cfg.Names != nil {
-				if err := d.cfg.Names.PublishLocalNames(n.subnets[ep.subnet].vni, ep.id, packed); err != nil {
-					d.log.Warn("cannot publish an endpoint's names", logkeys.Network, n.id, "endpoint", ep.id, "error", err)
-				}
+			if err := d.cfg.Publisher.PublishLocalNames(n.subnets[ep.subnet].vni, ep.id, packed); err != nil {
+				d.log.Warn("cannot publish an endpoint's names", logkeys.Network, n.id, "endpoint", ep.id, "error", err)
 			}
 		}
 		if changed {

@@ -64,8 +64,8 @@ type network struct {
 	// dnsErr: the last failure to serve the network's name server (for
 	// the log-once), "" when served. Guarded by mu.
 	dnsErr string
-	// found: room for a keyed pull's batched lookups at a
-	// PeerBatchSource (pullLookahead entries once used); guarded by mu.
+	// found: room for a keyed pull's batched lookups (PeerSource.PeersOf,
+	// pullLookahead entries once used); guarded by mu.
 	found []peerdb.Found
 }
 
@@ -177,9 +177,9 @@ func (d *Driver) CreateNetwork(req *api.CreateNetworkRequest) error {
 	if err := d.createNetwork(spec, u); err != nil {
 		return err
 	}
-	if len(seeds) > 0 && d.cfg.OnSeeds != nil {
+	if len(seeds) > 0 {
 		d.log.Debug("network carries gossip seeds", "network", spec.id, "seeds", seeds)
-		d.cfg.OnSeeds(seeds)
+		d.cfg.Membership.AddSeeds(seeds)
 	}
 	return nil
 }

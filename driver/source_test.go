@@ -31,7 +31,7 @@ func (s *memSource) Peer(k peerdb.Key) (peerdb.Peer, bool) {
 	return p, ok
 }
 
-// PeersOf makes memSource a PeerBatchSource, as the cluster is.
+// PeersOf implements PeerSource, counting the batches and their keys.
 func (s *memSource) PeersOf(keys []peerdb.Key, found []peerdb.Found) {
 	s.mu.Lock()
 	defer s.mu.Unlock()

@@ -46,8 +46,9 @@ const (
 	// before any other lock, never under one.
 	LevelVTEP Level = 5
 	// LevelStart: the daemon's control-plane start/stop lock; taken under
-	// the VTEP lock (a settled VTEP starts the control plane) and before
-	// network locks (the start publishes the local records).
+	// the VTEP lock (a VTEP change is announced to the running cluster
+	// under it) and before network locks (the start publishes the local
+	// records).
 	LevelStart Level = 7
 	// LevelNetwork: network.mu, one per network; held for every
 	// operation on that network (create/delete, endpoints, join/leave,
