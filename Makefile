@@ -20,6 +20,8 @@ FUZZ_NETSYNC ?= 50000x
 # trace for the stress harness (testhooks); faultinject adds deliberate bugs.
 TAGS      := lockcheck testhooks
 PKGS      := ./...
+STATICCHECK_VERSION := v0.8.2
+STATICCHECK := bin/staticcheck-$(STATICCHECK_VERSION)/staticcheck
 
 # The real-engine suite (test/docker) runs once per engine: Docker 20.10
 # (Debian 12's docker.io) with every other package in `unit`, then Docker
@@ -75,7 +77,7 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzDecode$$' -fuzztime $(FUZZ_NETSYNC) -fuzzminimizetime 1s ./internal/netspec
 	$(GO) test -run '^$$' -fuzz '^FuzzDecodeMessage$$' -fuzztime $(FUZZ_NETSYNC) -fuzzminimizetime 1s ./internal/netsync
 
-lint:
+lint: $(STATICCHECK)
 	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
 	if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	@# Nothing built and nothing over 1 MB is tracked.
@@ -85,6 +87,19 @@ lint:
 	$(GO) vet $(PKGS)
 	$(GO) vet -tags '$(TAGS)' $(PKGS)
 	$(GO) vet -tags '$(TAGS) faultinject' ./test/stress ./driver
+	@# staticcheck (its default checks, unused among them), on the same
+	@# builds as vet. Exceptions: //lint:ignore at the line, with a reason,
+	@# or a staticcheck.conf in the package that explains itself.
+	$(STATICCHECK) $(PKGS)
+	$(STATICCHECK) -tags '$(TAGS)' $(PKGS)
+	$(STATICCHECK) -tags '$(TAGS) faultinject' ./test/stress ./driver
+
+# staticcheck at a pinned version, installed into bin/ (ignored by git) the
+# first time lint runs, so a clean clone needs nothing installed by hand.
+# Its directory is named after the version: changing the version installs
+# the new one.
+$(STATICCHECK):
+	GOBIN=$(CURDIR)/$(dir $(STATICCHECK)) $(GO) install honnef.co/go/tools/cmd/staticcheck@$(STATICCHECK_VERSION)
 
 bench:
 	$(GO) test -run '^$$' -bench . -benchmem -benchtime 5x ./driver ./internal/nlbatch ./internal/testutil/rawnl

@@ -24,10 +24,10 @@ func (d *Driver) Audit() ([]string, error) {
 	withSandbox := map[string]bool{}
 	d.eachNetwork(func(n *network) {
 		// Before anything is read from the kernel (see sandbox.Audit).
-		if n.sb != nil || n.tearingDown() {
+		if n.sb != nil || n.tearingDownLocked() {
 			withSandbox[n.id] = true
 		}
-		p, err := d.auditNetwork(n)
+		p, err := d.auditNetworkLocked(n)
 		if err != nil {
 			errs = append(errs, err)
 		}
@@ -49,7 +49,7 @@ func (d *Driver) Audit() ([]string, error) {
 		if !withSandbox[e.Name()] {
 			// Re-check under the lock: the network may have joined meanwhile.
 			if n, unlock, err := d.lockNetwork(e.Name()); err == nil {
-				has := n.sb != nil || n.tearingDown()
+				has := n.sb != nil || n.tearingDownLocked()
 				unlock()
 				if has {
 					continue
@@ -65,8 +65,8 @@ func (d *Driver) Audit() ([]string, error) {
 	return problems, nil
 }
 
-// auditNetwork expects n.mu held.
-func (d *Driver) auditNetwork(n *network) ([]string, error) {
+// auditNetworkLocked audits n (see Audit).
+func (d *Driver) auditNetworkLocked(n *network) ([]string, error) {
 	var problems []string
 	if n.sb == nil {
 		if n.joined != 0 {
@@ -74,7 +74,7 @@ func (d *Driver) auditNetwork(n *network) ([]string, error) {
 		}
 		// A sandbox the reaper is destroying is not extra (asked before
 		// the namespace is looked at).
-		if !n.tearingDown() && netnsutil.IsNamespace(d.host.Path(n.id)) {
+		if !n.tearingDownLocked() && netnsutil.IsNamespace(d.host.Path(n.id)) {
 			problems = append(problems, fmt.Sprintf("sandbox namespace %s exists but no endpoint is joined", d.host.Path(n.id)))
 		}
 		return problems, nil
@@ -82,16 +82,16 @@ func (d *Driver) auditNetwork(n *network) ([]string, error) {
 	if n.joined == 0 {
 		problems = append(problems, "sandbox exists but no endpoint is joined")
 	}
-	p, err := n.sb.Audit(n.peers.Desired(), n.joinedEndpoints(), n.reapingRetired())
+	p, err := n.sb.Audit(n.peers.Desired(), n.joinedEndpointsLocked(), n.reapingRetiredLocked())
 	if err != nil {
 		return nil, fmt.Errorf("auditing network %q: %w", n.id, err)
 	}
 	return append(problems, p...), nil
 }
 
-// joinedEndpoints describes the veths of n's joined endpoints for its
-// sandbox. Expects n.mu held.
-func (n *network) joinedEndpoints() []sandbox.Endpoint {
+// joinedEndpointsLocked describes the veths of n's joined endpoints for
+// its sandbox.
+func (n *network) joinedEndpointsLocked() []sandbox.Endpoint {
 	var eps []sandbox.Endpoint
 	for _, ep := range n.endpoints {
 		if ep.joined {

@@ -22,15 +22,15 @@ type conflictLog struct {
 	seen   int
 }
 
-// noteConflicts logs every cross-host address conflict of n that appeared
+// noteConflictsLocked logs every cross-host address conflict of n that appeared
 // since the last call, once, at WARN, and every one that went away at INFO;
 // a conflict whose claimants change is a new one. The peer table resolves
 // them (a local endpoint always wins, see peerdb): this is so that the user
 // learns of them, on every host involved, since each one sees its own
 // endpoint win and the other host's record shadowed. The periodic reconcile
 // calls it (level-triggered: a conflict is there or not, whatever the order
-// its records came in). Expects n.mu held.
-func (d *Driver) noteConflicts(n *network) {
+// its records came in).
+func (d *Driver) noteConflictsLocked(n *network) {
 	current := map[netip.Addr]string{}
 	for _, c := range n.peers.Conflicts() {
 		claimants := append([]peerdb.Peer{c.Active}, c.Shadowed...)
@@ -47,7 +47,7 @@ func (d *Driver) noteConflicts(n *network) {
 		hosts := make([]string, len(claimants))
 		eps := make([]string, len(claimants))
 		for i, p := range claimants {
-			hosts[i], eps[i] = d.hostOf(vni, p), p.EndpointID
+			hosts[i], eps[i] = d.hostOfLocked(vni, p), p.EndpointID
 		}
 		d.log.Warn(ConflictWarning, logkeys.Event, logkeys.ConflictFound, logkeys.Kind, logkeys.KindAddress,
 			logkeys.Network, n.id, logkeys.VNI, vni, logkeys.Address, c.IP,
@@ -73,18 +73,16 @@ func crossHost(claimants []peerdb.Peer) bool {
 	return slices.ContainsFunc(claimants, func(p peerdb.Peer) bool { return p.VTEP != claimants[0].VTEP })
 }
 
-// hostOf names the host of a claimant for the log: this host, or the
-// origin of the record (the node name the control plane has it under) with
-// its VTEP. Expects the network's lock held (the source allows it).
-func (d *Driver) hostOf(vni uint32, p peerdb.Peer) string {
+// hostOfLocked names the host of a claimant for the log: this host, or
+// the origin of the record (the node name the control plane has it under)
+// with its VTEP.
+func (d *Driver) hostOfLocked(vni uint32, p peerdb.Peer) string {
 	if !p.VTEP.IsValid() {
 		return fmt.Sprintf("this host (%s)", d.VTEP())
 	}
-	if src := d.cfg.Peers; src != nil {
-		for k, q := range src.Peers(vni) {
-			if q == p {
-				return fmt.Sprintf("%s (%s)", k.Origin, p.VTEP)
-			}
+	for k, q := range d.cfg.Peers.Peers(vni) {
+		if q == p {
+			return fmt.Sprintf("%s (%s)", k.Origin, p.VTEP)
 		}
 	}
 	return p.VTEP.String()

@@ -17,6 +17,7 @@ import (
 	"github.com/overlayd/overlayd/internal/logkeys"
 	"github.com/overlayd/overlayd/internal/testutil/logrec"
 	"github.com/overlayd/overlayd/internal/testutil/nstest"
+	"github.com/overlayd/overlayd/internal/testutil/solo"
 	"github.com/overlayd/overlayd/peerdb"
 )
 
@@ -52,7 +53,7 @@ func TestCreateWaitsForInFlightDelete(t *testing.T) {
 		t.Fatal(err)
 	}
 	// Finish the delete as DeleteNetwork does, then release the lock.
-	d.unregister(n)
+	d.unregisterLocked(n)
 	unlock()
 	select {
 	case err := <-done:
@@ -220,10 +221,19 @@ func TestReconcilePullsMissedChanges(t *testing.T) {
 	mustAudit(t, d)
 }
 
-// recordingPublisher keeps what the driver publishes.
+// recordingPublisher keeps what the driver publishes: the records, and
+// the VTEPs in the order they were told.
 type recordingPublisher struct {
-	mu   sync.Mutex
-	last map[string]peerdb.Peer // by endpoint id
+	solo.ControlPlane
+	mu    sync.Mutex
+	last  map[string]peerdb.Peer // by endpoint id
+	vteps []netip.Addr
+}
+
+func (r *recordingPublisher) VTEPChanged(a netip.Addr) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.vteps = append(r.vteps, a)
 }
 
 func (r *recordingPublisher) PublishLocalPeer(vni uint32, prev, next *peerdb.Peer) {
@@ -250,7 +260,7 @@ func TestRestartWithNewAddressAnnouncesNewVTEP(t *testing.T) {
 	netnsDir := nstest.NetnsDir(t)
 	cfg := Config{HostNS: host.Handle, NetnsDir: netnsDir, Logger: testLogger(), StateFile: st, Peers: newMemSource(),
 		AdvertiseAddr: netip.MustParseAddr("192.0.2.60")}
-	d1, err := New(cfg)
+	d1, err := New(alone(cfg))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -259,7 +269,7 @@ func TestRestartWithNewAddressAnnouncesNewVTEP(t *testing.T) {
 	mustJoin(t, d1, "n", "e")
 	d1.Close()
 	cfg.AdvertiseAddr = netip.MustParseAddr("192.0.2.61")
-	d2, err := New(cfg)
+	d2, err := New(alone(cfg))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -283,12 +293,9 @@ func TestRestartWithNewAddressAnnouncesNewVTEP(t *testing.T) {
 // address changes it and is notified, in order, and Joins publish with it.
 func TestVTEPOwner(t *testing.T) {
 	hosts, _ := nstest.Hosts(t, 1, false) // has a default route with an address
-	var mu sync.Mutex
-	var changes []netip.Addr
 	pub := &recordingPublisher{}
-	d, err := New(Config{Scope: api.GlobalScope, HostNS: hosts[0].Handle, NetnsDir: nstest.NetnsDir(t), Logger: testLogger(),
-		Peers: newMemSource(), Publisher: pub,
-		OnVTEPChange: func(a netip.Addr) { mu.Lock(); changes = append(changes, a); mu.Unlock() }})
+	d, err := New(alone(Config{Scope: api.GlobalScope, HostNS: hosts[0].Handle, NetnsDir: nstest.NetnsDir(t), Logger: testLogger(),
+		Peers: newMemSource(), Publisher: pub}))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -308,9 +315,9 @@ func TestVTEPOwner(t *testing.T) {
 	mustEndpoint(t, d, "n", "e", "198.51.100.5/24")
 	mustJoin(t, d, "n", "e")
 	self("192.0.2.71")
-	mu.Lock()
-	got := append([]netip.Addr(nil), changes...)
-	mu.Unlock()
+	pub.mu.Lock()
+	got := append([]netip.Addr(nil), pub.vteps...)
+	pub.mu.Unlock()
 	want := []netip.Addr{netip.MustParseAddr("192.0.2.70"), netip.MustParseAddr("192.0.2.71")}
 	if len(got) != 2 || got[0] != want[0] || got[1] != want[1] {
 		t.Fatalf("VTEP changes notified: %v, want %v", got, want)
@@ -319,13 +326,13 @@ func TestVTEPOwner(t *testing.T) {
 		t.Fatalf("VTEP %v, want %v", v, want[1])
 	}
 	// Published without a VTEP: the control plane stamps its own, told by
-	// OnVTEPChange, so no copy of the VTEP can go stale.
+	// LocalPublisher.VTEPChanged, so no copy of the VTEP can go stale.
 	if p, ok := pub.last["e"]; !ok || p.VTEP.IsValid() {
 		t.Fatalf("Join published %v (present %v), want a record without VTEP", p, ok)
 	}
 	// A configured address is never overridden.
-	d2, err := New(Config{Scope: api.GlobalScope, HostNS: hosts[0].Handle, NetnsDir: nstest.NetnsDir(t), Logger: testLogger(),
-		AdvertiseAddr: netip.MustParseAddr("192.0.2.80")})
+	d2, err := New(alone(Config{Scope: api.GlobalScope, HostNS: hosts[0].Handle, NetnsDir: nstest.NetnsDir(t), Logger: testLogger(),
+		AdvertiseAddr: netip.MustParseAddr("192.0.2.80")}))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -11,41 +11,9 @@ import (
 	"github.com/overlayd/overlayd/peerdb"
 )
 
-// DefinitionSource is the one owner of the network definitions hosts
-// gossip (the control plane): this host's, which the driver publishes, and
-// the other hosts', which it asks for. Nobody else keeps a copy.
-//
-// Thread safety: every method is called with a network's lock held
-// (lockorder.LevelNetwork); like PeerSource they must be safe for
-// concurrent use, return promptly, take only locks below the driver's and
-// never call into the Driver.
-type DefinitionSource interface {
-	// Definitions returns the definitions of vni that other hosts have in
-	// force (never this host's).
-	Definitions(vni uint32) []netdef.Remote
-	// PublishDefinition sets (def non-nil) or withdraws (nil) this host's
-	// definition of vni. It never blocks.
-	PublishDefinition(vni uint32, def *netdef.Definition) error
-}
-
-// DefinitionLookup is a DefinitionSource that can also answer for one
-// host: what Definitions(vni) lists for it, without listing the others.
-// A pull of some records (PeersChanged with keys) then asks only about
-// their origins: its cost follows the records, not the cluster's size
-// (listing every member's definition on every pull cost ~70 µs at 100
-// members). The control plane must call PeersChanged(vni, nil) whenever
-// the definitions in force of vni may have changed: those full pulls
-// compare every host's and log contradictions; the keyed pulls between
-// refuse the same hosts' records.
-type DefinitionLookup interface {
-	// DefinitionOf returns host's entry in Definitions(vni); ok is false
-	// when it has none. Def is read, never modified, and not kept.
-	DefinitionOf(vni uint32, host string) (r netdef.Remote, ok bool)
-}
-
-// definition returns n's definition, the same for each of its VNIs;
-// expects n.mu held (its fields are immutable anyway).
-func (n *network) definition() netdef.Definition {
+// definitionLocked returns n's definition, the same for each of its VNIs
+// (its fields are immutable: the lock is the convention's, not a need).
+func (n *network) definitionLocked() netdef.Definition {
 	return definitionOf(n.subnets, n.mtu, n.encrypted, n.internal)
 }
 
@@ -88,12 +56,8 @@ func (d *Driver) contradictions(def *netdef.Definition, vni uint32) (out map[str
 	return contradictionsIn(def, vni, d.remoteDefinitions(vni))
 }
 
-// remoteDefinitions returns the definitions of vni other hosts have (none
-// without a definition source).
+// remoteDefinitions returns the definitions of vni other hosts have.
 func (d *Driver) remoteDefinitions(vni uint32) []netdef.Remote {
-	if d.cfg.Definitions == nil {
-		return nil
-	}
 	return d.cfg.Definitions.Definitions(vni)
 }
 
@@ -137,13 +101,13 @@ func (d *Driver) checkDefinitions(def *netdef.Definition, mtuGiven bool) error {
 		OptVNI, strings.Join(found, "; "), OptMTU, OptEncrypted, hint)
 }
 
-// checkRemoteDefinitions compares n's definition of vni with the other
+// checkRemoteDefinitionsLocked compares n's definition of vni with the other
 // hosts' and returns the hosts whose records of vni are refused: those
 // whose definition contradicts n's, and those whose definition has not
 // arrived yet (their records wait for it; a host only has records of a
 // VNI it has a network for). A new contradiction is logged at WARN once,
-// and its end at INFO. Expects n.mu held.
-func (d *Driver) checkRemoteDefinitions(n *network, vni uint32) map[string]bool {
+// and its end at INFO.
+func (d *Driver) checkRemoteDefinitionsLocked(n *network, vni uint32) map[string]bool {
 	var cs map[string]contradiction
 	var pending []string
 	// This runs on every pull, one per peer notification: n's definition
@@ -192,14 +156,11 @@ func (d *Driver) checkRemoteDefinitions(n *network, vni uint32) map[string]bool 
 	return refused
 }
 
-// publishDefinition publishes (or, for a deleted network, withdraws) n's
-// definition of each of its VNIs; expects n.mu held.
-func (d *Driver) publishDefinition(n *network, withdraw bool) {
+// publishDefinitionLocked publishes (or, for a deleted network, withdraws)
+// n's definition of each of its VNIs.
+func (d *Driver) publishDefinitionLocked(n *network, withdraw bool) {
 	src := d.cfg.Definitions
-	if src == nil {
-		return
-	}
-	def := n.definition()
+	def := n.definitionLocked()
 	for _, s := range n.subnets {
 		p := &def
 		if withdraw {
@@ -217,7 +178,7 @@ func (d *Driver) publishDefinition(n *network, withdraw bool) {
 func (d *Driver) LocalDefinitions() map[uint32]netdef.Definition {
 	out := map[uint32]netdef.Definition{}
 	d.eachNetwork(func(n *network) {
-		def := n.definition()
+		def := n.definitionLocked()
 		for _, s := range n.subnets {
 			out[s.vni] = def
 		}
@@ -226,12 +187,12 @@ func (d *Driver) LocalDefinitions() map[uint32]netdef.Definition {
 }
 
 // originCheck answers, for a keyed pull of n's records of vni, whether
-// an origin's records are refused — exactly as checkRemoteDefinitions
+// an origin's records are refused — exactly as checkRemoteDefinitionsLocked
 // would (its definition contradicts n's, or has not arrived) — asking the
 // source about that origin only. It remembers the last origin asked about
 // (a pull's keys come sorted by origin); it allocates nothing.
 type originCheck struct {
-	look    DefinitionLookup
+	look    DefinitionSource
 	n       *network
 	vni     uint32
 	last    string
@@ -282,14 +243,11 @@ type DefinitionConflictStatus struct {
 	RefusedRecords int      `json:"refused_records"`
 }
 
-// definitionStatus lists n's contradicting definitions; expects n.mu held.
-func (d *Driver) definitionStatus(n *network) []DefinitionConflictStatus {
+// definitionStatusLocked lists n's contradicting definitions.
+func (d *Driver) definitionStatusLocked(n *network) []DefinitionConflictStatus {
 	var out []DefinitionConflictStatus
 	for _, vni := range slices.Sorted(maps.Keys(n.contra)) {
-		var peers map[peerdb.Key]peerdb.Peer
-		if d.cfg.Peers != nil {
-			peers = d.cfg.Peers.Peers(vni)
-		}
+		peers := d.cfg.Peers.Peers(vni)
 		cs := n.contra[vni]
 		for _, host := range slices.Sorted(maps.Keys(cs)) {
 			c := cs[host]

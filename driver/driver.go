@@ -4,17 +4,19 @@
 //
 // # Data flow
 //
-// Remote peers are pulled, never pushed: the control plane owns them
-// (PeerSource) and tells the driver which records of a VNI may have
+// The control plane is four small interfaces of Config, one per concern
+// (controlplane.go). Remote peers are pulled, never pushed: the control
+// plane owns them (PeerSource) and tells the driver which records of a VNI may have
 // changed (PeersChanged); the network with that VNI pulls their current
 // values under its lock into its peer table (peerdb), and programs the
 // difference. Networks also pull everything when created and on Reconcile
 // (the daemon's periodic level-triggered repair). Encryption is the
 // encryption owner's (EncryptionOwner): each network hands it its share.
 // Cluster membership is the control plane's too; the driver only relays
-// where to join: nodes DiscoverNew announces (OnDiscover), and the gossip
-// seeds a swarm network carries (OnSeeds; the leader's AllocateNetwork
-// puts them there from GossipSeeds, see seeds.go).
+// where to join (Membership): nodes DiscoverNew announces, and the gossip
+// seeds a swarm network carries (the leader's AllocateNetwork puts them
+// there from GossipSeeds, see seeds.go). This host's VTEP, records and
+// names go to the LocalPublisher.
 // Network definitions (subnets and VNIs, gateways, MTU, encrypted,
 // internal) are the control plane's too (DefinitionSource): a network
 // publishes its own, a CreateNetwork that contradicts another host's is
@@ -24,29 +26,14 @@
 //
 // # Locking
 //
-// The lock hierarchy, from top to bottom (internal/lockorder has every
-// level, the control plane's included):
-//
-//	Driver.vtepMu  — serialises VTEP changes with their notification
-//	network.mu     — one per network; held for every operation on that
-//	                 network (create/delete, endpoints, join/leave, pulls,
-//	                 kernel programming of its sandbox)
-//	encryption owner's lock — taken by the owner's Update/Remove, which a
-//	                 network calls with its lock held
-//	Driver.allocMu — VNI allocation for AllocateNetwork/FreeNetwork (swarm
-//	                 leader); held while the allocation is persisted
-//	Driver.mu      — the driver's maps and the VTEP; never held while
-//	                 calling out of the driver
-//	cluster locks  — the PeerSource's, taken by a pull under network.mu
-//	reaper's lock  — a leaf: a Leave queues its deletions under network.mu,
-//	                 and no deletion takes a network's lock (see leave)
-//
-// A lock may only be taken while holding locks above it, and never two
-// network locks at once. Every lock is made by lockorder.New with its level:
-// test builds (tag lockcheck) check every acquisition against the
-// hierarchy. The caller takes a lock, not the callee: every method says
-// which lock it expects held. Operations on distinct networks never wait
-// for each other except for the short Driver.mu sections.
+// The driver's locks are Driver.vtepMu (lockorder.LevelVTEP), network.mu
+// (LevelNetwork), Driver.allocMu (LevelAlloc) and Driver.mu (LevelDriver);
+// their order among themselves and the other packages' locks is the
+// hierarchy in internal/lockorder, which test builds (tag lockcheck)
+// check at every acquisition. The caller takes a network's lock, not the
+// callee: a method named ...Locked runs under the lock of the network it
+// is given (lockorder's convention). Operations on distinct networks never
+// wait for each other except for the short Driver.mu sections.
 package driver
 
 import (
@@ -68,7 +55,6 @@ import (
 	"github.com/overlayd/overlayd/internal/reaper"
 	"github.com/overlayd/overlayd/internal/sandbox"
 	"github.com/overlayd/overlayd/internal/statefile"
-	"github.com/overlayd/overlayd/peerdb"
 )
 
 // Defaults shared by the daemon and tests.
@@ -80,13 +66,6 @@ const (
 	vxlanOverhead4   = 50
 	vxlanOverhead6   = 70
 )
-
-// PeerPublisher receives the records of local endpoints as they join and
-// leave, as (prev, next) pairs like remote events. It is called with the
-// network's lock held: it must not block and must not call into the Driver.
-type PeerPublisher interface {
-	PublishLocalPeer(vni uint32, prev, next *peerdb.Peer)
-}
 
 // Config holds the driver's settings. The zero value of every field but
 // NetnsDir has a usable default.
@@ -105,33 +84,14 @@ type Config struct {
 	// VNIStart..VNIEnd is the range AllocateNetwork allocates from.
 	VNIStart, VNIEnd uint32
 	Logger           *slog.Logger
-	// Publisher is told of local endpoints joining and leaving.
-	Publisher PeerPublisher
-	// Peers is the owner of remote records, which networks pull (nil: no
-	// remote peers, e.g. a host without a control plane in tests).
-	Peers PeerSource
-	// OnDiscover is told of every other node DiscoverNew announces (swarm):
-	// the control plane joins them. Called without driver locks held.
-	OnDiscover func(addr netip.Addr)
-	// GossipSeeds returns the gossip addresses ("IP:port") of this node and
-	// of the members it knows, which the swarm leader's AllocateNetwork
-	// hands to every node (option overlayd.seeds); none while the control
-	// plane has not started. It may wait briefly for the start. Called
-	// without driver locks held.
-	GossipSeeds func() []string
-	// OnSeeds is told of the gossip seeds a network carries (option
-	// overlayd.seeds) when it is created or restored: the control plane
-	// joins them unless it is in a cluster with them already. Called
-	// without driver locks held.
-	OnSeeds func(seeds []string)
-	// OnVTEPChange is told of the local VTEP whenever it is settled or
-	// changes (see VTEP), in order, without driver locks held: the control
-	// plane re-announces the local records with it and the encryption
-	// state follows it.
-	OnVTEPChange func(vtep netip.Addr)
-	// Definitions is the owner of the network definitions hosts gossip
-	// (nil: no check, e.g. a host without a control plane in tests).
+	// The control plane, one interface per concern (controlplane.go), all
+	// required: this host's VTEP, records and names go to Publisher; the
+	// other hosts' records come from Peers; the network definitions are
+	// Definitions'; where to join the cluster goes to Membership.
+	Publisher   LocalPublisher
+	Peers       PeerSource
 	Definitions DefinitionSource
+	Membership  Membership
 	// Encryption is the host's encryption owner; without one encrypted
 	// networks are refused.
 	Encryption EncryptionOwner
@@ -145,14 +105,6 @@ type Config struct {
 	// DNSAddress is the name server's address in every sandbox
 	// (DefaultDNSAddress when unset); ignored without a NameServer.
 	DNSAddress netip.Addr
-	// Names receives the DNS names of local endpoints (SetNames), which
-	// travel with their records. Nil: names are served on this host only.
-	Names NamePublisher
-	// OnNamesChanged is told that the local endpoints or their names
-	// changed (Join, Leave, SetNames), so that the names served are
-	// rebuilt. It is called with a network's lock held: it must not block
-	// and must not call into the Driver.
-	OnNamesChanged func()
 	// TestHooks are empty in normal builds; test builds (tag testhooks)
 	// have the stress harness's trace there.
 	TestHooks
@@ -165,18 +117,18 @@ type Driver struct {
 	host *sandbox.Host // immutable after New; its netlink handle is safe for concurrent use
 	// reaper runs the kernel deletions Leaves hand over (veths, sandboxes)
 	// off the caller's path; immutable after New. The networks keep their
-	// pending Jobs (see leave).
+	// pending Jobs (see leaveLocked).
 	reaper *reaper.Reaper
 	ownsNS bool
 	hostNS netns.NsHandle
-	// vtepMu serialises VTEP changes with their notification (OnVTEPChange
-	// is called in the order of the changes); top of the hierarchy, never
-	// taken under another lock.
+	// vtepMu serialises VTEP changes with their notification
+	// (LocalPublisher.VTEPChanged is called in the order of the changes);
+	// lockorder.LevelVTEP.
 	vtepMu   *lockorder.Mutex
-	allocMu  *lockorder.Mutex    // allocation lock: below the encryption owner's, above mu; guards allocs and allocNet
+	allocMu  *lockorder.Mutex    // lockorder.LevelAlloc; guards allocs and allocNet
 	allocs   map[uint32]string   // VNIs handed out by AllocateNetwork → network id; guarded by allocMu
 	allocNet map[string][]uint32 // the same, by network id; guarded by allocMu
-	mu       *lockorder.Mutex    // driver.mu: bottom of the hierarchy; guards the fields below
+	mu       *lockorder.Mutex    // driver.mu, lockorder.LevelDriver; guards the fields below
 	nets     map[string]*network // by network id; guarded by mu
 	byVNI    map[uint32]*network // every VNI of every network; guarded by mu
 	vtep     vtepState           // the local VTEP and where it came from; guarded by mu
@@ -231,6 +183,9 @@ func New(cfg Config) (*Driver, error) {
 	if cfg.AdvertiseAddr.IsValid() {
 		cfg.AdvertiseAddr = cfg.AdvertiseAddr.Unmap()
 	}
+	if err := checkControlPlane(&cfg); err != nil {
+		return nil, err
+	}
 	if err := checkDNSAddress(&cfg); err != nil {
 		return nil, err
 	}
@@ -282,7 +237,7 @@ func New(cfg Config) (*Driver, error) {
 func (d *Driver) Close() error {
 	d.reaper.Close()
 	d.eachNetwork(func(n *network) {
-		d.settleTeardown(n, true)
+		d.settleTeardownLocked(n, true)
 		if n.sb != nil {
 			n.sb.Close()
 		}
@@ -453,9 +408,7 @@ func (d *Driver) DiscoverNew(req *api.DiscoveryNotification) error {
 		d.discoveredSelf(addr)
 		return nil
 	}
-	if d.cfg.OnDiscover != nil {
-		d.cfg.OnDiscover(addr)
-	}
+	d.cfg.Membership.Discovered(addr)
 	return nil
 }
 

@@ -216,7 +216,7 @@ func TestDuplicateAddressesGetDistinctMACs(t *testing.T) {
 	stateDir := t.TempDir()
 	host := nstest.NewNS(t, "host")
 	cfg := Config{HostNS: host.Handle, NetnsDir: nstest.NetnsDir(t), Logger: testLogger(), Peers: newMemSource(), StateFile: openStore(t, stateDir)}
-	d0, err := New(cfg)
+	d0, err := New(alone(cfg))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -242,7 +242,7 @@ func TestDuplicateAddressesGetDistinctMACs(t *testing.T) {
 	cfg.StateFile.Close()
 	cfg.StateFile = openStore(t, stateDir)
 	defer cfg.StateFile.Close()
-	d0, err = New(cfg)
+	d0, err = New(alone(cfg))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -43,10 +43,10 @@ func (d *Driver) checkEncryption() error {
 	return d.cfg.Encryption.CheckSupport()
 }
 
-// share returns n's share of the encryption state; expects n.mu held.
+// encShareLocked returns n's share of the encryption state.
 // Only an encrypted network with a sandbox needs remotes: the VTEPs of its
 // active remote peers.
-func (n *network) encShare() encryption.Share {
+func (n *network) encShareLocked() encryption.Share {
 	s := encryption.Share{VNIs: n.vnis(), Encrypted: n.encrypted}
 	if n.encrypted && n.sb != nil && !n.deleted {
 		s.Remotes = n.peers.VTEPs(nil) // distinct and sorted
@@ -54,35 +54,35 @@ func (n *network) encShare() encryption.Share {
 	return s
 }
 
-// syncEnc gives the encryption owner n's current share and programs it;
-// expects n.mu held. With widen, VTEPs n no longer needs are kept for now:
+// syncEncLocked gives the encryption owner n's current share and programs
+// it. With widen, VTEPs n no longer needs are kept for now:
 // it is called before peers are programmed (SAs and policies must exist
 // before traffic is sent to a new VTEP) and again, without widen, after
 // (state for VTEPs that went away is removed once their neighbours are
 // gone). The owner keeps trying what fails; the error is also in its
 // status.
-func (d *Driver) syncEnc(n *network, widen bool) error {
+func (d *Driver) syncEncLocked(n *network, widen bool) error {
 	if d.cfg.Encryption == nil {
 		return nil
 	}
-	if err := d.cfg.Encryption.Update(n.share, n.encShare(), widen); err != nil {
+	if err := d.cfg.Encryption.Update(n.share, n.encShareLocked(), widen); err != nil {
 		return fmt.Errorf("encryption for network %q: %w", n.id, err)
 	}
 	return nil
 }
 
-// widenEnc gives the encryption owner the VTEPs of the FDB entries delta
+// widenEncLocked gives the encryption owner the VTEPs of the FDB entries delta
 // sets, before the peers are programmed (SAs and policies must exist
 // before traffic is sent to a new VTEP), as a delta: the owner's cost is
 // that of the VTEPs new to the host, not of all it has. VTEPs the share
-// has already cost nothing. Without a sandbox (no remotes) it is syncEnc.
-// Expects n.mu held.
-func (d *Driver) widenEnc(n *network, delta peerdb.Delta) error {
+// has already cost nothing. Without a sandbox (no remotes) it is
+// syncEncLocked.
+func (d *Driver) widenEncLocked(n *network, delta peerdb.Delta) error {
 	if d.cfg.Encryption == nil {
 		return nil
 	}
 	if n.sb == nil || n.deleted {
-		return d.syncEnc(n, true)
+		return d.syncEncLocked(n, true)
 	}
 	if len(delta.FDBSet) == 0 {
 		return nil
@@ -97,9 +97,8 @@ func (d *Driver) widenEnc(n *network, delta peerdb.Delta) error {
 	return nil
 }
 
-// dropEnc removes n's share of the encryption state; expects n.mu held and
-// n deleted.
-func (d *Driver) dropEnc(n *network) error {
+// dropEncLocked removes n's share of the encryption state; n is deleted.
+func (d *Driver) dropEncLocked(n *network) error {
 	if d.cfg.Encryption == nil {
 		return nil
 	}

@@ -43,8 +43,8 @@ func newOwner(t *testing.T, host *nstest.NS, adv netip.Addr, check func() error)
 func encDriver(t *testing.T, host *nstest.NS, adv netip.Addr, check func() error, hub *keyhub.Hub) (*Driver, *encryption.Owner) {
 	t.Helper()
 	o := newOwner(t, host, adv, check)
-	d, err := New(Config{HostNS: host.Handle, NetnsDir: nstest.NetnsDir(t), AdvertiseAddr: adv, Logger: testLogger(), Peers: newMemSource(),
-		Encryption: o})
+	d, err := New(alone(Config{HostNS: host.Handle, NetnsDir: nstest.NetnsDir(t), AdvertiseAddr: adv, Logger: testLogger(), Peers: newMemSource(),
+		Encryption: o}))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -201,8 +201,8 @@ func TestJoinRollbackRestoresEncryption(t *testing.T) {
 	hosts, vteps := nstest.Hosts(t, 1, false)
 	st := openStore(t, t.TempDir())
 	o := newOwner(t, hosts[0], vteps[0], func() error { return nil })
-	d, err := New(Config{HostNS: hosts[0].Handle, NetnsDir: nstest.NetnsDir(t), AdvertiseAddr: vteps[0], Logger: testLogger(),
-		Peers: newMemSource(), Encryption: o, StateFile: st})
+	d, err := New(alone(Config{HostNS: hosts[0].Handle, NetnsDir: nstest.NetnsDir(t), AdvertiseAddr: vteps[0], Logger: testLogger(),
+		Peers: newMemSource(), Encryption: o, StateFile: st}))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -27,7 +27,7 @@ type endpoint struct {
 	// sandboxKey: the container's namespace, as the last Join named it
 	// (which container the endpoint belongs to, for the names it may
 	// resolve); dnsRoute: that Join gave the container the route to the
-	// name server (see claimDNSRoute).
+	// name server (see claimDNSRouteLocked).
 	sandboxKey string
 	dnsRoute   bool
 	// names: the endpoint's DNS names, packed (internal/dnsname), as the
@@ -114,7 +114,7 @@ func (d *Driver) CreateEndpoint(req *api.CreateEndpointRequest) (*api.CreateEndp
 	if _, exists := n.endpoints[req.EndpointID]; exists {
 		return nil, fmt.Errorf("EndpointID %q already exists in network %q", req.EndpointID, n.id)
 	}
-	subnet, err := n.segmentOf(addr, addr6)
+	subnet, err := n.segmentOfLocked(addr, addr6)
 	if err != nil {
 		return nil, fmt.Errorf("endpoint %q: %w", req.EndpointID, err)
 	}
@@ -152,7 +152,7 @@ func (d *Driver) DeleteEndpoint(req *api.DeleteEndpointRequest) error {
 		return nil
 	}
 	if ep.joined {
-		if err := d.leave(n, ep); err != nil {
+		if err := d.leaveLocked(n, ep); err != nil {
 			return err
 		}
 	}
@@ -216,11 +216,11 @@ func (d *Driver) Join(req *api.JoinRequest) (_ *api.JoinResponse, err error) {
 	// The sandbox the last Leave handed to the reaper goes before a new
 	// one is built: it holds the namespace's path and the VNIs. If its
 	// teardown failed, it is marked for teardown and retried just below.
-	d.settleTeardown(n, true)
+	d.settleTeardownLocked(n, true)
 	if n.teardown {
 		// The last Leave could not remove the sandbox: finish that first
 		// rather than joining a half-removed one.
-		if err := d.destroySandbox(n); err != nil {
+		if err := d.destroySandboxLocked(n); err != nil {
 			return nil, fmt.Errorf("Join of endpoint %q: the network's previous sandbox could not be removed: %w", ep.id, err)
 		}
 	}
@@ -236,15 +236,15 @@ func (d *Driver) Join(req *api.JoinRequest) (_ *api.JoinResponse, err error) {
 		}
 		n.sb = sb
 		undo = append(undo, func() {
-			if err := d.destroySandbox(n); err != nil {
+			if err := d.destroySandboxLocked(n); err != nil {
 				d.log.Error("rollback: failed to destroy sandbox; the periodic reconcile retries", "network", n.id, "error", err)
 			}
-			if err := d.syncEnc(n, false); err != nil {
+			if err := d.syncEncLocked(n, false); err != nil {
 				d.log.Error("rollback: encryption state", "network", n.id, "error", err)
 			}
 		})
 		// Encryption for the known peers before they are programmed.
-		if err := d.syncEnc(n, true); err != nil {
+		if err := d.syncEncLocked(n, true); err != nil {
 			return nil, fmt.Errorf("Join of endpoint %q: %w", ep.id, err)
 		}
 		if err := sb.Populate(n.peers.Desired()); err != nil {
@@ -256,7 +256,7 @@ func (d *Driver) Join(req *api.JoinRequest) (_ *api.JoinResponse, err error) {
 		// re-Join reuses them): the veth of this endpoint's previous Join,
 		// retired and awaiting deletion, or a host end left by a crash.
 		// Delete it now and retry once.
-		rmErr := d.finishRetired(n)
+		rmErr := d.finishRetiredLocked(n)
 		if rmErr == nil {
 			rmErr = sandbox.RemoveHostLink(d.host.Handle, ep.hostName)
 		}
@@ -281,7 +281,7 @@ func (d *Driver) Join(req *api.JoinRequest) (_ *api.JoinResponse, err error) {
 		// them, with their VTEPs' encryption state first, as any change
 		// of peers.
 		back, _ := n.peers.RemoveLocal(ep.id)
-		if err := d.program(n, back); err != nil {
+		if err := d.programLocked(n, back); err != nil {
 			d.log.Error("rollback: failed to restore peers", "network", n.id, "error", err)
 		}
 	})
@@ -291,18 +291,18 @@ func (d *Driver) Join(req *api.JoinRequest) (_ *api.JoinResponse, err error) {
 	// The local endpoint may shadow a remote claimant of its IP, whose VTEP
 	// may then need no SA any more. A failure leaves more state than
 	// needed, never less, and the encryption owner reports and retries it.
-	if err := d.syncEnc(n, false); err != nil {
+	if err := d.syncEncLocked(n, false); err != nil {
 		d.log.Warn("encryption state after a Join", "network", n.id, "error", err)
 	}
 	ep.joined, ep.sandboxKey = true, req.SandboxKey
-	ep.dnsRoute = ep.addr.IsValid() && d.claimDNSRoute(n, ep)
+	ep.dnsRoute = ep.addr.IsValid() && d.claimDNSRouteLocked(n, ep)
 	if err := d.saveEndpoint(n, ep); err != nil {
-		d.releaseDNSRoute(n, ep)
+		d.releaseDNSRouteLocked(n, ep)
 		ep.joined = false
 		return nil, fmt.Errorf("Join of endpoint %q: %w", ep.id, err)
 	}
 	n.joined++
-	d.publish(n, ep, true)
+	d.publishLocked(n, ep, true)
 	d.trace(TraceEvent{Kind: TraceJoin, Network: n.id, Endpoint: ep.id, Addr: ep.addr, MAC: ep.mac})
 
 	resp := &api.JoinResponse{
@@ -334,13 +334,13 @@ func (d *Driver) Join(req *api.JoinRequest) (_ *api.JoinResponse, err error) {
 	}
 	if ep.dnsRoute {
 		// On-link through the endpoint's own link: the name server's
-		// address is on the segment's bridge (see serveNames).
+		// address is on the segment's bridge (see serveNamesLocked).
 		resp.StaticRoutes = append(resp.StaticRoutes, &api.StaticRoute{
 			Destination: netip.PrefixFrom(d.cfg.DNSAddress, 32).String(), RouteType: routeConnected,
 		})
 	}
-	d.serveNames(n)
-	d.namesChanged()
+	d.serveNamesLocked(n)
+	d.namesChangedLocked()
 	d.log.Debug("endpoint joined", "network", n.id, "endpoint", ep.id, "address", ep.addrs(), "veth", ep.hostName)
 	return resp, nil
 }
@@ -349,10 +349,10 @@ func (d *Driver) Join(req *api.JoinRequest) (_ *api.JoinResponse, err error) {
 // (types.CONNECTED; 0 is a route via NextHop).
 const routeConnected = 1
 
-// segmentOf returns the segment of an endpoint with these addresses (either
+// segmentOfLocked returns the segment of an endpoint with these addresses (either
 // may be invalid, not both): the one whose subnets hold them; the error
-// names the field. Expects n.mu held (subnets are immutable).
-func (n *network) segmentOf(addr, addr6 netip.Prefix) (int, error) {
+// names the field.
+func (n *network) segmentOfLocked(addr, addr6 netip.Prefix) (int, error) {
 	seg := -1
 	if addr.IsValid() {
 		for i := range n.subnets {
@@ -379,11 +379,10 @@ func (n *network) segmentOf(addr, addr6 netip.Prefix) (int, error) {
 	return seg, nil
 }
 
-// destroySandbox removes n's sandbox. On failure it keeps the reference and
+// destroySandboxLocked removes n's sandbox. On failure it keeps the reference and
 // marks the network for teardown: the periodic reconcile and the next Join
 // retry, so no namespace is leaked and none is reused half-removed.
-// Expects n.mu held.
-func (d *Driver) destroySandbox(n *network) error {
+func (d *Driver) destroySandboxLocked(n *network) error {
 	if n.sb == nil {
 		n.teardown = false
 		return nil
@@ -413,31 +412,31 @@ func (d *Driver) Leave(req *api.LeaveRequest) error {
 	if ep == nil || !ep.joined {
 		return nil
 	}
-	return d.leave(n, ep)
+	return d.leaveLocked(n, ep)
 }
 
-// leave removes what Join made for ep: its local peer (re-activating remote
+// leaveLocked removes what Join made for ep: its local peer (re-activating remote
 // claimants of its IP), its veth, and the sandbox when ep was the last joined
 // endpoint. The deletions themselves, which make the kernel wait for grace
-// periods, are handed to the reaper (see retireSandbox and reapRetired):
+// periods, are handed to the reaper (see retireSandboxLocked and
+// reapRetiredLocked):
 // the veth is retired at once (marked for deletion, off the bridge)
 // and the sandbox handed over whole, so the caller does not wait for them.
-// Expects n.mu held.
-func (d *Driver) leave(n *network, ep *endpoint) error {
+func (d *Driver) leaveLocked(n *network, ep *endpoint) error {
 	var delta peerdb.Delta
 	if !faultActive(FaultLeaveKeepsLocal) {
 		delta, _ = n.peers.RemoveLocal(ep.id)
 	}
 	ep.joined = false
-	d.releaseDNSRoute(n, ep)
+	d.releaseDNSRouteLocked(n, ep)
 	n.joined--
-	d.publish(n, ep, false)
-	d.namesChanged()
+	d.publishLocked(n, ep, false)
+	d.namesChangedLocked()
 	d.trace(TraceEvent{Kind: TraceLeave, Network: n.id, Endpoint: ep.id})
 	var errs []error
 	if n.joined == 0 {
-		d.retireSandbox(n)
-		if err := d.syncEnc(n, false); err != nil {
+		d.retireSandboxLocked(n)
+		if err := d.syncEncLocked(n, false); err != nil {
 			errs = append(errs, err)
 		}
 	} else {
@@ -446,7 +445,7 @@ func (d *Driver) leave(n *network, ep *endpoint) error {
 			errs = append(errs, err)
 		}
 		if retired {
-			d.reapRetired(n)
+			d.reapRetiredLocked(n)
 		}
 		// The bridge's one entry for ep's MAC may have gone with its port:
 		// give it back to another endpoint with that MAC (dockerd gave
@@ -460,7 +459,7 @@ func (d *Driver) leave(n *network, ep *endpoint) error {
 		}
 		// The delta may re-activate a remote claimant of the IP: its VTEP
 		// needs SAs and a policy before its neighbour is programmed.
-		if err := d.program(n, delta); err != nil {
+		if err := d.programLocked(n, delta); err != nil {
 			errs = append(errs, err)
 		}
 	}
@@ -480,25 +479,25 @@ type dyingSandbox struct {
 	job *reaper.Job
 }
 
-// retireSandbox hands n's sandbox to the reaper, which destroys it (links,
+// retireSandboxLocked hands n's sandbox to the reaper, which destroys it (links,
 // namespace) off the caller's path. Until the teardown is settled, a Join
-// or DeleteNetwork of n finishes it first (settleTeardown): a new sandbox
+// or DeleteNetwork of n finishes it first (settleTeardownLocked): a new sandbox
 // never races the old one for its path or its VNIs. A daemon that dies
 // meanwhile leaves a namespace of a network without joined endpoints,
-// which the next start removes. Expects n.mu held and n.sb set.
-func (d *Driver) retireSandbox(n *network) {
+// which the next start removes. n.sb is set.
+func (d *Driver) retireSandboxLocked(n *network) {
 	sb := n.sb
 	n.sb, n.teardown = nil, false
 	n.reapVeths = nil // the teardown deletes the retired veths too
 	n.dying = &dyingSandbox{sb: sb, job: d.reaper.Submit("sandbox "+sb.Path(), sb.Destroy, sb.Close)}
 }
 
-// settleTeardown ends n's pending teardown, if any: when wait, it runs it
+// settleTeardownLocked ends n's pending teardown, if any: when wait, it runs it
 // (or waits for it); otherwise it only collects one that is over. A
 // teardown that failed gives the sandbox back marked for teardown, so the
 // next Join or the periodic reconcile retries it as a failed Leave's; its
-// error is returned. Expects n.mu held.
-func (d *Driver) settleTeardown(n *network, wait bool) error {
+// error is returned.
+func (d *Driver) settleTeardownLocked(n *network, wait bool) error {
 	if n.dying == nil || (!wait && n.dying.job.Pending()) {
 		return nil
 	}
@@ -511,11 +510,11 @@ func (d *Driver) settleTeardown(n *network, wait bool) error {
 	return nil
 }
 
-// reapRetired has the reaper delete n's retired veths, unless a deletion
+// reapRetiredLocked has the reaper delete n's retired veths, unless a deletion
 // nobody has started yet is queued already: that one deletes whatever is
 // retired when it starts, so Leaves in a burst share one deletion (one
-// grace period). Expects n.mu held.
-func (d *Driver) reapRetired(n *network) {
+// grace period).
+func (d *Driver) reapRetiredLocked(n *network) {
 	if n.reapVeths != nil && n.reapVeths.Queued() {
 		return
 	}
@@ -523,11 +522,10 @@ func (d *Driver) reapRetired(n *network) {
 	n.reapVeths = d.reaper.Submit("retired veths of network "+id, func() error { return d.host.ReapRetired(id) }, nil)
 }
 
-// finishRetired deletes n's retired veths now: it runs the queued
+// finishRetiredLocked deletes n's retired veths now: it runs the queued
 // deletion in the caller or waits for the running one, and deletes them
-// itself if none is pending (or the pending one failed). Expects n.mu
-// held.
-func (d *Driver) finishRetired(n *network) error {
+// itself if none is pending (or the pending one failed).
+func (d *Driver) finishRetiredLocked(n *network) error {
 	if j := n.reapVeths; j != nil {
 		n.reapVeths = nil
 		if j.Finish() == nil {
@@ -537,22 +535,22 @@ func (d *Driver) finishRetired(n *network) error {
 	return d.host.ReapRetired(n.id)
 }
 
-// reapingRetired reports whether a deletion of n's retired veths is
-// queued or under way. Expects n.mu held.
-func (n *network) reapingRetired() bool {
+// reapingRetiredLocked reports whether a deletion of n's retired veths is
+// queued or under way.
+func (n *network) reapingRetiredLocked() bool {
 	return n.reapVeths != nil && n.reapVeths.Pending()
 }
 
-// tearingDown reports whether the teardown of n's last sandbox is queued
-// or under way. Expects n.mu held.
-func (n *network) tearingDown() bool {
+// tearingDownLocked reports whether the teardown of n's last sandbox is
+// queued or under way.
+func (n *network) tearingDownLocked() bool {
 	return n.dying != nil && n.dying.job.Pending()
 }
 
-// teardownFailed reports whether the reaper's teardown of n's last sandbox
-// ended with an error not yet collected (settleTeardown retries it).
-// Expects n.mu held.
-func (n *network) teardownFailed() bool {
+// teardownFailedLocked reports whether the reaper's teardown of n's last
+// sandbox ended with an error not yet collected (settleTeardownLocked
+// retries it).
+func (n *network) teardownFailedLocked() bool {
 	return n.dying != nil && !n.dying.job.Pending() && n.dying.job.Err() != nil
 }
 
@@ -560,15 +558,11 @@ func (n *network) teardownFailed() bool {
 // call (veths, sandboxes) is done.
 func (d *Driver) WaitDeletions() { d.reaper.Wait() }
 
-// publish tells the control plane that a local endpoint joined or left.
-// The record carries no VTEP (see VTEP).
-// Expects n.mu held.
-func (d *Driver) publish(n *network, ep *endpoint, up bool) {
-	if d.cfg.Publisher == nil {
-		return
-	}
+// publishLocked tells the control plane that a local endpoint joined or
+// left. The record carries no VTEP (see VTEP).
+func (d *Driver) publishLocked(n *network, ep *endpoint, up bool) {
 	// No VTEP: the control plane gives the record the VTEP it advertises,
-	// which follows this driver's (OnVTEPChange).
+	// which follows this driver's (LocalPublisher.VTEPChanged).
 	p := ep.peer()
 	vni := n.subnets[ep.subnet].vni
 	if up {

@@ -11,7 +11,27 @@ import (
 	api "github.com/docker/go-plugins-helpers/network"
 
 	"github.com/overlayd/overlayd/internal/testutil/nstest"
+	"github.com/overlayd/overlayd/internal/testutil/solo"
 )
+
+// alone completes cfg's control plane as a host alone's: each interface
+// it leaves unset is solo's, but Peers, a fresh memSource (tests put
+// remote records there).
+func alone(cfg Config) Config {
+	if cfg.Peers == nil {
+		cfg.Peers = newMemSource()
+	}
+	if cfg.Publisher == nil {
+		cfg.Publisher = solo.ControlPlane{}
+	}
+	if cfg.Definitions == nil {
+		cfg.Definitions = solo.ControlPlane{}
+	}
+	if cfg.Membership == nil {
+		cfg.Membership = solo.ControlPlane{}
+	}
+	return cfg
+}
 
 func testLogger() *slog.Logger {
 	if os.Getenv("OVERLAYD_TEST_LOG") != "" {
@@ -33,13 +53,13 @@ func newTestDriverLogging(t testing.TB, host *nstest.NS, adv netip.Addr, log *sl
 	if host == nil {
 		host = nstest.NewNS(t, "host")
 	}
-	d, err := New(Config{
+	d, err := New(alone(Config{
 		HostNS:        host.Handle,
 		NetnsDir:      nstest.NetnsDir(t),
 		AdvertiseAddr: adv,
 		Logger:        log,
 		Peers:         newMemSource(),
-	})
+	}))
 	if err != nil {
 		t.Fatalf("driver.New: %v", err)
 	}

@@ -356,7 +356,7 @@ func TestRestartKeepsIPv6(t *testing.T) {
 	s := setupV6Hosts(t, false, func(hosts []*nstest.NS, vteps []netip.Addr) *Driver {
 		st = openStore(t, stateDir)
 		cfg = Config{HostNS: hosts[0].Handle, NetnsDir: nstest.NetnsDir(t), AdvertiseAddr: vteps[0], Logger: testLogger(), StateFile: st, Peers: newMemSource()}
-		d, err := New(cfg)
+		d, err := New(alone(cfg))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -371,7 +371,7 @@ func TestRestartKeepsIPv6(t *testing.T) {
 	st = openStore(t, stateDir)
 	defer st.Close()
 	cfg.StateFile, cfg.Peers = st, newMemSource()
-	d, err := New(cfg)
+	d, err := New(alone(cfg))
 	if err != nil {
 		t.Fatalf("restart: %v", err)
 	}

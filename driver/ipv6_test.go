@@ -220,17 +220,17 @@ func TestIPv6Record(t *testing.T) {
 			t.Fatal(err)
 		}
 		n, unlock, _ := d.lockNetwork(tc.net)
-		rec := n.record()
+		rec := n.recordLocked()
 		back, err := networkFromRecord(rec)
 		if err != nil {
 			unlock()
 			t.Fatalf("network %s from its record %+v: %v", tc.net, rec, err)
 		}
-		if a, b := n.definition(), back.definition(); !equalDefs(&a, &b) {
+		if a, b := n.definitionLocked(), back.definitionLocked(); !equalDefs(&a, &b) {
 			t.Errorf("network %s: record gives %+v, want %+v", tc.net, b, a)
 		}
 		ep := n.endpoints["e-"+tc.net]
-		epBack, err := endpointFromRecord(back, ep.record(n.id))
+		epBack, err := endpointFromRecord(back, ep.recordLocked(n.id))
 		unlock()
 		if err != nil {
 			t.Fatalf("endpoint of %s from its record: %v", tc.net, err)

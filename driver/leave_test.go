@@ -245,7 +245,7 @@ func TestLastLeaveTeardownPending(t *testing.T) {
 // Close (a stopping daemon) finishes the deletions Leaves handed over.
 func TestCloseFinishesPendingDeletions(t *testing.T) {
 	hosts, vteps := nstest.Hosts(t, 1, false)
-	d, err := New(Config{HostNS: hosts[0].Handle, NetnsDir: nstest.NetnsDir(t), AdvertiseAddr: vteps[0], Logger: testLogger(), Peers: newMemSource()})
+	d, err := New(alone(Config{HostNS: hosts[0].Handle, NetnsDir: nstest.NetnsDir(t), AdvertiseAddr: vteps[0], Logger: testLogger(), Peers: newMemSource()}))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -284,7 +284,7 @@ func TestRestartWithPendingDeletions(t *testing.T) {
 	stateDir, netnsDir := t.TempDir(), nstest.NetnsDir(t)
 	st := openStore(t, stateDir)
 	cfg := Config{HostNS: host.Handle, NetnsDir: netnsDir, AdvertiseAddr: vteps[0], Logger: testLogger(), StateFile: st, Peers: newMemSource()}
-	d, err := New(cfg)
+	d, err := New(alone(cfg))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -300,7 +300,7 @@ func TestRestartWithPendingDeletions(t *testing.T) {
 	st = openStore(t, stateDir)
 	defer st.Close()
 	cfg.StateFile = st
-	d, err = New(cfg)
+	d, err = New(alone(cfg))
 	if err != nil {
 		t.Fatal(err)
 	}

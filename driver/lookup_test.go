@@ -12,8 +12,8 @@ import (
 	"github.com/overlayd/overlayd/peerdb"
 )
 
-// hostDefinitions is a control plane's part for definitions with a
-// DefinitionLookup: per other host, its definition of every VNI — this
+// hostDefinitions is a control plane's part for definitions: per other
+// host, its definition of every VNI — this
 // host's as published ("agree"), the same with another MTU ("differ"),
 // none yet (Pending, "waiting") — and idle members with no network
 // (Pending) that never have records. It counts the calls of each kind.
@@ -80,14 +80,14 @@ func (h *hostDefinitions) PublishDefinition(vni uint32, def *netdef.Definition) 
 	return nil
 }
 
-// TestKeyedPullAsksOnlyItsOrigins: with a DefinitionLookup, a pull of some
-// records asks the control plane about their origins only (once per
-// origin, however many records), never for every host's definition, and
-// refuses exactly the records a full pull refuses: those of a host whose
-// definition contradicts the network's and of one whose definition has
-// not arrived; a host that agrees, and one that is not listed at all,
-// get theirs programmed. The full pull compares every host's definition
-// and records the contradiction.
+// TestKeyedPullAsksOnlyItsOrigins: a pull of some records asks the
+// control plane about their origins only (once per origin, however many
+// records), never for every host's definition, and refuses exactly the
+// records a full pull refuses: those of a host whose definition
+// contradicts the network's and of one whose definition has not arrived;
+// a host that agrees, and one that is not listed at all, get theirs
+// programmed. The full pull compares every host's definition and records
+// the contradiction.
 func TestKeyedPullAsksOnlyItsOrigins(t *testing.T) {
 	hosts, vteps := nstest.Hosts(t, 1, false)
 	defs := &hostDefinitions{published: map[uint32]netdef.Definition{}, idle: 50}
@@ -148,8 +148,8 @@ func TestKeyedPullAsksOnlyItsOrigins(t *testing.T) {
 	}
 }
 
-// TestKeyedPullLooksUpInBatches: a pull of many keys asks a
-// PeerBatchSource pullLookahead keys at a time, never key by key, and
+// TestKeyedPullLooksUpInBatches: a pull of many keys asks the PeerSource
+// (PeersOf) pullLookahead keys at a time, never key by key, and
 // programs what a pull by Peer would: 200 records arrive in 2 lookups
 // (128 + 72 keys) and reach the kernel, go again in 2 more; a single key
 // is asked with Peer.

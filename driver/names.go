@@ -26,13 +26,11 @@ type NameServer interface {
 	// own goroutines) and must not call into the Driver: it is called
 	// with the network's lock held.
 	Serve(network string, pc net.PacketConn, ln net.Listener)
-}
-
-// NamePublisher receives the names of local endpoints, which travel with
-// their records. Called with a network's lock held: it must not block and
-// must not call into the Driver.
-type NamePublisher interface {
-	PublishLocalNames(vni uint32, endpointID, packed string) error
+	// NamesChanged is told that the local endpoints or their names
+	// changed (Join, Leave, SetNames), so that the names served are
+	// rebuilt. It is called with a network's lock held: it must not
+	// block and must not call into the Driver.
+	NamesChanged()
 }
 
 // checkDNSAddress settles cfg's name server address: the default when a
@@ -53,11 +51,11 @@ func checkDNSAddress(cfg *Config) error {
 	return nil
 }
 
-// claimDNSRoute reports whether ep's Join gives its container the route to
+// claimDNSRouteLocked reports whether ep's Join gives its container the route to
 // the name server: yes unless an endpoint of another network joined to
 // that container holds it already (dockerd would fail to add the same
-// route twice). Expects n.mu held.
-func (d *Driver) claimDNSRoute(n *network, ep *endpoint) bool {
+// route twice).
+func (d *Driver) claimDNSRouteLocked(n *network, ep *endpoint) bool {
 	if !d.cfg.DNSAddress.IsValid() || ep.sandboxKey == "" {
 		return false
 	}
@@ -70,9 +68,9 @@ func (d *Driver) claimDNSRoute(n *network, ep *endpoint) bool {
 	return true
 }
 
-// releaseDNSRoute forgets that ep's container holds the route through ep.
-// Expects n.mu held.
-func (d *Driver) releaseDNSRoute(n *network, ep *endpoint) {
+// releaseDNSRouteLocked forgets that ep's container holds the route
+// through ep.
+func (d *Driver) releaseDNSRouteLocked(n *network, ep *endpoint) {
 	if !ep.dnsRoute {
 		return
 	}
@@ -84,14 +82,13 @@ func (d *Driver) releaseDNSRoute(n *network, ep *endpoint) {
 	d.mu.Unlock()
 }
 
-// serveNames makes sure n's name server is served: its address on every
+// serveNamesLocked makes sure n's name server is served: its address on every
 // IPv4 bridge of the sandbox and its sockets handed to the NameServer
 // (once per sockets). It is level-triggered: Join, restore and every
 // Reconcile call it, so a bridge stripped of the address gets it back.
 // A failure is logged once per distinct error and retried by the next
 // Reconcile; it never fails a Join (the network works without names).
-// Expects n.mu held.
-func (d *Driver) serveNames(n *network) {
+func (d *Driver) serveNamesLocked(n *network) {
 	if d.cfg.NameServer == nil || n.sb == nil || n.teardown || !n.subnets[0].pool.IsValid() {
 		return
 	}
@@ -113,11 +110,11 @@ func (d *Driver) serveNames(n *network) {
 	}
 }
 
-// namesChanged tells the daemon that the names served may have changed.
-// Expects a network's lock held (see Config.OnNamesChanged).
-func (d *Driver) namesChanged() {
-	if d.cfg.OnNamesChanged != nil {
-		d.cfg.OnNamesChanged()
+// namesChangedLocked tells the name server, if any, that the names
+// served may have changed (see NameServer.NamesChanged).
+func (d *Driver) namesChangedLocked() {
+	if d.cfg.NameServer != nil {
+		d.cfg.NameServer.NamesChanged()
 	}
 }
 
@@ -151,14 +148,12 @@ func (d *Driver) SetNames(byEndpoint map[string][]string) bool {
 				continue
 			}
 			changed = true
-			if d.cfg.Names != nil {
-				if err := d.cfg.Names.PublishLocalNames(n.subnets[ep.subnet].vni, ep.id, packed); err != nil {
-					d.log.Warn("cannot publish an endpoint's names", logkeys.Network, n.id, "endpoint", ep.id, "error", err)
-				}
+			if err := d.cfg.Publisher.PublishLocalNames(n.subnets[ep.subnet].vni, ep.id, packed); err != nil {
+				d.log.Warn("cannot publish an endpoint's names", logkeys.Network, n.id, "endpoint", ep.id, "error", err)
 			}
 		}
 		if changed {
-			d.namesChanged()
+			d.namesChangedLocked()
 		}
 	})
 	return changed

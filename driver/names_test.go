@@ -20,6 +20,7 @@ import (
 	"github.com/overlayd/overlayd/internal/netnsutil"
 	"github.com/overlayd/overlayd/internal/sandbox"
 	"github.com/overlayd/overlayd/internal/testutil/nstest"
+	"github.com/overlayd/overlayd/internal/testutil/solo"
 )
 
 // testNameServer serves the driver's sockets with a real dnsserver over an
@@ -39,13 +40,18 @@ func (s *testNameServer) Serve(network string, pc net.PacketConn, ln net.Listene
 	go s.srv.Serve(s.ctx, network, pc, ln)
 }
 
+func (s *testNameServer) NamesChanged() {}
+
 func (s *testNameServer) servedCount() int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return len(s.served)
 }
 
+// recordedNames is a control plane's LocalPublisher that keeps the names
+// published.
 type recordedNames struct {
+	solo.ControlPlane
 	mu  sync.Mutex
 	got map[string]string // endpoint → packed
 }
@@ -119,8 +125,8 @@ func TestNamesServedInSandbox(t *testing.T) {
 	}
 	ns.srv = srv
 	pub := &recordedNames{got: map[string]string{}}
-	d, err := New(Config{HostNS: host.Handle, NetnsDir: nstest.NetnsDir(t), Logger: testLogger(), Peers: newMemSource(),
-		NameServer: ns, Names: pub})
+	d, err := New(alone(Config{HostNS: host.Handle, NetnsDir: nstest.NetnsDir(t), Logger: testLogger(), Peers: newMemSource(),
+		NameServer: ns, Publisher: pub}))
 	if err != nil {
 		t.Fatal(err)
 	}

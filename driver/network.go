@@ -18,9 +18,10 @@ import (
 )
 
 // network is one overlay network on this host. Every mutable field is
-// guarded by mu (network.mu, the top of the lock hierarchy).
+// guarded by mu (network.mu, lockorder.LevelNetwork); the driver's methods
+// named ...Locked run with it held.
 type network struct {
-	mu *lockorder.Mutex // network.mu: top of the hierarchy
+	mu *lockorder.Mutex // network.mu, lockorder.LevelNetwork
 
 	// Immutable after creation.
 	id        string
@@ -39,7 +40,7 @@ type network struct {
 	// reconcile (or the next Join) retries. Guarded by mu.
 	teardown bool
 	// dying: the sandbox the last Leave handed to the reaper to destroy,
-	// until its teardown is settled (settleTeardown); n.sb is nil
+	// until its teardown is settled (settleTeardownLocked); n.sb is nil
 	// meanwhile. Guarded by mu.
 	dying *dyingSandbox
 	// reapVeths: the latest deletion of the sandbox's retired veths (the
@@ -63,13 +64,13 @@ type network struct {
 	// dnsErr: the last failure to serve the network's name server (for
 	// the log-once), "" when served. Guarded by mu.
 	dnsErr string
-	// found: room for a keyed pull's batched lookups at a
-	// PeerBatchSource (pullLookahead entries once used); guarded by mu.
+	// found: room for a keyed pull's batched lookups (PeerSource.PeersOf,
+	// pullLookahead entries once used); guarded by mu.
 	found []peerdb.Found
 }
 
-// trace emits the creation of n; expects n.mu held.
-func (n *network) trace(d *Driver, kind TraceKind) {
+// traceLocked emits the creation of n.
+func (n *network) traceLocked(d *Driver, kind TraceKind) {
 	if !traceEnabled {
 		return
 	}
@@ -176,9 +177,9 @@ func (d *Driver) CreateNetwork(req *api.CreateNetworkRequest) error {
 	if err := d.createNetwork(spec, u); err != nil {
 		return err
 	}
-	if len(seeds) > 0 && d.cfg.OnSeeds != nil {
+	if len(seeds) > 0 {
 		d.log.Debug("network carries gossip seeds", "network", spec.id, "seeds", seeds)
-		d.cfg.OnSeeds(seeds)
+		d.cfg.Membership.AddSeeds(seeds)
 	}
 	return nil
 }
@@ -221,25 +222,25 @@ func (d *Driver) createNetwork(spec *netSpec, u underlayLink) error {
 	// disk). On failure the registration is undone; operations that found n
 	// meanwhile wait on n.mu and then see it deleted.
 	if err := d.saveNetwork(n); err != nil {
-		d.unregisterLocked(n)
+		d.dropFromMapsLocked(n)
 		return fmt.Errorf("CreateNetwork %q: %w", n.id, err)
 	}
-	n.trace(d, TraceCreateNetwork)
+	n.traceLocked(d, TraceCreateNetwork)
 	// An encrypted network's fail-closed rules go in before anything can
 	// send on it; an unencrypted one's VNIs are let through in clear.
-	if err := d.syncEnc(n, false); err != nil {
+	if err := d.syncEncLocked(n, false); err != nil {
 		if ferr := d.forgetNetwork(n); ferr != nil {
 			d.log.Error("undoing a failed CreateNetwork", "network", n.id, "error", ferr)
 		}
-		d.unregister(n)
+		d.unregisterLocked(n)
 		return fmt.Errorf("CreateNetwork %q: %w", n.id, err)
 	}
 	// Registered under its VNIs before pulling: a change notified from now
 	// on waits for n.mu and pulls again, so none is missed.
-	if err := d.pullAll(n); err != nil {
+	if err := d.pullAllLocked(n); err != nil {
 		d.log.Warn("pulling the remote peers of a new network", "network", n.id, "error", err)
 	}
-	d.publishDefinition(n, false)
+	d.publishDefinitionLocked(n, false)
 	d.log.Info("network created", logkeys.Event, logkeys.NetworkCreated, logkeys.Network, n.id, logkeys.VNIs, formatVNIs(n.vnis()),
 		"subnets", formatPrefixes(n.pools()), "mtu", n.mtu, "internal", n.internal, "encrypted", n.encrypted)
 	return nil
@@ -369,10 +370,10 @@ func (d *Driver) DeleteNetwork(req *api.DeleteNetworkRequest) error {
 	defer unlock()
 	// Deletions handed to the reaper end first: nothing of the network
 	// stays in the kernel once DeleteNetwork has answered.
-	if err := d.settleTeardown(n, true); err != nil {
+	if err := d.settleTeardownLocked(n, true); err != nil {
 		d.log.Warn("the teardown of the network's last sandbox failed; retrying", "network", n.id, "error", err)
 	}
-	if err := d.finishRetired(n); err != nil {
+	if err := d.finishRetiredLocked(n); err != nil {
 		d.log.Warn("deleting the veths of endpoints that left", "network", n.id, "error", err)
 	}
 	if n.sb != nil {
@@ -385,32 +386,32 @@ func (d *Driver) DeleteNetwork(req *api.DeleteNetworkRequest) error {
 	if err := d.forgetNetwork(n); err != nil {
 		return fmt.Errorf("DeleteNetwork %q: %w", n.id, err)
 	}
-	d.publishDefinition(n, true)
-	d.unregister(n)
+	d.publishDefinitionLocked(n, true)
+	d.unregisterLocked(n)
 	d.log.Info("network deleted", logkeys.Event, logkeys.NetworkDeleted, logkeys.Network, n.id, logkeys.VNIs, formatVNIs(n.vnis()))
 	return nil
 }
 
-// unregister removes n from the driver and drops its share of the
-// encryption state; expects n.mu held and n's sandbox gone. Its remote
+// unregisterLocked removes n from the driver and drops its share of the
+// encryption state; n's sandbox is gone. Its remote
 // records stay with their owner, the control plane: a network created
 // again pulls them.
-func (d *Driver) unregister(n *network) {
+func (d *Driver) unregisterLocked(n *network) {
 	for _, ep := range n.endpoints {
 		if ep.joined {
-			d.publish(n, ep, false)
+			d.publishLocked(n, ep, false)
 		}
 	}
-	d.unregisterLocked(n)
+	d.dropFromMapsLocked(n)
 	n.endpoints = nil
-	if err := d.dropEnc(n); err != nil {
+	if err := d.dropEncLocked(n); err != nil {
 		d.log.Warn("removing the encryption state of a deleted network", "network", n.id, "error", err)
 	}
 }
 
-// unregisterLocked takes n out of the driver's maps and marks it deleted;
-// expects n.mu held.
-func (d *Driver) unregisterLocked(n *network) {
+// dropFromMapsLocked takes n out of the driver's maps (under driver.mu)
+// and marks it deleted.
+func (d *Driver) dropFromMapsLocked(n *network) {
 	d.mu.Lock()
 	if d.nets[n.id] == n {
 		delete(d.nets, n.id)

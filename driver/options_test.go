@@ -279,7 +279,7 @@ func TestAllocateNetwork(t *testing.T) {
 func TestGetCapabilitiesScope(t *testing.T) {
 	for _, scope := range []string{"local", "global"} {
 		host := newOfflineDriver(t)
-		d, err := New(Config{Scope: scope, HostNS: host.hostNS, NetnsDir: "/run/overlayd-test-unused", Logger: testLogger()})
+		d, err := New(alone(Config{Scope: scope, HostNS: host.hostNS, NetnsDir: "/run/overlayd-test-unused", Logger: testLogger()}))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -289,8 +289,38 @@ func TestGetCapabilitiesScope(t *testing.T) {
 		}
 		d.Close()
 	}
-	if _, err := New(Config{Scope: "cluster"}); err == nil || !strings.Contains(err.Error(), "scope") {
+	if _, err := New(alone(Config{Scope: "cluster"})); err == nil || !strings.Contains(err.Error(), "scope") {
 		t.Errorf("bad scope accepted: %v", err)
+	}
+}
+
+// Every interface of the control plane is required: New refuses a Config
+// without one, naming each missing field, before it touches anything.
+func TestNewRequiresControlPlane(t *testing.T) {
+	full := alone(Config{NetnsDir: "/run/overlayd-test-unused"})
+	for _, c := range []struct {
+		field string
+		drop  func(*Config)
+	}{
+		{"Config.Publisher", func(c *Config) { c.Publisher = nil }},
+		{"Config.Peers", func(c *Config) { c.Peers = nil }},
+		{"Config.Definitions", func(c *Config) { c.Definitions = nil }},
+		{"Config.Membership", func(c *Config) { c.Membership = nil }},
+	} {
+		cfg := full
+		c.drop(&cfg)
+		if d, err := New(cfg); err == nil || !strings.Contains(err.Error(), c.field) {
+			if d != nil {
+				d.Close()
+			}
+			t.Errorf("New without %s: %v; want an error naming it", c.field, err)
+		}
+	}
+	_, err := New(Config{NetnsDir: "/run/overlayd-test-unused"})
+	for _, f := range []string{"Publisher", "Peers", "Definitions", "Membership"} {
+		if err == nil || !strings.Contains(err.Error(), "Config."+f) {
+			t.Errorf("New without a control plane: %v; want every missing field named (%s)", err, f)
+		}
 	}
 }
 
@@ -331,7 +361,7 @@ func TestCreateNetworkKnownOptions(t *testing.T) {
 // cluster-wide unique ones.
 func TestCreateNetworkDefaultPoolInSwarm(t *testing.T) {
 	host := newOfflineDriver(t)
-	d, err := New(Config{Scope: "global", HostNS: host.hostNS, NetnsDir: "/run/overlayd-test-unused", Logger: testLogger()})
+	d, err := New(alone(Config{Scope: "global", HostNS: host.hostNS, NetnsDir: "/run/overlayd-test-unused", Logger: testLogger()}))
 	if err != nil {
 		t.Fatal(err)
 	}

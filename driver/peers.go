@@ -7,41 +7,8 @@ import (
 	"github.com/overlayd/overlayd/peerdb"
 )
 
-// PeerSource is the one owner of remote endpoints' records (the control
-// plane). A network pulls from it, under its own lock: when told that
-// records of one of its VNIs changed (PeersChanged), when it is created, and
-// on the driver's periodic reconcile. Nothing is pushed into a network, so
-// nothing it rejected or could not place is lost: it stays at the source
-// and is pulled again.
-//
-// Thread safety: both methods are called with a network's lock held
-// (lockorder.LevelNetwork), concurrently for different networks. They must
-// be safe for concurrent use, return promptly, take only locks below the
-// driver's in the hierarchy, and never call into the Driver.
-type PeerSource interface {
-	// Peer returns the record in force for k, if any (never one of this
-	// host's own).
-	Peer(k peerdb.Key) (peerdb.Peer, bool)
-	// Peers returns every record in force for vni, by key.
-	Peers(vni uint32) map[peerdb.Key]peerdb.Peer
-}
-
-// PeerBatchSource is a PeerSource that also looks many keys up at once. A
-// pull of many keys (a burst of gossip) then takes the source's lock once
-// per batch instead of once per key, so it neither pays a lock handover
-// per record nor makes the source's writers (the gossip receive path,
-// taking the same lock per message) wait behind it key by key.
-//
-// Thread safety: as PeerSource.
-type PeerBatchSource interface {
-	PeerSource
-	// PeersOf sets found[i] to what Peer(keys[i]) returns, for every i
-	// (len(found) == len(keys)).
-	PeersOf(keys []peerdb.Key, found []peerdb.Found)
-}
-
-// pullLookahead is how many keys a keyed pull looks up at a
-// PeerBatchSource in one call: the source's lock is held for as many
+// pullLookahead is how many keys a keyed pull looks up with
+// PeerSource.PeersOf in one call: the source's lock is held for as many
 // lookups (tens of microseconds), and the network keeps room for as many
 // answers (about 13 KB).
 const pullLookahead = 128
@@ -62,60 +29,50 @@ func (d *Driver) PeersChanged(vni uint32, keys []peerdb.Key) {
 		return
 	}
 	defer n.mu.Unlock()
-	if err := d.pull(n, vni, keys); err != nil {
+	if err := d.pullLocked(n, vni, keys); err != nil {
 		d.log.Warn("programming remote peers failed; the periodic reconcile retries", "network", n.id, "vni", vni, "error", err)
 	}
 }
 
-// pull brings n's records of vni in line with the source: the records of
-// keys, or all of them when keys is nil; then programs the kernel. Expects
-// n.mu held.
-func (d *Driver) pull(n *network, vni uint32, keys []peerdb.Key) error {
+// pullLocked brings n's records of vni in line with the source: the
+// records of keys, or all of them when keys is nil; then programs the
+// kernel.
+func (d *Driver) pullLocked(n *network, vni uint32, keys []peerdb.Key) error {
 	src := d.cfg.Peers
-	if src == nil {
-		return nil
-	}
 	var delta peerdb.Delta
 	var rej []peerdb.Rejection
 	// The records of hosts whose definition of vni contradicts n's (or
 	// has not arrived) are refused: taken as absent, so they are removed
-	// if programmed. With a DefinitionLookup a keyed pull asks only about
-	// the origins of its records; full pulls (keys nil) compare and log
-	// every host's definition.
-	look, perOrigin := d.cfg.Definitions.(DefinitionLookup)
-	perOrigin = perOrigin && keys != nil
-	var bad map[string]bool
-	if !perOrigin {
-		bad = d.checkRemoteDefinitions(n, vni)
-	}
+	// if programmed. A keyed pull asks only about the origins of its
+	// records; a full pull (keys nil) compares and logs every host's
+	// definition.
 	if keys == nil {
+		bad := d.checkRemoteDefinitionsLocked(n, vni)
 		delta, rej = n.peers.SyncVNI(vni, withoutHosts(src.Peers(vni), bad))
 	} else {
-		check := originCheck{look: look, n: n, vni: vni}
-		lookup := n.lookupAhead(src, keys)
+		check := originCheck{look: d.cfg.Definitions, n: n, vni: vni}
+		lookup := n.lookupAheadLocked(src, keys)
 		delta, rej = n.peers.Pull(vni, keys, func(i int) (peerdb.Peer, bool) {
-			k := keys[i]
-			if bad[k.Origin] || perOrigin && check.refuses(k.Origin) {
+			if check.refuses(keys[i].Origin) {
 				return peerdb.Peer{}, false
 			}
 			return lookup(i)
 		})
 	}
-	n.noteRejections(d, rej)
+	n.noteRejectionsLocked(d, rej)
 	d.trace(TraceEvent{Kind: TracePull, Network: n.id, VNI: vni})
 	if faultActive(FaultDropPeerDeletes) {
 		delta.NeighDel, delta.FDBDel = nil, nil
 	}
-	return d.program(n, delta)
+	return d.programLocked(n, delta)
 }
 
-// lookupAhead returns the lookup of keys[i] at src for a keyed pull, which
-// asks in order of i: from a PeerBatchSource, pullLookahead keys at a time
-// into n.found; else, and for a single key, one Peer call per key.
-// Expects n.mu held until the pull is done.
-func (n *network) lookupAhead(src PeerSource, keys []peerdb.Key) func(i int) (peerdb.Peer, bool) {
-	bs, ok := src.(PeerBatchSource)
-	if !ok || len(keys) < 2 {
+// lookupAheadLocked returns the lookup of keys[i] at src for a keyed
+// pull, which asks in order of i: with PeersOf, pullLookahead keys at a
+// time into n.found; a single key with one Peer call. n.mu stays held
+// until the pull is done (n.found is reused).
+func (n *network) lookupAheadLocked(src PeerSource, keys []peerdb.Key) func(i int) (peerdb.Peer, bool) {
+	if len(keys) < 2 {
 		return func(i int) (peerdb.Peer, bool) { return src.Peer(keys[i]) }
 	}
 	if n.found == nil {
@@ -125,34 +82,34 @@ func (n *network) lookupAhead(src PeerSource, keys []peerdb.Key) func(i int) (pe
 	return func(i int) (peerdb.Peer, bool) {
 		if i < from || i >= to {
 			from, to = i, min(i+pullLookahead, len(keys))
-			bs.PeersOf(keys[from:to], n.found[:to-from])
+			src.PeersOf(keys[from:to], n.found[:to-from])
 		}
 		f := &n.found[i-from]
 		return f.Peer, f.OK
 	}
 }
 
-// pullAll pulls every VNI of n. Expects n.mu held.
-func (d *Driver) pullAll(n *network) error {
+// pullAllLocked pulls every VNI of n.
+func (d *Driver) pullAllLocked(n *network) error {
 	var errs []error
 	for _, s := range n.subnets {
-		if err := d.pull(n, s.vni, nil); err != nil {
+		if err := d.pullLocked(n, s.vni, nil); err != nil {
 			errs = append(errs, err)
 		}
 	}
 	return errors.Join(errs...)
 }
 
-// program writes a change of n's desired peer state to its sandbox, with
+// programLocked writes a change of n's desired peer state to its sandbox, with
 // the encryption state of new VTEPs in place before their peers and the
-// state of VTEPs gone removed after. Expects n.mu held.
-func (d *Driver) program(n *network, delta peerdb.Delta) error {
+// state of VTEPs gone removed after.
+func (d *Driver) programLocked(n *network, delta peerdb.Delta) error {
 	if n.sb == nil || delta.Empty() {
 		return nil
 	}
 	var errs []error
 	if n.encrypted {
-		if err := d.widenEnc(n, delta); err != nil {
+		if err := d.widenEncLocked(n, delta); err != nil {
 			errs = append(errs, err)
 		}
 	}
@@ -166,7 +123,7 @@ func (d *Driver) program(n *network, delta peerdb.Delta) error {
 		}
 	}
 	if n.encrypted {
-		if err := d.syncEnc(n, false); err != nil {
+		if err := d.syncEncLocked(n, false); err != nil {
 			errs = append(errs, err)
 		}
 	}
@@ -175,10 +132,10 @@ func (d *Driver) program(n *network, delta peerdb.Delta) error {
 	return err
 }
 
-// noteRejections logs records that n newly refuses (once per key and
+// noteRejectionsLocked logs records that n newly refuses (once per key and
 // reason), so a misconfigured peer is visible where the operator looks; all
-// current ones are listed by Status. Expects n.mu held.
-func (n *network) noteRejections(d *Driver, rej []peerdb.Rejection) {
+// current ones are listed by Status.
+func (n *network) noteRejectionsLocked(d *Driver, rej []peerdb.Rejection) {
 	for _, r := range rej {
 		msg := r.Err.Error()
 		if n.logged[r.Key] == msg {

@@ -20,19 +20,14 @@ import (
 // neighbours growing while a burst of deletions comes in (a few per burst,
 // not one per call). Both without a definition source and with another
 // host's agreeing definition of the VNI, which every pull compares with
-// the network's. (Not parallel: it counts every allocation beneath
+// the network's, asked about the record's origin only, as the daemon's
+// control plane answers. (Not parallel: it counts every allocation beneath
 // PeersChanged in the process.)
 func TestPeersChangedOneKeyAllocs(t *testing.T) {
 	hosts, vteps := nstest.Hosts(t, 1, false)
 	t.Run("no-definitions", func(t *testing.T) { oneKeyAllocs(t, hosts[0], vteps[0], nil, nil) })
 	t.Run("agreeing-definition", func(t *testing.T) {
 		defs := &echoDefinitions{vtep: netip.MustParseAddr("192.0.2.98")}
-		oneKeyAllocs(t, hosts[0], vteps[0], defs, &defs.asked)
-	})
-	// With a DefinitionLookup, as the daemon's control plane has: the
-	// pull asks about the record's origin only.
-	t.Run("agreeing-definition-lookup", func(t *testing.T) {
-		defs := echoLookup{&echoDefinitions{vtep: netip.MustParseAddr("192.0.2.98")}}
 		oneKeyAllocs(t, hosts[0], vteps[0], defs, &defs.asked)
 	})
 }
@@ -95,15 +90,15 @@ func oneKeyAllocs(t *testing.T, host *nstest.NS, vtep netip.Addr, defs Definitio
 }
 
 // definitionsDriver returns a driver whose control plane's part for
-// definitions is defs (none if nil), with network "n" (VNI 100, pool
-// returned) joined by a local endpoint.
+// definitions is defs (a host alone's if nil), with network "n" (VNI 100,
+// pool returned) joined by a local endpoint.
 func definitionsDriver(t *testing.T, host *nstest.NS, vtep netip.Addr, defs DefinitionSource) (*Driver, netip.Prefix) {
 	t.Helper()
 	cfg := Config{HostNS: host.Handle, NetnsDir: nstest.NetnsDir(t), AdvertiseAddr: vtep, Logger: testLogger(), Peers: newMemSource()}
 	if defs != nil {
 		cfg.Definitions = defs
 	}
-	d, err := New(cfg)
+	d, err := New(alone(cfg))
 	if err != nil {
 		t.Fatalf("driver.New: %v", err)
 	}
@@ -117,8 +112,9 @@ func definitionsDriver(t *testing.T, host *nstest.NS, vtep netip.Addr, defs Defi
 
 // echoDefinitions is the control plane's part for definitions in
 // TestPeersChangedOneKeyAllocs: another host ("other") that defines every
-// VNI as this host publishes it, so the two always agree. Definitions
-// hands out the same list every time, allocating nothing of its own.
+// VNI as this host publishes it, so the two always agree; asked about any
+// host, it answers the same. Definitions hands out the same list every
+// time, allocating nothing of its own.
 type echoDefinitions struct {
 	vtep  netip.Addr
 	asked atomic.Int64
@@ -147,11 +143,7 @@ func (e *echoDefinitions) PublishDefinition(vni uint32, def *netdef.Definition) 
 	return nil
 }
 
-// echoLookup is echoDefinitions with a DefinitionLookup: every host asked
-// about defines the VNI as this host publishes it.
-type echoLookup struct{ *echoDefinitions }
-
-func (e echoLookup) DefinitionOf(vni uint32, host string) (netdef.Remote, bool) {
+func (e *echoDefinitions) DefinitionOf(vni uint32, host string) (netdef.Remote, bool) {
 	e.asked.Add(1)
 	e.mu.Lock()
 	defer e.mu.Unlock()

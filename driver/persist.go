@@ -18,8 +18,9 @@ import (
 	"github.com/overlayd/overlayd/peerdb"
 )
 
-// record returns what is persisted of n; expects n.mu held (or n unpublished).
-func (n *network) record() statefile.Network {
+// recordLocked returns what is persisted of n (also called before n is
+// published, when no other goroutine can reach it).
+func (n *network) recordLocked() statefile.Network {
 	r := statefile.Network{ID: n.id, VNIs: n.vnis(), MTU: n.mtu, Internal: n.internal, Encrypted: n.encrypted, Options: n.options}
 	for _, s := range n.subnets {
 		r.Pools = append(r.Pools, prefixString(s.pool))
@@ -48,7 +49,7 @@ func parseOptionalPrefix(s string) (netip.Prefix, error) {
 	return netip.ParsePrefix(s)
 }
 
-func (ep *endpoint) record(netID string) statefile.Endpoint {
+func (ep *endpoint) recordLocked(netID string) statefile.Endpoint {
 	r := statefile.Endpoint{Network: netID, ID: ep.id, Addr: prefixString(ep.addr), AddrIPv6: prefixString(ep.addr6), MAC: ep.mac.String(), Joined: ep.joined,
 		HostName: ep.hostName, SandboxName: ep.sbName, SandboxKey: ep.sandboxKey, DNSRoute: ep.dnsRoute, Names: ep.names}
 	return r
@@ -58,7 +59,7 @@ func (d *Driver) saveNetwork(n *network) error {
 	if d.cfg.StateFile == nil {
 		return nil
 	}
-	return d.cfg.StateFile.PutNetwork(n.record())
+	return d.cfg.StateFile.PutNetwork(n.recordLocked())
 }
 
 func (d *Driver) forgetNetwork(n *network) error {
@@ -72,7 +73,7 @@ func (d *Driver) saveEndpoint(n *network, ep *endpoint) error {
 	if d.cfg.StateFile == nil {
 		return nil
 	}
-	return d.cfg.StateFile.PutEndpoint(ep.record(n.id))
+	return d.cfg.StateFile.PutEndpoint(ep.recordLocked(n.id))
 }
 
 func (d *Driver) forgetEndpoint(n *network, ep *endpoint) error {
@@ -166,26 +167,26 @@ func (d *Driver) restore() error {
 		}
 		// The veths of endpoints that left before the restart, whose
 		// deletion the earlier run had not done.
-		if p, err := d.reapLeftRetired(n); err != nil {
+		if p, err := d.reapLeftRetiredLocked(n); err != nil {
 			d.log.Warn("listing the veths of an adopted sandbox that await deletion; the periodic reconcile retries", "network", n.id, "error", err)
 		} else if p != "" {
 			d.log.Info("deleting the veths an earlier run retired", "network", n.id, "first", p)
 		}
 		// A sandbox an earlier version made has bridge ports that let a
 		// remote frame move a local MAC: fix them before serving.
-		if fixed, err := sb.RepairPorts(n.joinedEndpoints()); err != nil {
+		if fixed, err := sb.RepairPorts(n.joinedEndpointsLocked()); err != nil {
 			d.log.Warn("restoring the bridge ports of an adopted sandbox; the periodic reconcile retries", "network", n.id, "error", err)
 		} else if len(fixed) > 0 {
 			d.log.Info("restored the bridge ports of an adopted sandbox", "network", n.id, "corrected", len(fixed), "first", fixed[0])
 		}
-		d.serveNames(n)
+		d.serveNamesLocked(n)
 		d.log.Info("network restored", logkeys.Event, logkeys.NetworkRestored, logkeys.Network, n.id, logkeys.VNIs, formatVNIs(n.vnis()), "joined", n.joined)
 	}
 	// Every network's share, before dockerd can call: the encryption
 	// owner keeps what the earlier run programmed until Settle (no peer is
 	// known yet), so running containers keep their encrypted traffic.
 	for _, n := range d.nets {
-		if err := d.syncEnc(n, false); err != nil {
+		if err := d.syncEncLocked(n, false); err != nil {
 			d.log.Warn("restoring the encryption share of a network (the encryption owner retries)", "network", n.id, "error", err)
 		}
 	}
@@ -285,7 +286,7 @@ func networkFromRecord(r statefile.Network) (*network, error) {
 	// A network with IPv6 (written by this version) gets the checks of a
 	// network created now, so a damaged record is refused rather than
 	// programmed; older records are restored as they always were.
-	if def := n.definition(); len(r.Pools6) > 0 && def.Validate() != nil {
+	if def := n.definitionLocked(); len(r.Pools6) > 0 && def.Validate() != nil {
 		return nil, def.Validate()
 	}
 	n.peers = newPeerTable(n.subnets)
@@ -314,7 +315,7 @@ func endpointFromRecord(n *network, r statefile.Endpoint) (*endpoint, error) {
 	ep := &endpoint{id: r.ID, addr: addr, addr6: addr6, mac: mac, hostName: r.HostName, sbName: r.SandboxName, joined: r.Joined,
 		sandboxKey: r.SandboxKey, names: r.Names}
 	ep.dnsRoute = r.Joined && r.DNSRoute
-	if ep.subnet, err = n.segmentOf(addr, addr6); err != nil {
+	if ep.subnet, err = n.segmentOfLocked(addr, addr6); err != nil {
 		return nil, err
 	}
 	if ep.hostName == "" || ep.sbName == "" {
@@ -342,15 +343,15 @@ func (d *Driver) Reconcile() ([]string, error) {
 	var fixed []string
 	var errs []error
 	d.eachNetwork(func(n *network) {
-		if err := d.pullAll(n); err != nil {
+		if err := d.pullAllLocked(n); err != nil {
 			errs = append(errs, err)
 		}
-		d.noteConflicts(n)
+		d.noteConflictsLocked(n)
 		// A teardown the reaper has ended is collected; one that failed is
 		// retried just below, as a failed Leave's.
-		d.settleTeardown(n, false)
+		d.settleTeardownLocked(n, false)
 		if n.teardown {
-			if err := d.destroySandbox(n); err != nil {
+			if err := d.destroySandboxLocked(n); err != nil {
 				errs = append(errs, fmt.Errorf("network %q: removing the sandbox of the last Leave: %w", n.id, err))
 			} else {
 				fixed = append(fixed, fmt.Sprintf("network %s: removed the sandbox a failed Leave left", n.id))
@@ -361,15 +362,15 @@ func (d *Driver) Reconcile() ([]string, error) {
 		if n.sb == nil || n.teardown {
 			return
 		}
-		d.serveNames(n)
-		if p, err := d.reapLeftRetired(n); err != nil {
+		d.serveNamesLocked(n)
+		if p, err := d.reapLeftRetiredLocked(n); err != nil {
 			errs = append(errs, fmt.Errorf("network %q: %w", n.id, err))
 		} else if p != "" {
 			fixed = append(fixed, fmt.Sprintf("network %s: %s", n.id, p))
 			d.logRepair(n, logkeys.KindSandbox, []string{p})
 			d.counts.repaired(RepairSandbox, 1)
 		}
-		ports, err := n.sb.RepairPorts(n.joinedEndpoints())
+		ports, err := n.sb.RepairPorts(n.joinedEndpointsLocked())
 		for _, s := range ports {
 			fixed = append(fixed, fmt.Sprintf("network %s: %s", n.id, s))
 		}
@@ -397,7 +398,7 @@ func (d *Driver) Reconcile() ([]string, error) {
 			fixed = append(fixed, fmt.Sprintf("network %s: %s", n.id, s))
 		}
 		d.counts.repaired(RepairPeerEntry, len(problems))
-		if err := d.program(n, delta); err != nil {
+		if err := d.programLocked(n, delta); err != nil {
 			errs = append(errs, err)
 		} else {
 			d.logRepair(n, logkeys.KindPeers, problems)
@@ -406,19 +407,19 @@ func (d *Driver) Reconcile() ([]string, error) {
 	return fixed, errors.Join(errs...)
 }
 
-// reapLeftRetired hands the reaper the retired veths of n's sandbox that
+// reapLeftRetiredLocked hands the reaper the retired veths of n's sandbox that
 // nothing is deleting: left by a daemon that stopped before its deletions
 // ran, or by a deletion that failed. It returns what it found ("" for
-// nothing). Expects n.mu held and n.sb set.
-func (d *Driver) reapLeftRetired(n *network) (string, error) {
-	if n.reapingRetired() { // asked before the links are listed
+// nothing). n.sb is set.
+func (d *Driver) reapLeftRetiredLocked(n *network) (string, error) {
+	if n.reapingRetiredLocked() { // asked before the links are listed
 		return "", nil
 	}
 	names, err := n.sb.Retired()
 	if err != nil || len(names) == 0 {
 		return "", err
 	}
-	d.reapRetired(n)
+	d.reapRetiredLocked(n)
 	return fmt.Sprintf("veth %s: awaits deletion, but none was queued (%d such veth(s)): deletion queued", names[0], len(names)), nil
 }
 

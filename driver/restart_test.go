@@ -35,7 +35,7 @@ func TestRestartAdoptsRunningSandbox(t *testing.T) {
 	netnsDir := nstest.NetnsDir(t)
 	st := openStore(t, stateDir)
 	cfg := Config{HostNS: hosts[0].Handle, NetnsDir: netnsDir, AdvertiseAddr: vteps[0], Logger: testLogger(), StateFile: st, Peers: newMemSource()}
-	dA, err := New(cfg)
+	dA, err := New(alone(cfg))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -74,7 +74,7 @@ func TestRestartAdoptsRunningSandbox(t *testing.T) {
 	defer st.Close()
 	cfg.StateFile = st
 	cfg.Peers = newMemSource() // a restarted control plane: it learns the records again
-	dA, err = New(cfg)
+	dA, err = New(alone(cfg))
 	if err != nil {
 		t.Fatalf("restart: %v", err)
 	}
@@ -139,7 +139,7 @@ func TestRestartCleansLeftoversAndRebuilds(t *testing.T) {
 	stateDir := t.TempDir()
 	netnsDir := nstest.NetnsDir(t)
 	// A run without persistence leaves a sandbox and a host veth end.
-	d0, err := New(Config{HostNS: host.Handle, NetnsDir: netnsDir, Logger: testLogger()})
+	d0, err := New(alone(Config{HostNS: host.Handle, NetnsDir: netnsDir, Logger: testLogger()}))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -152,7 +152,7 @@ func TestRestartCleansLeftoversAndRebuilds(t *testing.T) {
 	// A persisted network whose sandbox is then destroyed behind our back.
 	st := openStore(t, stateDir)
 	cfg := Config{HostNS: host.Handle, NetnsDir: netnsDir, Logger: testLogger(), StateFile: st}
-	d1, err := New(cfg)
+	d1, err := New(alone(cfg))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -166,7 +166,7 @@ func TestRestartCleansLeftoversAndRebuilds(t *testing.T) {
 	if err := sandbox.RemoveLeftover(d1.host, "kept"); err != nil {
 		t.Fatal(err)
 	}
-	d2, err := New(cfg)
+	d2, err := New(alone(cfg))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -188,7 +188,7 @@ func TestRestartCleansLeftoversAndRebuilds(t *testing.T) {
 func TestPersistFailureLeavesNothing(t *testing.T) {
 	host := nstest.NewNS(t, "host")
 	st := openStore(t, t.TempDir())
-	d, err := New(Config{HostNS: host.Handle, NetnsDir: nstest.NetnsDir(t), Logger: testLogger(), StateFile: st})
+	d, err := New(alone(Config{HostNS: host.Handle, NetnsDir: nstest.NetnsDir(t), Logger: testLogger(), StateFile: st}))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -13,8 +13,8 @@ import (
 // would tell the nodes' control planes of each other. The swarm leader's
 // AllocateNetwork answer is what dockerd hands to every node's
 // CreateNetwork: the leader puts its gossip address and the members it
-// knows there (Config.GossipSeeds), and each node hands them to its
-// control plane (Config.OnSeeds), which joins them unless it is in a
+// knows there (Membership.GossipSeeds), and each node hands them to its
+// control plane (Membership.AddSeeds), which joins them unless it is in a
 // cluster with them already.
 
 // parseSeeds validates the value of OptSeeds: a comma-separated list of
@@ -58,10 +58,7 @@ func (d *Driver) allocSeeds(id string, given map[string]string) (string, bool, e
 			return "", false, err
 		}
 	}
-	if d.cfg.GossipSeeds == nil {
-		return old, had, nil
-	}
-	if fresh := d.cfg.GossipSeeds(); len(fresh) > 0 {
+	if fresh := d.cfg.Membership.GossipSeeds(); len(fresh) > 0 {
 		return strings.Join(fresh, ","), true, nil
 	}
 	if had {
@@ -81,9 +78,6 @@ func (d *Driver) allocSeeds(id string, given map[string]string) (string, bool, e
 // no time to remember its members. Called from New, before the driver is
 // shared.
 func (d *Driver) handRestoredSeeds() {
-	if d.cfg.OnSeeds == nil {
-		return
-	}
 	for _, id := range sortedKeys(d.nets) {
 		seeds, err := seedsOption(d.nets[id].options)
 		if err != nil {
@@ -91,7 +85,7 @@ func (d *Driver) handRestoredSeeds() {
 			continue
 		}
 		if len(seeds) > 0 {
-			d.cfg.OnSeeds(seeds)
+			d.cfg.Membership.AddSeeds(seeds)
 		}
 	}
 }

@@ -10,10 +10,29 @@ import (
 	api "github.com/docker/go-plugins-helpers/network"
 
 	"github.com/overlayd/overlayd/internal/testutil/nstest"
+	"github.com/overlayd/overlayd/internal/testutil/solo"
 )
 
+// seedMembership is a control plane's Membership for the seed tests: its
+// gossip seeds are gossip's answer, and seeds handed to it are added to
+// added.
+type seedMembership struct {
+	solo.ControlPlane
+	gossip func() []string
+	added  [][]string
+}
+
+func (m *seedMembership) GossipSeeds() []string {
+	if m.gossip == nil {
+		return nil
+	}
+	return m.gossip()
+}
+
+func (m *seedMembership) AddSeeds(seeds []string) { m.added = append(m.added, slices.Clone(seeds)) }
+
 // newSwarmDriver returns a driver in a fresh namespace with cfg's swarm
-// callbacks, logging into log (if not nil).
+// membership, logging into log (if not nil).
 func newSwarmDriver(t *testing.T, cfg Config, log *bytes.Buffer) *Driver {
 	t.Helper()
 	host := nstest.NewNS(t, "host")
@@ -22,7 +41,7 @@ func newSwarmDriver(t *testing.T, cfg Config, log *bytes.Buffer) *Driver {
 	if log != nil {
 		cfg.Logger = slog.New(slog.NewTextHandler(log, nil))
 	}
-	d, err := New(cfg)
+	d, err := New(alone(cfg))
 	if err != nil {
 		t.Fatalf("driver.New: %v", err)
 	}
@@ -36,7 +55,7 @@ func newSwarmDriver(t *testing.T, cfg Config, log *bytes.Buffer) *Driver {
 // of piling them up, and keeps them while the control plane is not up.
 func TestAllocateNetworkCarriesGossipSeeds(t *testing.T) {
 	seeds := []string{"192.0.2.1:7947", "192.0.2.2:7947"}
-	d := newSwarmDriver(t, Config{GossipSeeds: func() []string { return seeds }}, nil)
+	d := newSwarmDriver(t, Config{Membership: &seedMembership{gossip: func() []string { return seeds }}}, nil)
 	req := &api.AllocateNetworkRequest{NetworkID: "swarmnet1", Options: map[string]string{"foo": "bar"},
 		IPv4Data: []api.IPAMData{{Pool: "198.51.100.0/24"}}}
 	resp, err := d.AllocateNetwork(req)
@@ -80,12 +99,12 @@ func TestAllocateNetworkCarriesGossipSeeds(t *testing.T) {
 // option's name and nothing is created; a restored network hands its
 // seeds again, so a restarted plugin finds the cluster.
 func TestCreateNetworkHandsSeeds(t *testing.T) {
-	var got [][]string
+	m := &seedMembership{}
 	dir := t.TempDir()
-	cfg := Config{OnSeeds: func(s []string) { got = append(got, slices.Clone(s)) }, StateFile: openStore(t, dir)}
+	cfg := Config{Membership: m, StateFile: openStore(t, dir)}
 	host := nstest.NewNS(t, "host")
 	cfg.HostNS, cfg.NetnsDir, cfg.Logger = host.Handle, nstest.NetnsDir(t), testLogger()
-	d, err := New(cfg)
+	d, err := New(alone(cfg))
 	if err != nil {
 		t.Fatalf("driver.New: %v", err)
 	}
@@ -95,8 +114,8 @@ func TestCreateNetworkHandsSeeds(t *testing.T) {
 	if err := d.CreateNetwork(bad); err == nil || !strings.Contains(err.Error(), OptSeeds) || !strings.Contains(err.Error(), "port in 1..65535") {
 		t.Fatalf("CreateNetwork with %s=192.0.2.1 (no port): %v; want an error naming the option and what is allowed", OptSeeds, err)
 	}
-	if len(got) != 0 || len(d.Status().Networks) != 0 {
-		t.Fatalf("refused CreateNetwork: seeds handed %v, networks %v; want none", got, d.Status().Networks)
+	if len(m.added) != 0 || len(d.Status().Networks) != 0 {
+		t.Fatalf("refused CreateNetwork: seeds handed %v, networks %v; want none", m.added, d.Status().Networks)
 	}
 
 	req := createReq("n1", "4242", "198.51.100.0/24")
@@ -104,23 +123,23 @@ func TestCreateNetworkHandsSeeds(t *testing.T) {
 	mustCreate(t, d, req)
 	mustCreate(t, d, createReq("n2", "4243", "203.0.113.0/24")) // no seeds: nothing handed
 	want := []string{"192.0.2.1:7947", "192.0.2.2:17947"}
-	if len(got) != 1 || !slices.Equal(got[0], want) {
-		t.Fatalf("seeds handed to the control plane: %v; want once %v", got, want)
+	if len(m.added) != 1 || !slices.Equal(m.added[0], want) {
+		t.Fatalf("seeds handed to the control plane: %v; want once %v", m.added, want)
 	}
 
 	// The plugin restarts: the restored network hands its seeds again.
 	d.Close()
 	cfg.StateFile.Close()
-	got = nil
+	m.added = nil
 	cfg.StateFile = openStore(t, dir)
 	t.Cleanup(func() { cfg.StateFile.Close() })
-	d, err = New(cfg)
+	d, err = New(alone(cfg))
 	if err != nil {
 		t.Fatalf("driver.New on the saved state: %v", err)
 	}
 	d.Close()
-	if len(got) != 1 || !slices.Equal(got[0], want) {
-		t.Fatalf("seeds handed by the restored networks: %v; want once %v", got, want)
+	if len(m.added) != 1 || !slices.Equal(m.added[0], want) {
+		t.Fatalf("seeds handed by the restored networks: %v; want once %v", m.added, want)
 	}
 }
 

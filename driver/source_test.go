@@ -3,7 +3,6 @@ package driver
 import (
 	"errors"
 	"fmt"
-	"maps"
 	"sync"
 
 	"github.com/overlayd/overlayd/peerdb"
@@ -32,7 +31,7 @@ func (s *memSource) Peer(k peerdb.Key) (peerdb.Peer, bool) {
 	return p, ok
 }
 
-// PeersOf makes memSource a PeerBatchSource, as the cluster is.
+// PeersOf implements PeerSource, counting the batches and their keys.
 func (s *memSource) PeersOf(keys []peerdb.Key, found []peerdb.Found) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -61,12 +60,6 @@ func (s *memSource) Peers(vni uint32) map[peerdb.Key]peerdb.Peer {
 		}
 	}
 	return out
-}
-
-func (s *memSource) snapshot() map[peerdb.Key]peerdb.Peer {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return maps.Clone(s.recs)
 }
 
 // PeerEvent is a remote change as tests describe it: create (nil, Next),

@@ -107,15 +107,15 @@ func (d *Driver) Status() Status {
 	d.mu.Unlock()
 	st.Encryption = d.encryptionStatus()
 	d.eachNetwork(func(n *network) {
-		ns := n.status()
-		ns.DefinitionConflicts = d.definitionStatus(n)
+		ns := n.statusLocked()
+		ns.DefinitionConflicts = d.definitionStatusLocked(n)
 		st.Networks = append(st.Networks, ns)
 	})
 	return st
 }
 
-// status expects n.mu held.
-func (n *network) status() NetworkStatus {
+// statusLocked describes n for Status.
+func (n *network) statusLocked() NetworkStatus {
 	ns := NetworkStatus{ID: n.id, VNIs: n.vnis(), MTU: n.mtu, Internal: n.internal, Encrypted: n.encrypted, Endpoints: []EndpointStatus{}, RemotePeers: []PeerStatus{},
 		ConflictsSeen: n.conflicts.seen}
 	for _, p := range n.pools() {
@@ -137,10 +137,10 @@ func (n *network) status() NetworkStatus {
 	for _, p := range n.peers.Remote() {
 		ps := PeerStatus{EndpointID: p.EndpointID, MAC: p.MAC.String(), VTEP: p.VTEP.String()}
 		if p.IP.IsValid() {
-			ps.VNI, ps.IP, ps.Active = n.vniOf(p.IP), p.IP.String(), n.activeFor(p.IP, p)
+			ps.VNI, ps.IP, ps.Active = n.vniOf(p.IP), p.IP.String(), n.activeForLocked(p.IP, p)
 		}
 		if p.IPv6.IsValid() {
-			ps.VNI, ps.IPv6, ps.ActiveIPv6 = n.vniOf(p.IPv6), p.IPv6.String(), n.activeFor(p.IPv6, p)
+			ps.VNI, ps.IPv6, ps.ActiveIPv6 = n.vniOf(p.IPv6), p.IPv6.String(), n.activeForLocked(p.IPv6, p)
 		}
 		ns.RemotePeers = append(ns.RemotePeers, ps)
 	}
@@ -148,7 +148,7 @@ func (n *network) status() NetworkStatus {
 		ns.Rejected = append(ns.Rejected, RejectedStatus{VNI: r.Key.VNI, Origin: r.Key.Origin, EndpointID: r.Key.EndpointID, Reason: r.Err.Error()})
 	}
 	switch {
-	case n.teardown || n.teardownFailed():
+	case n.teardown || n.teardownFailedLocked():
 		ns.Error = "the sandbox of the last Leave could not be removed; retrying"
 	case n.lastErr != nil:
 		ns.Error = n.lastErr.Error()
@@ -163,9 +163,9 @@ func (n *network) status() NetworkStatus {
 	return ns
 }
 
-// activeFor reports whether remote record p is the active claimant of its
-// address ip. Expects n.mu held.
-func (n *network) activeFor(ip netip.Addr, p peerdb.Peer) bool {
+// activeForLocked reports whether remote record p is the active claimant
+// of its address ip.
+func (n *network) activeForLocked(ip netip.Addr, p peerdb.Peer) bool {
 	act, local, ok := n.peers.Active(ip)
 	return ok && !local && act == p
 }

@@ -13,7 +13,8 @@ type TestHooks struct {
 	Trace func(TraceEvent)
 }
 
-// trace emits ev to the configured tracer; expects the linearising lock held.
+// trace emits ev to the configured tracer, under the lock that linearises
+// the change (see TraceEvent).
 func (d *Driver) trace(ev TraceEvent) {
 	if d.cfg.Trace != nil {
 		d.cfg.Trace(ev)

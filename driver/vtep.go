@@ -23,7 +23,7 @@ import (
 //
 // Nobody keeps a copy: local records get the VTEP when they are published,
 // the control plane and the encryption state are told of every change
-// (Config.OnVTEPChange) and re-derive theirs, and nothing local is ever
+// (LocalPublisher.VTEPChanged) and re-derive theirs, and nothing local is ever
 // refused for carrying an old VTEP.
 
 type vtepSource int
@@ -95,7 +95,7 @@ func (d *Driver) RefreshVTEP() {
 }
 
 // setVTEP records a from source unless a source of higher precedence is in
-// force, and tells OnVTEPChange when the address changed.
+// force, and tells the Publisher when the address changed.
 func (d *Driver) setVTEP(a netip.Addr, source vtepSource) {
 	d.vtepMu.Lock()
 	defer d.vtepMu.Unlock()
@@ -115,9 +115,7 @@ func (d *Driver) setVTEP(a netip.Addr, source vtepSource) {
 	} else {
 		d.log.Info("local VTEP settled", "vtep", a, "source", source)
 	}
-	if d.cfg.OnVTEPChange != nil {
-		d.cfg.OnVTEPChange(a)
-	}
+	d.cfg.Publisher.VTEPChanged(a)
 }
 
 // defaultRouteAddr returns the first address of the IPv4 default route's

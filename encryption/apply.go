@@ -42,7 +42,7 @@ func (o *Owner) applyLocked(why string) error {
 		o.noESP = nil // try again: a module may have been loaded
 	}
 	for attempt := 0; ; attempt++ {
-		err, again := o.applyOnceLocked(why)
+		again, err := o.applyOnceLocked(why)
 		if again == "" || attempt == 2 {
 			return err
 		}
@@ -52,13 +52,13 @@ func (o *Owner) applyLocked(why string) error {
 
 // applyOnceLocked is one attempt of applyLocked; again is non-empty (what
 // to add to why) when applyLocked must try again at once.
-func (o *Owner) applyOnceLocked(why string) (err error, again string) {
+func (o *Owner) applyOnceLocked(why string) (again string, err error) {
 	basis := o.basisLocked()
 	clean := o.trk.clean(&basis)
 	if clean && !o.trk.resync && o.trk.kernel != nil && o.applyErr == nil {
 		// The desired state is the one the kernel was given last.
 		o.closedErr = nil
-		return o.unsupportedLocked(), ""
+		return "", o.unsupportedLocked()
 	}
 	// Compared whole (against the record when trusted) after an error, while
 	// adopting, and until the first check of the kernel after loading.
@@ -67,7 +67,7 @@ func (o *Owner) applyOnceLocked(why string) (err error, again string) {
 	if err != nil {
 		o.applyErr, o.closedErr = err, err
 		o.noteErrLocked(err)
-		return err, ""
+		return "", err
 	}
 	var d Desired
 	var dx *desiredXfrm
@@ -159,14 +159,14 @@ func (o *Owner) applyOnceLocked(why string) (err error, again string) {
 		// that encrypted networks are unavailable here. The fail-closed
 		// state without SAs is programmed at once.
 		o.log.Warn(ESPUnsupportedWarning, logkeys.Event, logkeys.EncryptionUnsupported, logkeys.Error, err)
-		return err, " (without SAs)"
+		return " (without SAs)", err
 	case err != nil && !dumped && !res.unsupported:
 		// The kernel refused part of the change (or the record was
 		// wrong): resync at once, so the kernel is never left
 		// half-programmed.
 		o.deltaFailures++
 		o.log.Info("an incremental encryption change failed; reconciling in full", "trigger", why, "error", err)
-		return err, " (full reconcile after a failed change)"
+		return " (full reconcile after a failed change)", err
 	}
 	if err == nil && len(d.Blocked) > 0 {
 		err = fmt.Errorf("encryption: outbound SAs to %v not installed: their reservation could not be persisted", d.Blocked)
@@ -201,10 +201,10 @@ func (o *Owner) applyOnceLocked(why string) (err error, again string) {
 		// Reservations may have changed without being written: the next
 		// write compares every remote's entry.
 		o.led.persistAll = true
-		return err, ""
+		return "", err
 	}
 	o.programmedLocked(&d, scope, whole)
-	return o.unsupportedLocked(), ""
+	return "", o.unsupportedLocked()
 }
 
 // vanishedLocked returns a remote of d whose outbound SA under (Send, gen)

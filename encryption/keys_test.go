@@ -72,10 +72,6 @@ func TestKeysAgreeAndDiffer(t *testing.T) {
 	}
 	// Distinct per direction, per epoch, per pair, per generation and per
 	// secret.
-	type v struct {
-		key []byte
-		spi uint32
-	}
 	other := []byte("another secret, sixteen+ bytes!!")
 	seen := map[string]string{}
 	spis := map[uint32]string{}

@@ -151,7 +151,7 @@ func (c *Cluster) Joined() bool {
 
 // suspicionMaxLocked is the longest a suspicion lasts: memberlist declares
 // a suspect dead or hears it refute within it, so an older failed probe
-// means nothing. Expects c.mu held.
+// means nothing.
 func (c *Cluster) suspicionMaxLocked() time.Duration {
 	alive := 0
 	for _, m := range c.replica.members {

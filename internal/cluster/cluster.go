@@ -655,8 +655,7 @@ func (c *Cluster) memberAlive(n *memberlist.Node) {
 // gateIPv6Locked lets the local records go out with their IPv6 addresses
 // exactly while every alive member speaks ProtocolIPv6 (see wire.go,
 // "IPv6"), logging each change with the members in the way. It reports
-// whether records were re-published (the publisher must run). Expects
-// c.mu held.
+// whether records were re-published (the publisher must run).
 func (c *Cluster) gateIPv6Locked() bool {
 	old := c.replica.olderThanIPv6()
 	changed, n := c.local.setIPv6(len(old) == 0)
@@ -747,8 +746,7 @@ func (c *Cluster) memberDown(name string) bool {
 	return m == nil || m.state != StateAlive || !m.suspectSince.IsZero()
 }
 
-// destFlagLocked sets a flag on the sender to name and wakes it. Expects
-// c.mu held.
+// destFlagLocked sets a flag on the sender to name and wakes it.
 func (c *Cluster) destFlagLocked(name string, f func(*dest)) {
 	if d := c.dests[name]; d != nil {
 		d.mu.Lock()

@@ -282,7 +282,7 @@ func (l *localStore) setDef(vni uint32, def *netdef.Definition) (bool, error) {
 	return l.setDefLocked(vni, def)
 }
 
-// setDefLocked is setDef; expects l.mu held.
+// setDefLocked is setDef.
 func (l *localStore) setDefLocked(vni uint32, def *netdef.Definition) (bool, error) {
 	var invalid error
 	if def != nil {
@@ -302,7 +302,7 @@ func (l *localStore) setDefLocked(vni uint32, def *netdef.Definition) (bool, err
 	default:
 		l.defs[vni] = cloneDef(*def)
 	}
-	l.defsVer = l.tick()
+	l.defsVer = l.tickLocked()
 	l.defChanged[vni] = l.defsVer
 	return true, invalid
 }

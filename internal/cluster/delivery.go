@@ -24,7 +24,7 @@ func (c *Cluster) shardOf(vni uint32) *shard {
 }
 
 // markDirtyLocked notes that (vni, k) may have changed and wakes its
-// shard. Expects c.mu held; never blocks.
+// shard. It never blocks.
 func (c *Cluster) markDirtyLocked(vni uint32, k pkey) {
 	sh := c.shardOf(vni)
 	set := sh.dirty[vni]
@@ -40,8 +40,7 @@ func (c *Cluster) markDirtyLocked(vni uint32, k pkey) {
 }
 
 // markVNILocked notes that the definitions in force for vni may have
-// changed: the Watcher is told PeersChanged(vni, nil). Expects c.mu held;
-// never blocks.
+// changed: the Watcher is told PeersChanged(vni, nil). It never blocks.
 func (c *Cluster) markVNILocked(vni uint32) {
 	sh := c.shardOf(vni)
 	if sh.all == nil {
@@ -131,7 +130,7 @@ func (c *Cluster) Peer(k peerdb.Key) (peerdb.Peer, bool) {
 	return c.peerLocked(k)
 }
 
-// peerLocked is Peer's rule, for Peer and PeersOf; expects c.mu held.
+// peerLocked is Peer's rule, for Peer and PeersOf.
 func (c *Cluster) peerLocked(k peerdb.Key) (peerdb.Peer, bool) {
 	if k.Origin == c.cfg.NodeName {
 		return peerdb.Peer{}, false

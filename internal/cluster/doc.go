@@ -189,9 +189,9 @@
 //
 // # Locks
 //
-// Every lock is a *lockorder.Mutex made with its level; a goroutine takes
-// a lock only while every lock it holds has a strictly lower level (is
-// higher in the hierarchy; the lockcheck build panics otherwise):
+// Every lock is a *lockorder.Mutex made with its level; their order is
+// the hierarchy in internal/lockorder (the lockcheck build checks it).
+// What each guards and who takes it:
 //
 //   - Cluster.mu (LevelCluster): the replica (remote records), the senders map and
 //     the shards' dirty sets. Taken by memberlist callbacks, the

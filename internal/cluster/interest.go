@@ -296,9 +296,9 @@ func (s *deltaSets) forInterest(want interest) ([][]byte, byte) {
 	return s.all.msgs, s.all.needs
 }
 
-// filterOwnInterest drops from a push/pull snapshot of origin name the
+// filterOwnInterestLocked drops from a push/pull snapshot of origin name the
 // records of VNIs this node has no definition of, when both advertise
-// interest (see the top of this file). Expects c.mu held.
+// interest (see the top of this file).
 func (c *Cluster) filterOwnInterestLocked(m *message) {
 	if m.Type != msgSnapshot || !c.replica.filtersFrom(m.Origin) {
 		return

@@ -21,6 +21,7 @@ import (
 	"github.com/overlayd/overlayd/internal/sandbox"
 	"github.com/overlayd/overlayd/internal/testutil/nstest"
 	"github.com/overlayd/overlayd/internal/testutil/rawnl"
+	"github.com/overlayd/overlayd/internal/testutil/solo"
 	"github.com/overlayd/overlayd/peerdb"
 )
 
@@ -271,6 +272,11 @@ func kernelBenchDriver(b *testing.B, src driver.PeerSource) (*driver.Driver, str
 		AdvertiseAddr: vteps[0],
 		Logger:        slog.New(slog.NewTextHandler(io.Discard, nil)),
 		Peers:         src,
+		// The records come from src; the rest of the control plane is a
+		// host alone's.
+		Publisher:   solo.ControlPlane{},
+		Definitions: solo.ControlPlane{},
+		Membership:  solo.ControlPlane{},
 	})
 	if err != nil {
 		b.Fatal(err)

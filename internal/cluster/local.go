@@ -102,11 +102,10 @@ func newLocalStore(name string, inc uint64, vtep netip.Addr, now func() time.Tim
 	return l
 }
 
-// tick issues the next version: max(last+1, wall clock in ns). Versions
+// tickLocked issues the next version: max(last+1, wall clock in ns). Versions
 // order every change of one incarnation even if the clock steps back; a
 // restart gets a new incarnation, so versions never need to outlive one.
-// Expects l.mu held.
-func (l *localStore) tick() uint64 {
+func (l *localStore) tickLocked() uint64 {
 	v := uint64(l.now().UnixNano())
 	if v <= l.clock {
 		v = l.clock + 1
@@ -128,7 +127,7 @@ func (l *localStore) publish(vni uint32, prev, next *peerdb.Peer) (DropReason, b
 	return l.publishLocked(vni, prev, next)
 }
 
-// publishLocked is publish; expects l.mu held.
+// publishLocked is publish.
 func (l *localStore) publishLocked(vni uint32, prev, next *peerdb.Peer) (DropReason, bool) {
 	if next != nil && !next.VTEP.IsValid() {
 		stamped := *next
@@ -163,7 +162,7 @@ func (l *localStore) publishLocked(vni uint32, prev, next *peerdb.Peer) (DropRea
 		}
 		if !live || want.peer() != *next || want.Names != l.wantNames[k] {
 			r := record{VNI: vni, EndpointID: next.EndpointID, IP: next.IP, MAC: next.MAC, VTEP: next.VTEP, IPv6: next.IPv6,
-				Names: l.wantNames[k], Version: l.tick()}
+				Names: l.wantNames[k], Version: l.tickLocked()}
 			l.setLocked(k, r)
 			changed = true
 		}
@@ -172,11 +171,11 @@ func (l *localStore) publishLocked(vni uint32, prev, next *peerdb.Peer) (DropRea
 }
 
 // setLocked makes r (live, with a new version) the record of k, published
-// as the members' protocols allow, and marks k dirty. Expects l.mu held.
+// as the members' protocols allow, and marks k dirty.
 func (l *localStore) setLocked(k recKey, r record) {
 	if cur := l.recs[k]; cur != nil {
 		if !cur.rec.Deleted {
-			l.count(&cur.rec, -1)
+			l.countLocked(&cur.rec, -1)
 		}
 		if cur.v6held {
 			l.withheld--
@@ -201,7 +200,7 @@ func (l *localStore) setLocked(k recKey, r record) {
 		x.full = &full
 	}
 	if !x.rec.Deleted {
-		l.count(&x.rec, 1)
+		l.countLocked(&x.rec, 1)
 	}
 	l.recs[k] = x
 	l.dirty[k] = struct{}{}
@@ -223,7 +222,7 @@ func (l *localStore) setIPv6(ok bool) (changed bool, n int) {
 			n++
 			if changed {
 				r := *want
-				r.Version = l.tick()
+				r.Version = l.tickLocked()
 				l.setLocked(k, r)
 			}
 		}
@@ -246,7 +245,7 @@ func (l *localStore) setNames(ok bool) (changed bool, n int) {
 			n++
 			if changed {
 				r := *want
-				r.Version = l.tick()
+				r.Version = l.tickLocked()
 				l.setLocked(k, r)
 			}
 		}
@@ -263,7 +262,7 @@ func (l *localStore) setWantNames(k recKey, packed string) bool {
 	return l.setWantNamesLocked(k, packed)
 }
 
-// setWantNamesLocked is setWantNames; expects l.mu held.
+// setWantNamesLocked is setWantNames.
 func (l *localStore) setWantNamesLocked(k recKey, packed string) bool {
 	if packed == "" {
 		delete(l.wantNames, k)
@@ -279,16 +278,9 @@ func (l *localStore) setWantNamesLocked(k recKey, packed string) bool {
 		return false
 	}
 	r := *want
-	r.Names, r.Version = packed, l.tick()
+	r.Names, r.Version = packed, l.tickLocked()
 	l.setLocked(k, r)
 	return true
-}
-
-// namesState returns whether records go out with their names.
-func (l *localStore) namesState() bool {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.names
 }
 
 // ipv6State returns whether records go out with their IPv6 addresses and
@@ -356,9 +348,9 @@ func (l *localStore) sync(mark uint64, recs []LocalRecord) ([]localErr, bool) {
 	return errs, changed
 }
 
-// count adds (sign 1) or removes (sign -1) the live record r from the
-// totals and its VNI's sum. Expects l.mu held.
-func (l *localStore) count(r *record, sign int) {
+// countLocked adds (sign 1) or removes (sign -1) the live record r from
+// the totals and its VNI's sum.
+func (l *localStore) countLocked(r *record, sign int) {
 	h := recordHash(r)
 	sum := l.byVNI[r.VNI]
 	if sign > 0 {
@@ -379,7 +371,7 @@ func (l *localStore) count(r *record, sign int) {
 	}
 }
 
-// deleteLocked turns k's live record into a tombstone. Expects l.mu held.
+// deleteLocked turns k's live record into a tombstone.
 func (l *localStore) deleteLocked(k recKey) bool {
 	cur := l.recs[k]
 	if cur == nil {
@@ -389,13 +381,13 @@ func (l *localStore) deleteLocked(k recKey) bool {
 		return false
 	}
 	if !cur.rec.Deleted {
-		l.count(&cur.rec, -1)
+		l.countLocked(&cur.rec, -1)
 	}
 	if cur.v6held {
 		l.withheld--
 	}
 	delete(l.wantNames, k)
-	l.recs[k] = &lrec{rec: record{VNI: k.VNI, EndpointID: k.EndpointID, Deleted: true, Version: l.tick()}, at: l.now()}
+	l.recs[k] = &lrec{rec: record{VNI: k.VNI, EndpointID: k.EndpointID, Deleted: true, Version: l.tickLocked()}, at: l.now()}
 	l.dirty[k] = struct{}{}
 	return true
 }
@@ -520,7 +512,7 @@ func (l *localStore) setVTEP(v netip.Addr) (old netip.Addr, n int) {
 				continue
 			}
 			r := *want
-			r.VTEP, r.Version = v, l.tick()
+			r.VTEP, r.Version = v, l.tickLocked()
 			l.setLocked(k, r)
 			n++
 		}

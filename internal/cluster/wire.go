@@ -374,7 +374,6 @@ type deltaEncoder struct {
 	inc    uint64
 	limit  int
 	out    [][]byte
-	cur    []byte
 	count  int
 	recs   []byte
 }

@@ -41,22 +41,241 @@ var (
 	rememberInterval = 15 * time.Second
 )
 
+// The control plane in two parts, made in this order, so that neither
+// refers back to the other nor to a half-built driver:
+//
+//   - clusterLink, the driver's side: what the driver calls (its
+//     driver.LocalPublisher, PeerSource, DefinitionSource and Membership),
+//     forwarded to the cluster once it runs. It is made before the driver
+//     and knows none.
+//   - controlPlane, made after the driver with the driver and the link: it
+//     starts the cluster into the link, runs the periodic reconcile and
+//     stops it all.
+//
+// The one thing the link tells the controlPlane, that a VTEP was settled
+// while the cluster is down, goes through a channel (wake) that the
+// controlPlane's loop receives from.
+
+// clusterLink is the driver's side of the control plane. Before the
+// cluster runs, reads find nothing and what is published waits: the start
+// publishes the driver's local records and definitions (and every
+// reconcile makes the published ones exactly the driver's).
+type clusterLink struct {
+	log        *slog.Logger
+	enc        *encryption.Owner // follows the VTEP
+	gossipPort int
+
+	c atomic.Pointer[cluster.Cluster] // nil until started, and again once left
+
+	// mu serialises the cluster's start, close and leave with the
+	// announcement of a new VTEP (lockorder.LevelStart: taken under the
+	// driver's VTEP lock, held while publishing local records under
+	// network locks and starting the cluster). A VTEP changed while the
+	// cluster is being started is announced once it runs.
+	mu      *lockorder.Mutex
+	closed  bool        // guarded by mu
+	left    bool        // guarded by mu: `overlayd leave` ran
+	hasLeft atomic.Bool // left, readable without mu
+	seedMu  *lockorder.Mutex
+	seeds   []string      // seeds learned before the start; guarded by seedMu
+	started chan struct{} // closed once the cluster has started
+	stop    chan struct{} // closed by controlPlane.close
+	// wake (buffered 1): a VTEP was settled while the cluster is down;
+	// the controlPlane's loop starts it.
+	wake chan struct{}
+}
+
+func newClusterLink(st *config.Settings, log *slog.Logger, enc *encryption.Owner) *clusterLink {
+	return &clusterLink{log: log, enc: enc, gossipPort: st.GossipPort,
+		mu: lockorder.New(lockorder.LevelStart), seedMu: lockorder.New(lockorder.LevelLeaf),
+		started: make(chan struct{}), stop: make(chan struct{}), wake: make(chan struct{}, 1)}
+}
+
+// The link is every interface of the driver's control plane.
+var (
+	_ driver.LocalPublisher   = (*clusterLink)(nil)
+	_ driver.PeerSource       = (*clusterLink)(nil)
+	_ driver.DefinitionSource = (*clusterLink)(nil)
+	_ driver.Membership       = (*clusterLink)(nil)
+)
+
+// Peer implements driver.PeerSource.
+func (l *clusterLink) Peer(k peerdb.Key) (peerdb.Peer, bool) {
+	if c := l.c.Load(); c != nil {
+		return c.Peer(k)
+	}
+	return peerdb.Peer{}, false
+}
+
+// PeersOf implements driver.PeerSource.
+func (l *clusterLink) PeersOf(keys []peerdb.Key, found []peerdb.Found) {
+	if c := l.c.Load(); c != nil {
+		c.PeersOf(keys, found)
+		return
+	}
+	clear(found[:len(keys)])
+}
+
+// Peers implements driver.PeerSource.
+func (l *clusterLink) Peers(vni uint32) map[peerdb.Key]peerdb.Peer {
+	if c := l.c.Load(); c != nil {
+		return c.Peers(vni)
+	}
+	return nil
+}
+
+// PublishLocalPeer implements driver.LocalPublisher. Records published
+// before the cluster starts are published by the start (and every
+// reconcile).
+func (l *clusterLink) PublishLocalPeer(vni uint32, prev, next *peerdb.Peer) {
+	if c := l.c.Load(); c != nil {
+		c.PublishLocalPeer(vni, prev, next)
+	}
+}
+
+// PublishLocalNames implements driver.LocalPublisher: the names of a
+// local endpoint go to the cluster; before it starts, its first records
+// carry them (localRecords).
+func (l *clusterLink) PublishLocalNames(vni uint32, endpointID, packed string) error {
+	if c := l.c.Load(); c != nil {
+		return c.PublishLocalNames(vni, endpointID, packed)
+	}
+	return nil
+}
+
+// VTEPChanged implements driver.LocalPublisher: the encryption state
+// follows the VTEP; a running cluster re-announces every local record
+// with it; else the controlPlane is woken to start the cluster.
+func (l *clusterLink) VTEPChanged(vtep netip.Addr) {
+	if err := l.enc.SetLocal(vtep); err != nil {
+		l.log.Warn("encryption state for the new VTEP (retried by its loop)", "vtep", vtep, "error", err)
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if c := l.c.Load(); c != nil {
+		if err := c.SetVTEP(vtep); err != nil {
+			l.log.Error("re-announcing local records with the new VTEP", "vtep", vtep, "error", err)
+		}
+		return
+	}
+	select {
+	case l.wake <- struct{}{}:
+	default: // a wake is pending already
+	}
+}
+
+// Definitions implements driver.DefinitionSource.
+func (l *clusterLink) Definitions(vni uint32) []netdef.Remote {
+	if c := l.c.Load(); c != nil {
+		return c.Definitions(vni)
+	}
+	return nil
+}
+
+// DefinitionOf implements driver.DefinitionSource.
+func (l *clusterLink) DefinitionOf(vni uint32, host string) (netdef.Remote, bool) {
+	if c := l.c.Load(); c != nil {
+		return c.DefinitionOf(vni, host)
+	}
+	return netdef.Remote{}, false
+}
+
+// PublishDefinition implements driver.DefinitionSource. Definitions
+// published before the cluster starts are published by the start (and
+// every reconcile).
+func (l *clusterLink) PublishDefinition(vni uint32, def *netdef.Definition) error {
+	if c := l.c.Load(); c != nil {
+		return c.PublishDefinition(vni, def)
+	}
+	return nil
+}
+
+// Discovered implements driver.Membership: another swarm node
+// (DiscoverNew) is a seed at the gossip port.
+func (l *clusterLink) Discovered(addr netip.Addr) {
+	l.AddSeeds([]string{net.JoinHostPort(addr.String(), strconv.Itoa(l.gossipPort))})
+}
+
+// AddSeeds implements driver.Membership: gossip addresses to join go to
+// the cluster, or are kept for its start. The cluster joins a seed only
+// if it is not the address of an alive member already (nor this node's
+// own).
+func (l *clusterLink) AddSeeds(seeds []string) {
+	if c := l.c.Load(); c != nil {
+		c.AddSeeds(seeds...)
+		return
+	}
+	l.seedMu.Lock()
+	l.seeds = append(l.seeds, seeds...)
+	l.seedMu.Unlock()
+	if c := l.c.Load(); c != nil { // started meanwhile: hand them over too
+		c.AddSeeds(seeds...)
+	}
+}
+
+// takeSeeds returns the seeds kept for the start, and forgets them.
+func (l *clusterLink) takeSeeds() (seeds []string) {
+	l.seedMu.Lock()
+	seeds, l.seeds = l.seeds, nil
+	l.seedMu.Unlock()
+	return seeds
+}
+
+// seedWait bounds how long the swarm leader's AllocateNetwork waits for
+// the control plane to start so that its answer carries gossip seeds: a
+// restarted leader's dockerd re-sends AllocateNetwork while swarm is
+// announcing this node's address (DiscoverNew) at about the same time.
+const seedWait = 2 * time.Second
+
+// GossipSeeds implements driver.Membership: where other nodes join this
+// cluster (this node's gossip address first, then the alive members'),
+// waiting up to seedWait for the control plane to start; nil if it has
+// not.
+func (l *clusterLink) GossipSeeds() []string {
+	t := time.NewTimer(seedWait)
+	defer t.Stop()
+	select {
+	case <-l.started:
+	case <-l.stop:
+	case <-t.C:
+	}
+	c := l.c.Load()
+	if c == nil {
+		return nil
+	}
+	var out []string
+	for _, a := range c.SeedAddrs() {
+		out = append(out, a.String())
+	}
+	return out
+}
+
+// status is the cluster's status, nil while it does not run.
+func (l *clusterLink) status() *cluster.Status {
+	c := l.c.Load()
+	if c == nil {
+		return nil
+	}
+	st := c.Status()
+	return &st
+}
+
 // controlPlane owns the cluster's lifetime: it starts it once the driver
 // has settled the local VTEP (at once when configured or found on the
-// default route; in swarm when DiscoverNew announces it), follows VTEP
-// changes, and runs the daemon's periodic reconcile. It is the driver's
-// PeerSource and PeerPublisher, forwarding to the cluster once it runs.
+// default route; in swarm when DiscoverNew announces it), and runs the
+// daemon's periodic reconcile.
 //
-// Stopping is safe at every point of starting: close marks the plane
-// closed under startMu, so a start in progress finishes first and a later
-// one does nothing.
+// Stopping is safe at every point of starting: close marks the link
+// closed under its lock, so a start in progress finishes first and a
+// later one does nothing.
 type controlPlane struct {
-	st  *config.Settings
-	db  *statefile.File // remembers members, so a restarted plugin finds the cluster again
-	log *slog.Logger
-	key []byte
-	enc *encryption.Owner
-	d   *driver.Driver
+	st   *config.Settings
+	db   *statefile.File // remembers members, so a restarted plugin finds the cluster again
+	log  *slog.Logger
+	key  []byte
+	enc  *encryption.Owner
+	link *clusterLink
+	d    *driver.Driver
 	// names is the names service (nil when off): it hears of remote
 	// changes with the driver.
 	names *nameService
@@ -69,21 +288,9 @@ type controlPlane struct {
 	// application messages and membership changes.
 	netsync *netSyncService
 
-	c atomic.Pointer[cluster.Cluster] // nil until started, and again once left
+	done sync.WaitGroup
 
-	// startMu serialises start, close and leave (lockorder.LevelStart:
-	// taken under the driver's VTEP lock, held while publishing local
-	// records under network locks and starting the cluster).
-	startMu *lockorder.Mutex
-	closed  bool // guarded by startMu
-	left    bool // guarded by startMu: `overlayd leave` ran
-	seedMu  *lockorder.Mutex
-	seeds   []string // seeds learned before the start; guarded by seedMu
-	started chan struct{}
-	stop    chan struct{}
-	done    sync.WaitGroup
-
-	// startErr is the last start failure logged (guarded by startMu).
+	// startErr is the last start failure logged (guarded by link.mu).
 	startErr string
 
 	// For readiness (atomic: read by /readyz and the status without a
@@ -92,146 +299,22 @@ type controlPlane struct {
 	// cluster started.
 	hadSeeds   atomic.Bool
 	reconciled atomic.Bool
-	hasLeft    atomic.Bool // left, readable without startMu
 }
 
-func newControlPlane(st *config.Settings, db *statefile.File, log *slog.Logger, key []byte, enc *encryption.Owner, alloc *ipam.Allocator) *controlPlane {
-	return &controlPlane{st: st, db: db, log: log, key: key, enc: enc, alloc: alloc,
-		startMu: lockorder.New(lockorder.LevelStart), seedMu: lockorder.New(lockorder.LevelLeaf),
-		started: make(chan struct{}), stop: make(chan struct{})}
-}
-
-// Peer implements driver.PeerSource.
-func (cp *controlPlane) Peer(k peerdb.Key) (peerdb.Peer, bool) {
-	if c := cp.c.Load(); c != nil {
-		return c.Peer(k)
-	}
-	return peerdb.Peer{}, false
-}
-
-// PeersOf implements driver.PeerBatchSource.
-func (cp *controlPlane) PeersOf(keys []peerdb.Key, found []peerdb.Found) {
-	if c := cp.c.Load(); c != nil {
-		c.PeersOf(keys, found)
-		return
-	}
-	clear(found[:len(keys)])
-}
-
-// Peers implements driver.PeerSource.
-func (cp *controlPlane) Peers(vni uint32) map[peerdb.Key]peerdb.Peer {
-	if c := cp.c.Load(); c != nil {
-		return c.Peers(vni)
-	}
-	return nil
-}
-
-// PublishLocalPeer implements driver.PeerPublisher. Records published
-// before the cluster starts are published by start (and every reconcile).
-func (cp *controlPlane) PublishLocalPeer(vni uint32, prev, next *peerdb.Peer) {
-	if c := cp.c.Load(); c != nil {
-		c.PublishLocalPeer(vni, prev, next)
-	}
-}
-
-// Definitions implements driver.DefinitionSource.
-func (cp *controlPlane) Definitions(vni uint32) []netdef.Remote {
-	if c := cp.c.Load(); c != nil {
-		return c.Definitions(vni)
-	}
-	return nil
-}
-
-// DefinitionOf implements driver.DefinitionLookup.
-func (cp *controlPlane) DefinitionOf(vni uint32, host string) (netdef.Remote, bool) {
-	if c := cp.c.Load(); c != nil {
-		return c.DefinitionOf(vni, host)
-	}
-	return netdef.Remote{}, false
-}
-
-// PublishDefinition implements driver.DefinitionSource. Definitions
-// published before the cluster starts are published by start (and every
-// reconcile).
-func (cp *controlPlane) PublishDefinition(vni uint32, def *netdef.Definition) error {
-	if c := cp.c.Load(); c != nil {
-		return c.PublishDefinition(vni, def)
-	}
-	return nil
-}
-
-// discovered is told of other swarm nodes by the driver (DiscoverNew).
-func (cp *controlPlane) discovered(addr netip.Addr) {
-	cp.addSeeds(net.JoinHostPort(addr.String(), strconv.Itoa(cp.st.GossipPort)))
-}
-
-// addSeeds hands gossip addresses to join to the cluster, or keeps them
-// for its start. The cluster joins a seed only if it is not the address of
-// an alive member already (nor this node's own).
-func (cp *controlPlane) addSeeds(seeds ...string) {
-	if c := cp.c.Load(); c != nil {
-		c.AddSeeds(seeds...)
-		return
-	}
-	cp.seedMu.Lock()
-	cp.seeds = append(cp.seeds, seeds...)
-	cp.seedMu.Unlock()
-	if c := cp.c.Load(); c != nil { // started meanwhile: hand them over too
-		c.AddSeeds(seeds...)
-	}
-}
-
-// seedWait bounds how long the swarm leader's AllocateNetwork waits for
-// the control plane to start so that its answer carries gossip seeds: a
-// restarted leader's dockerd re-sends AllocateNetwork while swarm is
-// announcing this node's address (DiscoverNew) at about the same time.
-const seedWait = 2 * time.Second
-
-// gossipSeeds is the driver's GossipSeeds: where other nodes join this
-// cluster (this node's gossip address first, then the alive members'),
-// waiting up to seedWait for the control plane to start; nil if it has
-// not.
-func (cp *controlPlane) gossipSeeds() []string {
-	t := time.NewTimer(seedWait)
-	defer t.Stop()
-	select {
-	case <-cp.started:
-	case <-cp.stop:
-	case <-t.C:
-	}
-	c := cp.c.Load()
-	if c == nil {
-		return nil
-	}
-	var out []string
-	for _, a := range c.SeedAddrs() {
-		out = append(out, a.String())
-	}
-	return out
-}
-
-// vtepChanged is the driver's OnVTEPChange: the encryption state follows
-// the VTEP; the first one starts the control plane; a later one is
-// re-announced with every local record.
-func (cp *controlPlane) vtepChanged(vtep netip.Addr) {
-	if err := cp.enc.SetLocal(vtep); err != nil {
-		cp.log.Warn("encryption state for the new VTEP (retried by its loop)", "vtep", vtep, "error", err)
-	}
-	if c := cp.c.Load(); c != nil {
-		if err := c.SetVTEP(vtep); err != nil {
-			cp.log.Error("re-announcing local records with the new VTEP", "vtep", vtep, "error", err)
-		}
-		return
-	}
-	cp.tryStart()
+// newControlPlane returns the control plane of driver d, which was made
+// with link as its control plane.
+func newControlPlane(st *config.Settings, db *statefile.File, log *slog.Logger, key []byte, enc *encryption.Owner, alloc *ipam.Allocator,
+	link *clusterLink, d *driver.Driver, names *nameService, nsync *netSyncService) *controlPlane {
+	return &controlPlane{st: st, db: db, log: log, key: key, enc: enc, alloc: alloc, link: link, d: d, names: names, netsync: nsync}
 }
 
 // tryStart starts the cluster if the VTEP is known and the plane is not
 // closed.
 func (cp *controlPlane) tryStart() {
-	cp.startMu.Lock()
-	defer cp.startMu.Unlock()
-	if cp.closed || cp.left || cp.c.Load() != nil {
+	l := cp.link
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.closed || l.left || l.c.Load() != nil {
 		return
 	}
 	vtep := cp.d.VTEP()
@@ -242,11 +325,7 @@ func (cp *controlPlane) tryStart() {
 	if !bind.IsValid() {
 		bind = vtep
 	}
-	cp.seedMu.Lock()
-	seeds := append([]string(nil), cp.seeds...)
-	cp.seeds = nil
-	cp.seedMu.Unlock()
-	all := append(append(append([]string(nil), cp.st.Join...), seeds...), cp.rememberedMembers()...)
+	all := append(append(append([]string(nil), cp.st.Join...), l.takeSeeds()...), cp.rememberedMembers()...)
 	// Endpoints restored from the state file, or joined before the start,
 	// are the node's records before anything is gossiped (a snapshot
 	// without them would end the others' restart grace and flap them).
@@ -279,8 +358,8 @@ func (cp *controlPlane) tryStart() {
 				cp.netsync.membersChanged()
 			}
 		},
-		// The address management's messages and netsync's (both
-		// queue them, never block).
+		// The address management's messages and netsync's (both queue
+		// them, never block).
 		OnAppMessage: func(from string, payload []byte) {
 			if netsync.Is(payload) {
 				if cp.netsync != nil {
@@ -309,14 +388,11 @@ func (cp *controlPlane) tryStart() {
 		cp.startErr = ""
 	}
 	mark := c.LocalMark()
-	cp.c.Store(c)
+	l.c.Store(c)
 	c.SyncLocal(mark, localRecords(cp.d))
 	c.SyncDefinitions(mark, cp.d.LocalDefinitions())
 	// Seeds learned while the cluster was being made.
-	cp.seedMu.Lock()
-	late := cp.seeds
-	cp.seeds = nil
-	cp.seedMu.Unlock()
+	late := l.takeSeeds()
 	c.AddSeeds(late...)
 	cp.enc.AttachGossip(keyGossip{c})
 	if cp.alloc != nil {
@@ -325,7 +401,7 @@ func (cp *controlPlane) tryStart() {
 	cp.hadSeeds.Store(len(all)+len(late) > 0)
 	cp.log.Info("control plane started", "node", cp.st.NodeName, "gossip", net.JoinHostPort(bind.String(), strconv.Itoa(cp.st.GossipPort)),
 		"vtep", vtep, "seeds", len(all)+len(late), "key_fingerprint", cluster.Fingerprint(cp.key))
-	close(cp.started)
+	close(l.started)
 }
 
 // run retries the start until the VTEP is known, then runs the periodic
@@ -339,13 +415,17 @@ func (cp *controlPlane) run() {
 	remember := time.NewTicker(rememberInterval)
 	defer remember.Stop()
 	var settle <-chan time.Time
-	started := cp.started
+	started := cp.link.started
 	for {
 		select {
-		case <-cp.stop:
+		case <-cp.link.stop:
 			return
+		case <-cp.link.wake: // the VTEP was settled
+			if cp.link.c.Load() == nil {
+				cp.tryStart()
+			}
 		case <-retry.C:
-			if cp.c.Load() == nil {
+			if cp.link.c.Load() == nil {
 				cp.tryStart()
 			}
 		case <-started:
@@ -368,13 +448,13 @@ func (cp *controlPlane) run() {
 // published local records exactly the joined endpoints ("nothing changed
 // on our side" is no reason to skip).
 func (cp *controlPlane) reconcile() {
-	started := cp.c.Load() != nil
+	started := cp.link.c.Load() != nil
 	// The driver logs each repair itself, by network and kind.
 	_, err := cp.d.Reconcile()
 	if err != nil {
 		cp.log.Warn("reconcile failed; retrying on the next tick", "error", err)
 	}
-	if c := cp.c.Load(); c != nil {
+	if c := cp.link.c.Load(); c != nil {
 		mark := c.LocalMark()
 		c.SyncLocal(mark, localRecords(cp.d))
 		c.SyncDefinitions(mark, cp.d.LocalDefinitions())
@@ -390,9 +470,9 @@ func (cp *controlPlane) reconcile() {
 // host), and a reconcile has run since it started (the kernel holds what
 // the cluster said). It takes no lock the gossip or a network holds long.
 func (cp *controlPlane) ready() error {
-	c := cp.c.Load()
+	c := cp.link.c.Load()
 	switch {
-	case c == nil && cp.hasLeft.Load():
+	case c == nil && cp.link.hasLeft.Load():
 		return errors.New("this host left the cluster (overlayd leave)")
 	case c == nil:
 		return errors.New("the control plane has not started (this host's address, the VTEP, is not known yet)")
@@ -411,15 +491,6 @@ func (cp *controlPlane) watcher() cluster.Watcher {
 		return cp.d
 	}
 	return namesWatcher{d: cp.d, ns: cp.names}
-}
-
-// PublishLocalNames hands the names of a local endpoint to the cluster;
-// before it starts, its first records carry them (localRecords).
-func (cp *controlPlane) PublishLocalNames(vni uint32, endpointID, packed string) error {
-	if c := cp.c.Load(); c != nil {
-		return c.PublishLocalNames(vni, endpointID, packed)
-	}
-	return nil
 }
 
 // localRecords lists the driver's joined endpoints for the cluster.
@@ -455,7 +526,7 @@ func (cp *controlPlane) rememberedMembers() []string {
 
 // rememberMembers saves the addresses of the alive members.
 func (cp *controlPlane) rememberMembers() {
-	st := cp.status()
+	st := cp.link.status()
 	if st == nil || cp.db == nil {
 		return
 	}
@@ -478,33 +549,25 @@ func (cp *controlPlane) rememberMembers() {
 	}
 }
 
-func (cp *controlPlane) status() *cluster.Status {
-	c := cp.c.Load()
-	if c == nil {
-		return nil
-	}
-	st := c.Status()
-	return &st
-}
-
 // leave decommissions this host (`overlayd leave`): it leaves the cluster,
 // so every other host removes its records at once, and stops the control
 // plane. The plugin keeps serving; stop the daemon afterwards.
 func (cp *controlPlane) leave() (any, error) {
-	cp.startMu.Lock()
-	defer cp.startMu.Unlock()
-	if cp.left {
+	l := cp.link
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.left {
 		return map[string]any{"left": true, "note": "already left"}, nil
 	}
-	c := cp.c.Load()
+	c := l.c.Load()
 	if c == nil {
 		return nil, errors.New("the control plane has not started (no VTEP known yet): there is no cluster to leave")
 	}
 	err := c.Leave(5 * time.Second)
 	c.Shutdown()
-	cp.c.Store(nil)
-	cp.left = true
-	cp.hasLeft.Store(true)
+	l.c.Store(nil)
+	l.left = true
+	l.hasLeft.Store(true)
 	if err != nil {
 		return nil, fmt.Errorf("leaving the cluster: %w (the control plane is stopped; the others detect the failure)", err)
 	}
@@ -517,12 +580,13 @@ func (cp *controlPlane) leave() (any, error) {
 // grace, so a restart or an upgrade loses no packet. Leaving for good is
 // `overlayd leave`.
 func (cp *controlPlane) close() {
-	cp.startMu.Lock()
-	cp.closed = true
-	cp.startMu.Unlock()
-	close(cp.stop)
+	l := cp.link
+	l.mu.Lock()
+	l.closed = true
+	l.mu.Unlock()
+	close(l.stop)
 	cp.done.Wait()
-	if c := cp.c.Load(); c != nil {
+	if c := l.c.Load(); c != nil {
 		cp.rememberMembers() // a restart sooner than the next periodic save still finds the cluster
 		c.Shutdown()
 	}

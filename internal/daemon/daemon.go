@@ -89,18 +89,19 @@ func Run(ctx context.Context, st *config.Settings, log *slog.Logger) error {
 		return err
 	}
 	defer enc.Close()
-	cp := newControlPlane(st, db, log, key, enc, alloc)
-	names, err := newNameService(st, log, hostNS, cp.c.Load)
+	// The control plane's side the driver calls, then the driver, then
+	// the control plane that runs the cluster for it (cluster.go).
+	link := newClusterLink(st, log, enc)
+	names, err := newNameService(st, log, hostNS, link.c.Load)
 	if err != nil {
 		return err
 	}
 	defer names.close()
-	nsync, err := newNetSyncService(st, log, db, cp.c.Load)
+	nsync, err := newNetSyncService(st, log, db, link.c.Load)
 	if err != nil {
 		return err
 	}
 	defer nsync.close()
-	cp.netsync = nsync
 	dcfg := driver.Config{
 		Scope:         st.Scope,
 		AdvertiseAddr: st.AdvertiseAddr,
@@ -108,26 +109,22 @@ func Run(ctx context.Context, st *config.Settings, log *slog.Logger) error {
 		NetnsDir:      st.NetnsDir,
 		Logger:        log,
 		StateFile:     db,
-		Publisher:     cp,
-		Peers:         cp,
-		Definitions:   cp,
-		OnDiscover:    cp.discovered,
-		GossipSeeds:   cp.gossipSeeds,
-		OnSeeds:       func(seeds []string) { cp.addSeeds(seeds...) },
-		OnVTEPChange:  cp.vtepChanged,
+		Publisher:     link,
+		Peers:         link,
+		Definitions:   link,
+		Membership:    link,
 		Encryption:    enc,
 		HostNS:        hostNS,
 	}
 	if names != nil {
-		dcfg.NameServer, dcfg.DNSAddress, dcfg.Names, dcfg.OnNamesChanged = names, st.DNSAddress, cp, names.changed
-		cp.names = names
+		dcfg.NameServer, dcfg.DNSAddress = names, st.DNSAddress
 	}
 	d, err := driver.New(dcfg)
 	if err != nil {
 		return err
 	}
 	defer d.Close()
-	cp.d = d
+	cp := newControlPlane(st, db, log, key, enc, alloc, link, d, names, nsync)
 	if names != nil {
 		names.start(d)
 	}
@@ -154,8 +151,8 @@ func Run(ctx context.Context, st *config.Settings, log *slog.Logger) error {
 	ctl, err := control.Serve(st.ControlSocket, control.Handlers{
 		Status: func() any {
 			ist := alloc.Status()
-			r := &StatusReport{Cluster: cp.status(), Driver: d.Status(), IPAM: &ist, Ready: readiness(cp.ready())}
-			if c := cp.c.Load(); c != nil {
+			r := &StatusReport{Cluster: link.status(), Driver: d.Status(), IPAM: &ist, Ready: readiness(cp.ready())}
+			if c := link.c.Load(); c != nil {
 				r.Keys = memberKeys(c)
 			}
 			if names != nil {
@@ -193,7 +190,7 @@ func Run(ctx context.Context, st *config.Settings, log *slog.Logger) error {
 			Driver:         d.Status,
 			DriverCounters: d.Counters,
 			Audit:          d.Audit,
-			Cluster:        cp.status,
+			Cluster:        link.status,
 			Rotations:      enc.RotationDurations,
 			StateWrites:    db.WriteLatency,
 			Netlink: func() (uint64, uint64, uint64) {

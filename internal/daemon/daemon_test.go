@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -15,6 +16,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	api "github.com/docker/go-plugins-helpers/network"
 
 	"github.com/overlayd/overlayd/driver"
 	"github.com/overlayd/overlayd/encryption"
@@ -308,20 +311,21 @@ func TestStartAfterStopDoesNothing(t *testing.T) {
 			return err
 		}
 		defer enc.Close()
-		cp := newControlPlane(st, nil, slog.New(slog.NewTextHandler(io.Discard, nil)), make([]byte, 32), enc, nil)
+		log := slog.New(slog.NewTextHandler(io.Discard, nil))
+		link := newClusterLink(st, log, enc)
 		d, err := driver.New(driver.Config{HostNS: host.Handle, NetnsDir: nstest.NetnsDir(t), AdvertiseAddr: netip.MustParseAddr("127.0.0.1"),
-			Peers: cp, Publisher: cp})
+			Peers: link, Publisher: link, Definitions: link, Membership: link})
 		if err != nil {
 			return err
 		}
 		defer d.Close()
-		cp.d = d
+		cp := newControlPlane(st, nil, log, make([]byte, 32), enc, nil, link, d, nil, nil)
 		cp.done.Add(1)
 		go cp.run()
 		cp.close()
 		cp.tryStart()
-		cp.vtepChanged(netip.MustParseAddr("127.0.0.1"))
-		if c := cp.c.Load(); c != nil {
+		link.VTEPChanged(netip.MustParseAddr("127.0.0.1"))
+		if c := link.c.Load(); c != nil {
 			c.Shutdown()
 			return fmt.Errorf("the control plane started after it was stopped")
 		}
@@ -329,5 +333,64 @@ func TestStartAfterStopDoesNothing(t *testing.T) {
 	})
 	if err != nil {
 		t.Fatal(err)
+	}
+}
+
+// A VTEP settled after the daemon started (swarm's DiscoverNew for this
+// node) starts the control plane: the link, which knows no driver, wakes
+// the control plane's loop, which starts the cluster with the driver's
+// VTEP; a later change is announced by the running cluster at once.
+func TestVTEPSettledStartsControlPlane(t *testing.T) {
+	nstest.RequireRoot(t)
+	host := nstest.NewNS(t, "host")
+	// Gossip on a loopback address of the test's namespace (memberlist's
+	// sockets are made on any thread).
+	st := &config.Settings{NodeName: "n1", GossipAddr: netip.MustParseAddr("127.0.0.1"), GossipPort: 17993}
+	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+	key := []byte("0123456789abcdef0123456789abcdef")
+	enc, err := encryption.NewOwner(encryption.OwnerConfig{NS: host.Handle, Port: driver.DefaultVXLANPort, Secret: key,
+		Logger: log, CheckKernel: func() error { return nil }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(enc.Close)
+	link := newClusterLink(st, log, enc)
+	d, err := driver.New(driver.Config{Scope: "global", HostNS: host.Handle, NetnsDir: nstest.NetnsDir(t), Logger: log,
+		Publisher: link, Peers: link, Definitions: link, Membership: link, Encryption: enc})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { d.Close() })
+	cp := newControlPlane(st, nil, log, key, enc, nil, link, d, nil, nil)
+	cp.done.Add(1)
+	go cp.run()
+	t.Cleanup(cp.close)
+	cp.tryStart() // as Run does: nothing without a VTEP
+	if link.c.Load() != nil {
+		t.Fatal("the control plane started without a VTEP")
+	}
+	self := func(addr string) {
+		t.Helper()
+		if err := d.DiscoverNew(&api.DiscoveryNotification{DiscoveryType: 1, DiscoveryData: map[string]interface{}{"Address": addr, "Self": true}}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	first, second := netip.MustParseAddr("192.0.2.77"), netip.MustParseAddr("192.0.2.78")
+	self(first.String())
+	if err := nstest.Eventually(10*time.Second, 5*time.Millisecond, func() error {
+		c := link.c.Load()
+		if c == nil {
+			return errors.New("the control plane has not started")
+		}
+		if v := c.VTEP(); v != first {
+			return fmt.Errorf("the cluster announces VTEP %v, want %v", v, first)
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	self(second.String())
+	if v := link.c.Load().VTEP(); v != second {
+		t.Fatalf("after the VTEP changed the cluster announces %v, want %v", v, second)
 	}
 }

@@ -61,16 +61,16 @@ func startDefHost(t *testing.T, name string, ns *nstest.NS, vtep netip.Addr, gos
 		t.Fatal(err)
 	}
 	h.enc.Start()
-	h.cp = newControlPlane(st, nil, log, key, h.enc, nil)
+	link := newClusterLink(st, log, h.enc)
 	h.d, err = driver.New(driver.Config{HostNS: ns.Handle, NetnsDir: nstest.NetnsDir(t), AdvertiseAddr: vtep, Logger: log,
-		Publisher: h.cp, Peers: h.cp, Definitions: h.cp, Encryption: h.enc})
+		Publisher: link, Peers: link, Definitions: link, Membership: link, Encryption: h.enc})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { h.d.Close() })
-	h.cp.d = h.d
+	h.cp = newControlPlane(st, nil, log, key, h.enc, nil, link, h.d, nil, nil)
 	h.cp.tryStart()
-	if h.cp.c.Load() == nil {
+	if link.c.Load() == nil {
 		t.Fatalf("%s: the control plane did not start:\n%s", name, h.logs.String())
 	}
 	t.Cleanup(h.cp.close)
@@ -93,12 +93,12 @@ func netReq(id string, vni uint32, pool string, opts map[string]string) *api.Cre
 func (h *defHost) waitDefinition(t *testing.T, host string, vni uint32) {
 	t.Helper()
 	if err := nstest.Eventually(15*time.Second, 10*time.Millisecond, func() error {
-		for _, r := range h.cp.Definitions(vni) {
+		for _, r := range h.cp.link.Definitions(vni) {
 			if r.Host == host && !r.Pending {
 				return nil
 			}
 		}
-		return fmt.Errorf("%s has no definition of VNI %d from %s: %+v", h.name, vni, host, h.cp.Definitions(vni))
+		return fmt.Errorf("%s has no definition of VNI %d from %s: %+v", h.name, vni, host, h.cp.link.Definitions(vni))
 	}); err != nil {
 		t.Fatal(err)
 	}
@@ -208,7 +208,7 @@ func TestContradictionFoundLaterIsReportedAndNothingGoesInClear(t *testing.T) {
 	ca := a.container(t, "net", "ea", "198.51.100.2/24")
 	cb := b.container(t, "net", "eb", "198.51.100.3/24")
 
-	b.cp.c.Load().AddSeeds(a.gossip) // the partition heals
+	b.cp.link.c.Load().AddSeeds(a.gossip) // the partition heals
 	a.waitDefinition(t, b.name, vni)
 	b.waitDefinition(t, a.name, vni)
 	for _, h := range []*defHost{a, b} {

@@ -50,15 +50,16 @@ func memberKeys(c *cluster.Cluster) map[string]string {
 // `overlayd keys rotate` exits non-zero with this reason instead of
 // reporting a rotation started that nothing would carry.
 func (cp *controlPlane) canRotate() error {
-	cp.startMu.Lock()
-	left, closed := cp.left, cp.closed
-	cp.startMu.Unlock()
+	l := cp.link
+	l.mu.Lock()
+	left, closed := l.left, l.closed
+	l.mu.Unlock()
 	switch {
 	case left:
 		return errors.New("key rotation cannot run: this host left the cluster (overlayd leave); restart overlayd to rejoin")
 	case closed:
 		return errShuttingDown
-	case cp.c.Load() == nil:
+	case l.c.Load() == nil:
 		return errors.New("key rotation cannot run: the control plane has not started (this host's address is not known yet; see the log)")
 	}
 	// A host that cannot encrypt itself may still start one: the epochs

@@ -131,9 +131,10 @@ func (ns *nameService) Serve(network string, pc net.PacketConn, ln net.Listener)
 	}()
 }
 
-// changed asks for a rebuild of the index; it never blocks (the driver
-// calls it under a network's lock, the cluster from its delivery).
-func (ns *nameService) changed() { kick(ns.rebuild) }
+// NamesChanged implements driver.NameServer: it asks for a rebuild of the
+// index; it never blocks (the driver calls it under a network's lock, the
+// cluster from its delivery).
+func (ns *nameService) NamesChanged() { kick(ns.rebuild) }
 
 func kick(c chan struct{}) {
 	select {
@@ -151,7 +152,7 @@ type namesWatcher struct {
 
 func (w namesWatcher) PeersChanged(vni uint32, keys []peerdb.Key) {
 	w.d.PeersChanged(vni, keys)
-	w.ns.changed()
+	w.ns.NamesChanged()
 }
 
 // start serves the host listener and begins the loops.

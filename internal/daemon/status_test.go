@@ -94,11 +94,11 @@ func TestReadiness(t *testing.T) {
 	if first, _, _ := strings.Cut(b.String(), "\n"); first != "Readiness: not ready: no reconcile has completed since the control plane started" {
 		t.Errorf("first line %q", first)
 	}
-	cp := &controlPlane{}
+	cp := &controlPlane{link: &clusterLink{}}
 	if err := cp.ready(); err == nil || !strings.Contains(err.Error(), "has not started") {
 		t.Errorf("not started: %v", err)
 	}
-	cp.hasLeft.Store(true)
+	cp.link.hasLeft.Store(true)
 	if err := cp.ready(); err == nil || !strings.Contains(err.Error(), "left the cluster") {
 		t.Errorf("left: %v", err)
 	}

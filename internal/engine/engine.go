@@ -38,7 +38,7 @@ func Open(socket string, log *slog.Logger) (*Engine, error) {
 	if !strings.HasPrefix(socket, "/") {
 		return nil, fmt.Errorf("engine socket %q: must be an absolute path of a unix socket", socket)
 	}
-	cli, err := client.New(client.WithHost("unix://"+socket), client.WithAPIVersionNegotiation())
+	cli, err := client.New(client.WithHost("unix://" + socket))
 	if err != nil {
 		return nil, fmt.Errorf("engine socket %s: %w", socket, err)
 	}

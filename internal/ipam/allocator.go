@@ -379,7 +379,7 @@ func (a *Allocator) load(cfg Config) error {
 	}
 	for _, p := range a.pools {
 		if p.ring != nil {
-			p.checkConflicts(a, nil)
+			p.checkConflictsLocked(a, nil)
 		}
 	}
 	if len(puts) > 0 {
@@ -697,8 +697,8 @@ func (a *Allocator) broadcastMsg(m *message) {
 }
 
 // setReclaimedByLocked records that by reclaimed this host's identity and
-// wakes the requests waiting for other hosts; expects a.mu held (or the
-// Allocator not yet shared) and reclaimedBy unset.
+// wakes the requests waiting for other hosts (also called before the
+// Allocator is shared); reclaimedBy is unset.
 func (a *Allocator) setReclaimedByLocked(by Identity) {
 	a.reclaimedBy = &by
 	close(a.reclaimedC)

@@ -226,7 +226,7 @@ func (a *Allocator) claimRound(ctx context.Context, p *pool, t Transport) (done 
 		p.ring = newRing(p.spec.lo, p.spec.hi, a.self)
 		puts[prefixPool+p.id] = encodePoolRecord(p.refs, p.ring)
 	case c.ring != nil:
-		a.adoptRing(p, c.ring, puts)
+		a.adoptRingLocked(p, c.ring, puts)
 	}
 	var ring *ring
 	if p.ring != nil {
@@ -262,10 +262,10 @@ func (a *Allocator) claimRound(ctx context.Context, p *pool, t Transport) (done 
 	return false, err
 }
 
-// adoptRing takes r as p's ring (or merges it in), marking the change in
-// puts; the caller holds p.mu. A ring that exists ends any vote this host
+// adoptRingLocked takes r as p's ring (or merges it in), marking the
+// change in puts. A ring that exists ends any vote this host
 // holds for the pool.
-func (a *Allocator) adoptRing(p *pool, r *ring, puts map[string][]byte) bool {
+func (a *Allocator) adoptRingLocked(p *pool, r *ring, puts map[string][]byte) bool {
 	var before []span
 	changed := false
 	if p.ring == nil {
@@ -281,7 +281,7 @@ func (a *Allocator) adoptRing(p *pool, r *ring, puts map[string][]byte) bool {
 	}
 	if changed {
 		puts[prefixPool+p.id] = encodePoolRecord(p.refs, p.ring)
-		p.checkConflicts(a, before)
+		p.checkConflictsLocked(a, before)
 	}
 	return changed
 }

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"log/slog"
 	"net/netip"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -323,12 +322,4 @@ func TestNotJoinedDoesNotClaim(t *testing.T) {
 	if st := a.Status(); len(st.Pools) != 1 || st.Pools[0].InUse != 0 || st.Pools[0].PendingClaim != "" {
 		t.Fatalf("a refused RequestPool left state: %+v", st.Pools)
 	}
-}
-
-func joinErrs(errs []error) string {
-	var s []string
-	for _, e := range errs {
-		s = append(s, e.Error())
-	}
-	return strings.Join(s, "\n")
 }

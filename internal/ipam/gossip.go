@@ -16,7 +16,7 @@ import (
 // reclaimed identity the sender knows. Nothing leaves this host before it
 // is on disk (sendMsg waits for the journal).
 
-// statsLocked returns this host's figures for p; the caller holds p.mu.
+// statsLocked returns this host's figures for p.
 func (a *Allocator) statsLocked(p *pool) ownerStats {
 	st := ownerStats{inUse: p.refs > 0}
 	if p.ring == nil {
@@ -204,7 +204,7 @@ func (a *Allocator) mergeRings(from Identity, seq uint64, views []poolView, with
 			before = p.ring.owned(a.self)
 		}
 		if v.ring != nil {
-			a.adoptRing(p, v.ring, puts)
+			a.adoptRingLocked(p, v.ring, puts)
 		}
 		if p.ring != nil && (v.ring == nil || !v.ring.covers(p.ring)) {
 			newer = append(newer, p)

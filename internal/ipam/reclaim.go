@@ -79,7 +79,6 @@ func (a *Allocator) Reclaim(ctx context.Context, node string) (ReclaimResult, er
 		puts[prefixReclaimed+e.id.String()] = mustJSON(reclaimRecord{By: e.by.String(), At: a.now().Unix()})
 	}
 	a.mu.Unlock()
-	var changed []*pool
 	for _, p := range a.allPools() {
 		p.mu.Lock()
 		a.dropVotesLocked(p, ids, puts)
@@ -87,7 +86,6 @@ func (a *Allocator) Reclaim(ctx context.Context, node string) (ReclaimResult, er
 			if n := p.ring.reclaim(ids, a.self); n > 0 {
 				puts[prefixPool+p.id] = encodePoolRecord(p.refs, p.ring)
 				res.Pools = append(res.Pools, ReclaimedPool{PoolID: p.id, Addresses: n})
-				changed = append(changed, p)
 				for id := range ids {
 					a.log.Info("ipam: reclaimed the address space of a gone host", logkeys.Event, logkeys.IPAMReclaimed,
 						logkeys.Pool, p.id, logkeys.Member, node, logkeys.HostID, id.hexID(), logkeys.Count, n)
@@ -103,8 +101,7 @@ func (a *Allocator) Reclaim(ctx context.Context, node string) (ReclaimResult, er
 	return res, nil
 }
 
-// dropVotesLocked ends this host's votes for claims of gone identities;
-// the caller holds p.mu.
+// dropVotesLocked ends this host's votes for claims of gone identities.
 func (a *Allocator) dropVotesLocked(p *pool, gone map[Identity]bool, puts map[string][]byte) {
 	if p.vote != nil && gone[p.vote.proposer] && p.claim == nil {
 		p.vote = nil

@@ -7,12 +7,11 @@ import (
 	"github.com/overlayd/overlayd/internal/logkeys"
 )
 
-// checkConflicts finds allocations of this host in ranges it does not own
+// checkConflictsLocked finds allocations of this host in ranges it does not own
 // (a broken invariant or a wrong reclaim: never expected), logs each once
 // at ERROR and keeps them for Status. before: this host's spans before the
 // change (nil: check everything); an unchanged ownership is not scanned.
-// The caller holds p.mu.
-func (p *pool) checkConflicts(a *Allocator, before []span) {
+func (p *pool) checkConflictsLocked(a *Allocator, before []span) {
 	if before != nil && slices.Equal(before, p.ring.owned(a.self)) {
 		return
 	}

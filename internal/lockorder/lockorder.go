@@ -9,6 +9,27 @@
 // Every Mutex is made by New with its level; there is no zero level. A
 // Mutex that was not made by New (a zero value) is reported at its first
 // Lock in lockcheck builds, so no lock can escape the check by accident.
+//
+// # The hierarchy
+//
+// The Level constants below are overlayd's lock hierarchy, written here
+// and nowhere else: the packages, docs/architecture.md and the field
+// comments name a lock's level and point here instead of restating the
+// order. Locks outside it: memberlist's own, always taken before any of
+// these (overlayd never calls into memberlist holding one), and bbolt's,
+// a leaf that statefile never holds while taking one of these.
+//
+// # Caller holds the lock: the Locked suffix
+//
+// A function whose caller must hold a lock is named with the suffix
+// Locked, and its comment does not say so again. The lock is the one that
+// guards what the function works on: the receiver's (l.mu for a
+// localStore method), or, for an owner's method on one of its parts, that
+// part's (a Driver method on a network: n.mu; an Allocator method on a
+// pool: p.mu). Where it is another lock, or more than one, the comment
+// names it. Functions without the suffix take the locks they need
+// themselves, and their comments say which locks they must not be called
+// under when it matters.
 package lockorder
 
 import "fmt"
@@ -25,17 +46,21 @@ const (
 	// before any other lock, never under one.
 	LevelVTEP Level = 5
 	// LevelStart: the daemon's control-plane start/stop lock; taken under
-	// the VTEP lock (a settled VTEP starts the control plane) and before
-	// network locks (the start publishes the local records).
+	// the VTEP lock (a VTEP change is announced to the running cluster
+	// under it) and before network locks (the start publishes the local
+	// records).
 	LevelStart Level = 7
 	// LevelNetwork: network.mu, one per network; held for every
-	// operation on that network. Never two at once.
+	// operation on that network (create/delete, endpoints, join/leave,
+	// pulls and the kernel programming of its sandbox). Never two at once.
 	LevelNetwork Level = 10
 	// LevelEncryption: the encryption owner's lock (keys, shares, SAs,
 	// policies, nftables and their programming). Taken under a network
 	// lock when a network's share changes, or alone by the owner's loop.
 	LevelEncryption Level = 20
-	// LevelAlloc: the driver's VNI allocation lock (swarm leader).
+	// LevelAlloc: the driver's VNI allocation lock (swarm leader's
+	// AllocateNetwork and FreeNetwork); held while the allocation is
+	// persisted.
 	LevelAlloc Level = 25
 	// LevelIPAMAnnounce: the cluster IPAM's announce lock, held while a
 	// rings message's figures are read (under each pool's lock) and its
@@ -49,7 +74,8 @@ const (
 	// requests); taken alone or under a pool's lock.
 	LevelIPAM Level = 28
 	// LevelDriver: driver.mu, the driver's maps (networks by id and VNI,
-	// the local VTEP). Never held while calling out of the driver.
+	// the local VTEP). Taken alone or under a network lock; never held
+	// while calling out of the driver.
 	LevelDriver Level = 30
 	// LevelCluster: the control plane's replicated store (cluster.mu).
 	// Taken under a network lock when a network pulls its peers, and by
@@ -63,7 +89,9 @@ const (
 	// lock by PublishLocalPeer, or alone.
 	LevelClusterLocal Level = 50
 	// LevelLeaf: small leaf locks that guard a few fields and never call
-	// out (the daemon's control-plane handle, rate limiters, counters).
+	// out (the daemon's control-plane handle, rate limiters, counters,
+	// the reaper's queue: a Leave queues its deletions under its network's
+	// lock, and no deletion takes a network's lock).
 	LevelLeaf Level = 90
 )
 
@@ -106,15 +134,3 @@ func New(l Level) *Mutex {
 
 // Level returns m's level (0 for a Mutex not made by New).
 func (m *Mutex) Level() Level { return m.level }
-
-// hierarchy renders the hierarchy for reports.
-func hierarchy() string {
-	s := ""
-	for i, l := range Levels() {
-		if i > 0 {
-			s += " → "
-		}
-		s += l.String()
-	}
-	return s
-}

@@ -132,3 +132,15 @@ func (m *Mutex) Unlock() {
 	m.forget()
 	m.mu.Unlock()
 }
+
+// hierarchy renders the hierarchy for reports.
+func hierarchy() string {
+	s := ""
+	for i, l := range Levels() {
+		if i > 0 {
+			s += " → "
+		}
+		s += l.String()
+	}
+	return s
+}

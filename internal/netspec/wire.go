@@ -45,7 +45,7 @@ func (s *Spec) Encode() ([]byte, error) {
 	w := wireSpec{V: WireVersion, Name: s.Name, Options: s.Options, IPAMDriver: s.IPAMDriver, IPAMOptions: s.IPAMOptions,
 		Internal: s.Internal, IPv4: s.IPv4, IPv6: s.IPv6, Attachable: s.Attachable, Labels: s.Labels}
 	for _, p := range s.Pools {
-		w.Pools = append(w.Pools, wirePool{Subnet: p.Subnet, IPRange: p.IPRange, Gateway: p.Gateway, Aux: p.Aux})
+		w.Pools = append(w.Pools, wirePool(p))
 	}
 	b, err := json.Marshal(&w)
 	if err != nil {

@@ -23,6 +23,7 @@ import (
 	"time"
 
 	bolt "go.etcd.io/bbolt"
+	bolterrors "go.etcd.io/bbolt/errors"
 
 	"github.com/overlayd/overlayd/internal/latency"
 )
@@ -191,7 +192,7 @@ func Open(dir string) (s *File, err error) {
 	}
 	db, err = bolt.Open(path, 0o600, &bolt.Options{Timeout: 2 * time.Second})
 	if err != nil {
-		if errors.Is(err, bolt.ErrTimeout) {
+		if errors.Is(err, bolterrors.ErrTimeout) {
 			return nil, fmt.Errorf("state file %s is locked by another process (is another overlayd running with --state-dir %s?)", path, dir)
 		}
 		return nil, &CorruptError{Path: path, Err: err}

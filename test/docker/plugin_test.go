@@ -181,8 +181,7 @@ func TestManagedPlugin(t *testing.T) {
 	d := e.createNetwork(pluginRef, "m1", "-o", "vni=4401", "--subnet", "192.0.2.0/26")
 	timing(t, "docker network create (managed plugin)", d)
 	start = time.Now()
-	out, err := e.docker("run", "-d", "--name", "m1c1", "--network", "m1", "--ip", "192.0.2.2", "--stop-timeout", "1", image, sleeper[0], sleeper[1], sleeper[2])
-	if err != nil {
+	if _, err := e.docker("run", "-d", "--name", "m1c1", "--network", "m1", "--ip", "192.0.2.2", "--stop-timeout", "1", image, sleeper[0], sleeper[1], sleeper[2]); err != nil {
 		t.Fatal(err)
 	}
 	timing(t, "first container start on a network (managed plugin)", time.Since(start))
@@ -234,7 +233,7 @@ func TestManagedPlugin(t *testing.T) {
 		time.Sleep(20 * time.Millisecond)
 	}
 	timing(t, "managed plugin restart by dockerd after SIGKILL (to socket answering)", time.Since(start))
-	out = <-pings
+	out := <-pings
 	m := lossRE.FindStringSubmatch(out)
 	if m == nil {
 		t.Fatalf("ping during the plugin restart:\n%s", out)

@@ -22,12 +22,12 @@ import (
 // network's VNIs in the nft set.
 //
 // The driver once keyed its encryption state by network id while a deleted
-// network's syncEnc runs after the registry released the id: when the new
-// instance's syncEnc took the encryption lock first, the old one's then
-// deleted the new instance's VNIs (and remotes). Now every network instance
-// has its own share (encryption.ShareID). The owner's lock is kept busy
-// meanwhile (its loop poked, another share updated), so that the two
-// instances' updates interleave with others.
+// network's syncEncLocked runs after the registry released the id: when
+// the new instance's syncEncLocked took the encryption lock first, the old
+// one's then deleted the new instance's VNIs (and remotes). Now every
+// network instance has its own share (encryption.ShareID). The owner's
+// lock is kept busy meanwhile (its loop poked, another share updated), so
+// that the two instances' updates interleave with others.
 func TestEncryptedRecreateKeepsFailClosedRules(t *testing.T) {
 	e := newEnv(t, true, false, true)
 	s := &netSpec{vnis: []uint32{700}, pools: []netip.Prefix{pfx("198.51.100.0/24")}, encrypted: true}

@@ -79,7 +79,7 @@ func (m *model) clearVNIs() []uint32 {
 
 // encNeeds returns, per remote VTEP, how many encrypted networks with a
 // sandbox need it: the VTEPs of their FDB entries (the active remote peers
-// that traffic is sent to, as the driver's network.encShare).
+// that traffic is sent to, as the driver's network.encShareLocked).
 func (m *model) encNeeds() map[netip.Addr]int {
 	out := map[netip.Addr]int{}
 	for _, vs := range m.encRemotesByNet() {

@@ -30,6 +30,7 @@ import (
 	"github.com/overlayd/overlayd/internal/lockorder"
 	"github.com/overlayd/overlayd/internal/testutil/keyhub"
 	"github.com/overlayd/overlayd/internal/testutil/nstest"
+	"github.com/overlayd/overlayd/internal/testutil/solo"
 	"github.com/overlayd/overlayd/peerdb"
 )
 
@@ -99,16 +100,19 @@ func newEnv(t testing.TB, fixedAdv, trace, keys bool) *env {
 		NetnsDir:      e.netnsDir,
 		AdvertiseAddr: e.fixedAdv,
 		Logger:        slog.New(&capHandler{c: e.logs}),
-		OnDiscover:    func(netip.Addr) {},
 		Peers:         e.src,
-		Publisher:     e.pub,
-		Encryption:    o,
-		// As the daemon's controlPlane.vtepChanged: the encryption state
+		// As the daemon's clusterLink.VTEPChanged: the encryption state
 		// follows the VTEP.
-		OnVTEPChange: func(a netip.Addr) {
+		Publisher: localPublisher{publisher: e.pub, vtepChanged: func(a netip.Addr) {
 			e.logs.noteErr("encryption SetLocal("+a.String()+") on a VTEP change", o.SetLocal(a))
 			e.attachGossip()
-		},
+		}},
+		// A host alone for definitions and membership (the model has
+		// one host), whose control plane runs: the swarm leader's
+		// AllocateNetwork answers carry its own gossip address.
+		Definitions: solo.ControlPlane{},
+		Membership:  runningAlone{seed: "192.0.2.250:7947"},
+		Encryption:  o,
 	}
 	if trace {
 		cfg.Trace = e.rec.trace
@@ -177,6 +181,26 @@ type pubKey struct {
 	vni uint32
 	ep  string
 }
+
+// localPublisher is the harness's driver.LocalPublisher: the records go
+// to the publisher, a VTEP change to vtepChanged; names are not modelled.
+type localPublisher struct {
+	*publisher
+	vtepChanged func(netip.Addr)
+}
+
+func (p localPublisher) VTEPChanged(a netip.Addr) { p.vtepChanged(a) }
+
+func (localPublisher) PublishLocalNames(uint32, string, string) error { return nil }
+
+// runningAlone is the Membership of a host alone whose control plane has
+// started: its gossip seeds are its own address.
+type runningAlone struct {
+	solo.ControlPlane
+	seed string
+}
+
+func (m runningAlone) GossipSeeds() []string { return []string{m.seed} }
 
 func newPublisher() *publisher {
 	return &publisher{mu: lockorder.New(lockorder.LevelClusterLocal), recs: map[pubKey]peerdb.Peer{}}
@@ -459,6 +483,7 @@ func installLockCheck(t testing.TB) *inversionCounter {
 	top := lockorder.New(lockorder.LevelNetwork)
 	bottom.Lock()
 	top.Lock() // inversion: network.mu while holding driver.mu
+	//lint:ignore SA2001 the lock is taken only to have the inversion counted
 	top.Unlock()
 	bottom.Unlock()
 	if c.n.Load() != 1 {
@@ -495,7 +520,6 @@ type runConfig struct {
 	kernelOnly bool
 	label      string // extra words for the report (the injected fault)
 	teardown   bool   // delete every network at the end and check nothing is left
-	keepTrace  bool   // keep the trace file even if the run is clean
 	// noKeys: the encryption owner is attached to no gossip, so it never
 	// has keys (every policy points at no SA), as a daemon before its
 	// control plane started.

@@ -65,7 +65,7 @@ func (s *source) Peer(k peerdb.Key) (peerdb.Peer, bool) {
 	return s.peerLocked(k)
 }
 
-// PeersOf implements driver.PeerBatchSource, as the cluster does: the
+// PeersOf implements driver.PeerSource, as the cluster does: the
 // driver's pulls of many keys take this path.
 func (s *source) PeersOf(keys []peerdb.Key, found []peerdb.Found) {
 	s.mu.Lock()

@@ -18,12 +18,11 @@ type initramfs struct {
 }
 
 type cpioEntry struct {
-	mode       uint32 // type and permission bits
-	source     string // host file to copy (regular files), or
-	data       []byte // literal content
-	rdevMajor  uint32 // for device nodes
-	rdevMinor  uint32
-	symlinkDst string
+	mode      uint32 // type and permission bits
+	source    string // host file to copy (regular files), or
+	data      []byte // literal content
+	rdevMajor uint32 // for device nodes
+	rdevMinor uint32
 }
 
 const (
