@@ -110,42 +110,42 @@ const (
 	dpVNI       = 4242
 )
 
-// dpKinds are the kinds of traffic, measured in this order in each round.
+// dpKinds are the kinds of traffic, measured in this order in each round;
+// each gives figures of one or more series.
 var dpKinds = []struct {
-	name, unit string
-	streams    int // iperf3 streams; 0 for request/response
+	streams int // iperf3 streams; 0 for request/response
+	series  []int
 }{
-	{"TCP, 1 stream", "Gbit/s", 1},
-	{"TCP, 4 streams", "Gbit/s", 4},
-	{"TCP request/response, 1 byte", "k/s", 0},
+	{1, []int{0, 1}},
+	{4, []int{2, 3}},
+	{0, []int{4, 5}},
+}
+
+// dpSeries are the figures printed. The throughput per CPU-second (the
+// CPU time of iperf3's client and server, which includes the kernel's
+// work on their behalf, softirqs in their context included) depends less
+// on what else the machine runs than the throughput does.
+var dpSeries = []struct{ name, unit string }{
+	{"TCP, 1 stream", "Gbit/s"},
+	{"TCP, 1 stream, per CPU-second", "Gbit"},
+	{"TCP, 4 streams", "Gbit/s"},
+	{"TCP, 4 streams, per CPU-second", "Gbit"},
+	{"TCP request/response, 1 byte", "k/s"},
+	{"TCP request/response, median latency", "µs, lower is better"},
 }
 
 func benchDataplane(ctx context.Context, t *testing.T, cfg dpConfig, v6 bool) {
 	hosts, vteps := nstest.Pair(t, v6)
-	paths := []dpPath{{name: "underlay", client: hosts[0], server: hosts[1], addr: vteps[1]}}
 
-	// overlayd: a network on both hosts, a container on each.
-	var ctrs []*nstest.NS
-	var peers []peerdb.Peer
 	var drivers []*Driver
 	for i, h := range hosts {
-		d := newTestDriver(t, h, vteps[i])
-		drivers = append(drivers, d)
-		mustCreate(t, d, createReq("bench", strconv.Itoa(dpVNI), "198.51.100.0/24"))
-		addr := netip.MustParsePrefix(fmt.Sprintf("198.51.100.%d/24", 10+i))
-		eid := fmt.Sprintf("ep%d", i)
-		mac := mustEndpoint(t, d, "bench", eid, addr.String())
-		resp := mustJoin(t, d, "bench", eid)
-		ctrs = append(ctrs, nstest.Container(t, fmt.Sprintf("ctr%d", i), h, resp.InterfaceName.SrcName, addr, nil))
-		m, _ := peerdb.ParseMAC(mac)
-		peers = append(peers, peerdb.Peer{EndpointID: eid, IP: addr.Addr(), MAC: m, VTEP: vteps[i]})
+		drivers = append(drivers, newTestDriver(t, h, vteps[i]))
 	}
-	for i, d := range drivers {
-		if err := applyPeerEvent(d, PeerEvent{VNI: dpVNI, Next: &peers[1-i]}); err != nil {
-			t.Fatal(err)
-		}
-	}
+	// overlayd: a network on both hosts, a container on each.
+	ctrs, peerIP := dpNetwork(t, hosts, drivers, "bench", dpVNI, "198.51.100.0/25")
 	mtu := drivers[0].Status().Networks[0].MTU
+	var paths []dpPath
+	paths = append(paths, dpPath{name: "underlay", client: hosts[0], server: hosts[1], addr: vteps[1]})
 
 	// The hand-made VXLAN link: a point-to-point one (its default
 	// destination is the other host), learning off as overlayd's.
@@ -169,7 +169,30 @@ func benchDataplane(ctx context.Context, t *testing.T, cfg dpConfig, v6 bool) {
 	}
 	paths = append(paths,
 		dpPath{name: "vxlan", client: hosts[0], server: hosts[1], addr: netip.MustParseAddr("203.0.113.11")},
-		dpPath{name: "overlayd", client: ctrs[0], server: ctrs[1], addr: peers[1].IP})
+		dpPath{name: "overlayd", client: ctrs[0], server: ctrs[1], addr: peerIP})
+	// A second overlayd network, changed by hand (OVERLAYD_BENCH_TRY_*
+	// commands run in its sandboxes and containers), measured beside the
+	// first: what a setting changes.
+	trySB, tryCtr := os.Getenv("OVERLAYD_BENCH_TRY_SANDBOX"), os.Getenv("OVERLAYD_BENCH_TRY_CONTAINER")
+	if trySB != "" || tryCtr != "" {
+		tctrs, tip := dpNetwork(t, hosts, drivers, "try", dpVNI+2, "198.51.100.128/25")
+		for i, d := range drivers {
+			sb := dpSandboxNS(t, d, "try")
+			for _, c := range []struct {
+				ns  *nstest.NS
+				cmd string
+			}{{sb, trySB}, {tctrs[i], tryCtr}} {
+				if c.cmd == "" {
+					continue
+				}
+				if out, err := commandIn(context.Background(), t, c.ns, "sh", "-c", c.cmd).CombinedOutput(); err != nil {
+					t.Fatalf("%s in %s: %v: %s", c.cmd, c.ns.Name, err, out)
+				}
+			}
+		}
+		fmt.Printf("overlayd-try: sandboxes %q, containers %q\n", trySB, tryCtr)
+		paths = append(paths, dpPath{name: "try", client: tctrs[0], server: tctrs[1], addr: tip})
+	}
 	for _, p := range paths {
 		if err := nstest.PingEventually(p.client, p.addr, 10*time.Second); err != nil {
 			t.Fatalf("%s: %v", p.name, err)
@@ -193,50 +216,52 @@ func benchDataplane(ctx context.Context, t *testing.T, cfg dpConfig, v6 bool) {
 		}
 	}
 
-	// results[kind][path][round]; rr latency p50/p99 beside.
-	results := make([][][]float64, len(dpKinds))
-	lat := make([][][2]time.Duration, len(paths))
+	// results[series][path][round]
+	results := make([][][]float64, len(dpSeries))
 	for k := range results {
 		results[k] = make([][]float64, len(paths))
 	}
+	ratio := func(k, a, b, r int) float64 { return results[k][a][r] / results[k][b][r] }
 	for r := 0; r < cfg.rounds; r++ {
-		for k, kind := range dpKinds {
-			line := fmt.Sprintf("round %d  %-30s", r+1, kind.name)
+		for _, kind := range dpKinds {
 			for pi, p := range paths {
-				var v float64
+				var v []float64
 				if kind.streams > 0 {
 					v = runIperf(ctx, t, p, kind.streams, cfg.seconds)
 				} else {
-					var p50, p99 time.Duration
-					v, p50, p99 = runRR(ctx, t, p, cfg.seconds)
-					lat[pi] = append(lat[pi], [2]time.Duration{p50, p99})
+					v = runRR(ctx, t, p, cfg.seconds)
 				}
-				results[k][pi] = append(results[k][pi], v)
-				line += fmt.Sprintf("  %s %6.2f", p.name, v)
+				for i, k := range kind.series {
+					results[k][pi] = append(results[k][pi], v[i])
+				}
 			}
-			line += fmt.Sprintf(" %s  overlayd/vxlan %.3f  vxlan/underlay %.3f", kind.unit,
-				results[k][2][r]/results[k][1][r], results[k][1][r]/results[k][0][r])
-			fmt.Println(line)
+			for _, k := range kind.series {
+				line := fmt.Sprintf("round %d  %-38s", r+1, dpSeries[k].name)
+				for pi, p := range paths {
+					line += fmt.Sprintf("  %s %6.2f", p.name, results[k][pi][r])
+				}
+				line += fmt.Sprintf(" %s  overlayd/vxlan %.3f  vxlan/underlay %.3f", dpSeries[k].unit, ratio(k, 2, 1, r), ratio(k, 1, 0, r))
+				if len(paths) > 3 {
+					line += fmt.Sprintf("  try/vxlan %.3f  try/overlayd %.3f", ratio(k, 3, 1, r), ratio(k, 3, 2, r))
+				}
+				fmt.Println(line)
+			}
 		}
 	}
 
-	fmt.Printf("-- summary, %s underlay: median [range] over %d rounds\n", family, cfg.rounds)
-	for k, kind := range dpKinds {
-		fmt.Printf("%s (%s)\n", kind.name, kind.unit)
+	fmt.Printf("-- summary, %s underlay: median [range] over %d rounds; ratios per round\n", family, cfg.rounds)
+	for k, se := range dpSeries {
+		fmt.Printf("%s (%s)\n", se.name, se.unit)
 		for pi, p := range paths {
-			fmt.Printf("  %-10s %s\n", p.name, medianRange(results[k][pi], 2))
+			fmt.Printf("  %-22s %s\n", p.name, medianRange(results[k][pi], 2))
 		}
 		fmt.Printf("  %-22s %s\n", "overlayd / vxlan", medianRange(ratios(results[k][2], results[k][1]), 3))
 		fmt.Printf("  %-22s %s\n", "vxlan / underlay", medianRange(ratios(results[k][1], results[k][0]), 3))
 		fmt.Printf("  %-22s %s\n", "overlayd / underlay", medianRange(ratios(results[k][2], results[k][0]), 3))
-	}
-	fmt.Println("request/response latency, per round p50 / p99 (µs)")
-	for pi, p := range paths {
-		var s []string
-		for _, l := range lat[pi] {
-			s = append(s, fmt.Sprintf("%.1f / %.1f", float64(l[0])/1e3, float64(l[1])/1e3))
+		if len(paths) > 3 {
+			fmt.Printf("  %-22s %s\n", "try / vxlan", medianRange(ratios(results[k][3], results[k][1]), 3))
+			fmt.Printf("  %-22s %s\n", "try / overlayd", medianRange(ratios(results[k][3], results[k][2]), 3))
 		}
-		fmt.Printf("  %-10s %s\n", p.name, strings.Join(s, ", "))
 	}
 }
 
@@ -297,13 +322,17 @@ type iperfResult struct {
 		SumReceived struct {
 			BitsPerSecond float64 `json:"bits_per_second"`
 		} `json:"sum_received"`
+		CPU struct {
+			Host   float64 `json:"host_total"`
+			Remote float64 `json:"remote_total"`
+		} `json:"cpu_utilization_percent"`
 	} `json:"end"`
 }
 
 // runIperf measures TCP throughput from p.client to p.addr with streams
-// parallel connections, in Gbit/s received. The first second (slow start)
-// is left out.
-func runIperf(ctx context.Context, t *testing.T, p dpPath, streams, seconds int) float64 {
+// parallel connections: Gbit/s received, and Gbit per CPU-second of the
+// client and the server. The first second (slow start) is left out.
+func runIperf(ctx context.Context, t *testing.T, p dpPath, streams, seconds int) []float64 {
 	var res iperfResult
 	// The server may not listen yet on its first use.
 	err := nstest.Eventually(10*time.Second, 100*time.Millisecond, func() error {
@@ -324,7 +353,8 @@ func runIperf(ctx context.Context, t *testing.T, p dpPath, streams, seconds int)
 	if err != nil {
 		t.Fatalf("%s: %v", p.name, err)
 	}
-	return res.End.SumReceived.BitsPerSecond / 1e9
+	gbps := res.End.SumReceived.BitsPerSecond / 1e9
+	return []float64{gbps, gbps / ((res.End.CPU.Host + res.End.CPU.Remote) / 100)}
 }
 
 func sockaddr(ap netip.AddrPort) (int, unix.Sockaddr) {
@@ -388,9 +418,9 @@ func startRRServer(t *testing.T, ns *nstest.NS) {
 }
 
 // runRR sends one byte and waits for the answer, again and again for
-// seconds, and returns the transactions per second (in thousands) and the
-// median and 99th percentile of their latencies.
-func runRR(ctx context.Context, t *testing.T, p dpPath, seconds int) (float64, time.Duration, time.Duration) {
+// seconds, and returns the transactions per second (in thousands) and
+// their median latency in µs.
+func runRR(ctx context.Context, t *testing.T, p dpPath, seconds int) []float64 {
 	family, sa := sockaddr(netip.AddrPortFrom(p.addr, dpRRPort))
 	fd, err := netnsutil.Socket(p.client.Handle, family, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
@@ -428,7 +458,7 @@ func runRR(ctx context.Context, t *testing.T, p dpPath, seconds int) (float64, t
 	}
 	elapsed := time.Since(start)
 	slices.Sort(lats)
-	return float64(len(lats)) / elapsed.Seconds() / 1e3, lats[len(lats)/2], lats[len(lats)*99/100]
+	return []float64{float64(len(lats)) / elapsed.Seconds() / 1e3, float64(lats[len(lats)/2]) / 1e3}
 }
 
 // dpSettings prints what differs between the two VXLAN paths: the links'
@@ -444,10 +474,49 @@ func dpSettings(t *testing.T, hosts, ctrs []*nstest.NS, drivers []*Driver) {
 	}
 	show("host0", hosts[0])
 	show("container0", ctrs[0])
-	sb, err := netnsutil.Open(drivers[0].host.Path("bench"))
+	show("sandbox0", dpSandboxNS(t, drivers[0], "bench"))
+}
+
+// dpSandboxNS is the sandbox namespace of network nid on d's host.
+func dpSandboxNS(t *testing.T, d *Driver, nid string) *nstest.NS {
+	h, err := netnsutil.Open(d.host.Path(nid))
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer sb.Close()
-	show("sandbox0", &nstest.NS{Handle: sb, Name: "sandbox0"})
+	t.Cleanup(func() { h.Close() })
+	return &nstest.NS{Handle: h, Name: "sandbox of " + nid}
+}
+
+// dpNetwork creates network nid (VNI vni, IPv4 pool) through every
+// driver (drivers[i] serves hosts[i]) with a container on each (addresses .10, .11... of the pool), tells
+// every host of the others' containers, and returns the containers and the
+// address of the second one.
+func dpNetwork(t *testing.T, hosts []*nstest.NS, drivers []*Driver, nid string, vni int, pool string) ([]*nstest.NS, netip.Addr) {
+	pfx := netip.MustParsePrefix(pool)
+	var ctrs []*nstest.NS
+	var peers []peerdb.Peer
+	for i, d := range drivers {
+		mustCreate(t, d, createReq(nid, strconv.Itoa(vni), pool))
+		a := pfx.Addr()
+		for j := 0; j < 10+i; j++ {
+			a = a.Next()
+		}
+		addr := netip.PrefixFrom(a, pfx.Bits())
+		eid := fmt.Sprintf("%s-ep%d", nid, i)
+		mac := mustEndpoint(t, d, nid, eid, addr.String())
+		resp := mustJoin(t, d, nid, eid)
+		ctrs = append(ctrs, nstest.Container(t, fmt.Sprintf("%s-ctr%d", nid, i), hosts[i], resp.InterfaceName.SrcName, addr, nil))
+		m, _ := peerdb.ParseMAC(mac)
+		peers = append(peers, peerdb.Peer{EndpointID: eid, IP: addr.Addr(), MAC: m, VTEP: d.cfg.AdvertiseAddr})
+	}
+	for i, d := range drivers {
+		for j := range peers {
+			if j != i {
+				if err := applyPeerEvent(d, PeerEvent{VNI: uint32(vni), Next: &peers[j]}); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}
+	}
+	return ctrs, peers[1].IP
 }
