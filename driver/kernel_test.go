@@ -79,7 +79,7 @@ func TestSingleHostPingAndCleanup(t *testing.T) {
 
 // A sandbox's bridged traffic skips the namespace's netfilter hooks: the
 // br_netfilter switches, 1 in a new namespace, are 0 in every sandbox (the
-// hooks cost a tenth of the data path's throughput per CPU-second, see
+// hooks cost the data path throughput and latency, see
 // docs/performance.md), and the driver logs nothing about them.
 func TestSandboxBridgeNetfilterOff(t *testing.T) {
 	if !brnfAvailable() {

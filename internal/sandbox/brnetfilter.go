@@ -22,8 +22,8 @@ import (
 // and the frame handed back to the bridge). The sandbox has no netfilter
 // rules of its own (encryption's nftables table is in the host namespace,
 // on the outer packets), so all of that is pure cost: measured with make
-// bench-dataplane it was about a tenth of the throughput per CPU-second of
-// overlayd's path and 1.5 µs of its request/response latency
+// bench-dataplane, 1–3% of the throughput per CPU-second of overlayd's
+// path and 5–6% (about 1 µs) of its request/response latency
 // (docs/performance.md). A per-bridge nf_call_iptables does not help: the
 // kernel runs the hooks when either the bridge's option or the namespace's
 // sysctl is on.
