@@ -45,7 +45,11 @@ import (
 // Settings (environment): OVERLAYD_BENCH_DATAPLANE=1 runs it (skipped
 // otherwise, so that make test compiles it but never runs it);
 // OVERLAYD_BENCH_ROUNDS (3), OVERLAYD_BENCH_SECONDS per measurement (5),
-// OVERLAYD_BENCH_FAMILIES, the underlay's address families ("4,6").
+// OVERLAYD_BENCH_FAMILIES, the underlay's address families ("4,6");
+// OVERLAYD_BENCH_TRY_SANDBOX and OVERLAYD_BENCH_TRY_CONTAINER, shell
+// commands that change a second overlayd network's sandboxes and
+// containers, measured as a fourth path ("try") in the same rounds;
+// OVERLAYD_BENCH_SETTINGS=1 prints every link's settings and offloads.
 func TestBenchDataplane(t *testing.T) {
 	if os.Getenv("OVERLAYD_BENCH_DATAPLANE") == "" {
 		t.Skip("data-plane benchmark: run it with make bench-dataplane (OVERLAYD_BENCH_DATAPLANE=1)")
