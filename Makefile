@@ -31,7 +31,7 @@ STATICCHECK := bin/staticcheck-$(STATICCHECK_VERSION)/staticcheck
 # and docker-compose, fetched the same way) in `engine-28.5`.
 # OVERLAYD_TEST_ENGINE picks the engine; test/docker/engines_test.go.
 
-.PHONY: all build test unit engine-26.1 engine-28.5 fuzz lint bench bench-peers bench-gossip bench-intree run clean plugin install
+.PHONY: all build test unit engine-26.1 engine-28.5 fuzz lint bench bench-peers bench-gossip bench-intree bench-dataplane run clean plugin install
 
 # `make install`: the binary, the systemd unit and (if absent) its settings
 # file. DESTDIR stages the files under another root (packaging, tests): then
@@ -131,6 +131,26 @@ bench-gossip:
 # built in bench/intree, a module of its own): interleaved rounds, ratios.
 bench-intree:
 	sh bench/intree/compare.sh
+
+# The data plane (docs/performance.md): TCP throughput (iperf3, 1 and 4
+# streams) and 1-byte request/response between two namespace hosts joined by
+# one veth, over the veth itself, a hand-made VXLAN link and overlayd's path
+# (a container on each host), DP_ROUNDS interleaved rounds of DP_SECONDS per
+# measurement, over an IPv4 and an IPv6 underlay (DP_FAMILIES); prints every
+# round and the medians, ranges and ratios. Needs root; installs Debian's
+# iperf3 if it is missing. Not part of make test (TestBenchDataplane skips
+# without OVERLAYD_BENCH_DATAPLANE). It runs at nice DP_NICE so that other
+# processes of a shared machine disturb it less (the kernel's work for them
+# still does: compare the ratios of each round).
+DP_ROUNDS   ?= 3
+DP_SECONDS  ?= 5
+DP_FAMILIES ?= 4,6
+DP_NICE     ?= -20
+bench-dataplane:
+	@command -v iperf3 >/dev/null || { apt-get -o DPkg::Lock::Timeout=300 update -q && \
+	  DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -q --no-install-recommends iperf3; }
+	OVERLAYD_BENCH_DATAPLANE=1 OVERLAYD_BENCH_ROUNDS=$(DP_ROUNDS) OVERLAYD_BENCH_SECONDS=$(DP_SECONDS) OVERLAYD_BENCH_FAMILIES=$(DP_FAMILIES) \
+	  nice -n $(DP_NICE) $(GO) test -count=1 -timeout 60m -run '^TestBenchDataplane$$' -v ./driver
 
 # Serve the plugin on the default socket with the embedded defaults.
 run: build

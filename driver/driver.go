@@ -44,6 +44,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync/atomic"
 
 	api "github.com/docker/go-plugins-helpers/network"
 	"github.com/vishvananda/netns"
@@ -51,6 +52,7 @@ import (
 
 	"github.com/overlayd/overlayd/encryption"
 	"github.com/overlayd/overlayd/internal/lockorder"
+	"github.com/overlayd/overlayd/internal/logkeys"
 	"github.com/overlayd/overlayd/internal/nlwrap"
 	"github.com/overlayd/overlayd/internal/reaper"
 	"github.com/overlayd/overlayd/internal/sandbox"
@@ -143,6 +145,21 @@ type Driver struct {
 	// counts are event counters (atomic: taken under any lock, read by
 	// the metrics at scrape time without one).
 	counts counters
+	// brnfNoted: a sandbox whose bridged traffic keeps passing its
+	// netfilter hooks was logged (once per driver; atomic: set under a
+	// network's lock). See noteBridgeNetfilter.
+	brnfNoted atomic.Bool
+}
+
+// noteBridgeNetfilter logs, once per driver, that the bridged traffic of
+// n's new sandbox still passes its netfilter hooks (br_netfilter; a
+// managed plugin's /proc/sys is read-only): it works, but costs throughput
+// and latency (internal/sandbox/brnetfilter.go).
+func (d *Driver) noteBridgeNetfilter(n *network) {
+	if err := n.sb.BridgeNetfilter(); err != nil && d.brnfNoted.CompareAndSwap(false, true) {
+		d.log.Info("bridged traffic in the network sandboxes passes their netfilter hooks (br_netfilter), which costs throughput and latency: they could not be turned off",
+			logkeys.Network, n.id, logkeys.Error, err)
+	}
 }
 
 var _ api.Driver = (*Driver)(nil)

@@ -235,6 +235,7 @@ func (d *Driver) Join(req *api.JoinRequest) (_ *api.JoinResponse, err error) {
 			return nil, fmt.Errorf("Join of endpoint %q: %w", ep.id, err)
 		}
 		n.sb = sb
+		d.noteBridgeNetfilter(n)
 		undo = append(undo, func() {
 			if err := d.destroySandboxLocked(n); err != nil {
 				d.log.Error("rollback: failed to destroy sandbox; the periodic reconcile retries", "network", n.id, "error", err)

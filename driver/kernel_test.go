@@ -1,7 +1,9 @@
 package driver
 
 import (
+	"bytes"
 	"fmt"
+	"log/slog"
 	"net/netip"
 	"os"
 	"sort"
@@ -11,8 +13,10 @@ import (
 
 	api "github.com/docker/go-plugins-helpers/network"
 	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
+	"github.com/overlayd/overlayd/internal/netnsutil"
 	"github.com/overlayd/overlayd/internal/sandbox"
 	"github.com/overlayd/overlayd/internal/testutil/nstest"
 	"github.com/overlayd/overlayd/peerdb"
@@ -71,6 +75,96 @@ func TestSingleHostPingAndCleanup(t *testing.T) {
 		t.Fatal(err)
 	}
 	assertNothingLeft(t, d, append([]*nstest.NS{host}, ctrs...)...)
+}
+
+// A sandbox's bridged traffic skips the namespace's netfilter hooks: the
+// br_netfilter switches, 1 in a new namespace, are 0 in every sandbox (the
+// hooks cost the data path throughput and latency, see
+// docs/performance.md), and the driver logs nothing about them.
+func TestSandboxBridgeNetfilterOff(t *testing.T) {
+	if !brnfAvailable() {
+		t.Skip("no br_netfilter in this kernel")
+	}
+	host := nstest.NewNS(t, "host")
+	var logs bytes.Buffer
+	d := newTestDriverLogging(t, host, netip.Addr{}, slog.New(slog.NewTextHandler(&logs, nil)))
+	mustCreate(t, d, createReq("net1", "42", "192.0.2.0/24"))
+	mustEndpoint(t, d, "net1", "ep0", "192.0.2.2/24")
+	mustJoin(t, d, "net1", "ep0")
+	// The host namespace the test made has the kernel's defaults.
+	for name, v := range nsSysctls(t, host.Handle, brnfSysctls) {
+		if v != "1" {
+			t.Fatalf("a new namespace has %s=%s: the test expects the kernel's default 1", name, v)
+		}
+	}
+	wantBridgeNetfilterOff(t, d, "net1")
+	if strings.Contains(logs.String(), "netfilter") {
+		t.Fatalf("driver logged about the netfilter hooks although it turned them off:\n%s", logs.String())
+	}
+}
+
+var brnfSysctls = []string{"bridge-nf-call-iptables", "bridge-nf-call-ip6tables", "bridge-nf-call-arptables"}
+
+// brnfAvailable reports whether br_netfilter is in the kernel (built in or
+// loaded): only then do namespaces have its switches.
+func brnfAvailable() bool {
+	_, err := os.Stat("/proc/sys/net/bridge/bridge-nf-call-iptables")
+	return err == nil
+}
+
+// nsSysctls reads /proc/sys/net/bridge/NAME for each name in ns.
+func nsSysctls(t *testing.T, ns netns.NsHandle, names []string) map[string]string {
+	t.Helper()
+	out := map[string]string{}
+	err := netnsutil.DoIn(ns, func() error {
+		for _, name := range names {
+			b, err := os.ReadFile("/proc/sys/net/bridge/" + name)
+			if err != nil {
+				return err
+			}
+			out[name] = strings.TrimSpace(string(b))
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+func sandboxNS(t *testing.T, d *Driver, nid string) netns.NsHandle {
+	t.Helper()
+	h, err := netnsutil.Open(d.host.Path(nid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { h.Close() })
+	return h
+}
+
+func wantBridgeNetfilterOff(t *testing.T, d *Driver, nid string) {
+	t.Helper()
+	for name, v := range nsSysctls(t, sandboxNS(t, d, nid), brnfSysctls) {
+		if v != "0" {
+			t.Errorf("sandbox of %s: net.bridge.%s=%s, want 0", nid, name, v)
+		}
+	}
+}
+
+// setBridgeNetfilter sets every br_netfilter switch of nid's sandbox to v.
+func setBridgeNetfilter(t *testing.T, d *Driver, nid, v string) {
+	t.Helper()
+	err := netnsutil.DoIn(sandboxNS(t, d, nid), func() error {
+		for _, name := range brnfSysctls {
+			if err := os.WriteFile("/proc/sys/net/bridge/"+name, []byte(v), 0); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
 }
 
 // assertNothingLeft checks with netlink dumps that no overlayd link (veth

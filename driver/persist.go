@@ -153,6 +153,7 @@ func (d *Driver) restore() error {
 			}
 		}
 		n.sb = sb
+		d.noteBridgeNetfilter(n)
 		for _, ep := range joined {
 			n.joined++
 			if ep.dnsRoute {

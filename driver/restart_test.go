@@ -65,6 +65,13 @@ func TestRestartAdoptsRunningSandbox(t *testing.T) {
 		t.Fatal(err)
 	}
 
+	// A sandbox of an earlier version passed bridged traffic through its
+	// netfilter hooks: adopting it turns them off.
+	brnf := brnfAvailable()
+	if brnf {
+		setBridgeNetfilter(t, dA, "net1", "1")
+	}
+
 	// Ping continuously across the restart and count what is lost.
 	pl := nstest.StartPingLoop(ctrs[0], peers[1].IP, 10*time.Millisecond, 200*time.Millisecond)
 
@@ -90,6 +97,9 @@ func TestRestartAdoptsRunningSandbox(t *testing.T) {
 	t.Logf("pings across the restart: %d sent, %d lost", sent, lost)
 	if lost != 0 {
 		t.Errorf("%d of %d pings lost across a restart", lost, sent)
+	}
+	if brnf {
+		wantBridgeNetfilterOff(t, dA, "net1")
 	}
 	stat := dA.Status()
 	if len(stat.Networks) != 1 || len(stat.Networks[0].Endpoints) != 1 || !stat.Networks[0].Endpoints[0].Joined {

@@ -163,6 +163,9 @@ type Sandbox struct {
 	// dns: the name server's sockets in the namespace (see ServeDNS),
 	// closed before the namespace goes; nil until served.
 	dns *dnsSockets
+	// brnf is why bridged traffic still passes the namespace's netfilter
+	// hooks, nil if it does not (see bridgeNetfilterOff).
+	brnf error
 }
 
 // newBridgeMAC returns a random locally administered unicast MAC: each
@@ -204,6 +207,7 @@ func Create(host *Host, id string, subnets []Subnet) (_ *Sandbox, err error) {
 	if err := sb.setupNamespace(); err != nil {
 		return nil, err
 	}
+	sb.brnf = sb.bridgeNetfilterOff()
 	for _, s := range subnets {
 		sl, err := sb.createSubnet(s)
 		if err != nil {
@@ -504,6 +508,8 @@ func Adopt(host *Host, id string, subnets []Subnet) (_ *Sandbox, err error) {
 		sl.bridge, sl.vxlan = br.Attrs().Index, vx.Attrs().Index
 		sb.subnets = append(sb.subnets, sl)
 	}
+	// A sandbox of an earlier version still has the hooks.
+	sb.brnf = sb.bridgeNetfilterOff()
 	return sb, nil
 }
 

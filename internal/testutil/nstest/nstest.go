@@ -121,6 +121,51 @@ func Hosts(t testing.TB, n int, v6 bool) ([]*NS, []netip.Addr) {
 	return hosts, addrs
 }
 
+// Pair creates two "hosts" joined by one veth, no switch between them:
+// each holds an end named "eth0" with address 192.0.2.(10+i)/24 (or
+// 2001:db8::(10+i)/64 when v6). The shortest underlay, for measuring a data
+// path against the underlay itself.
+func Pair(t testing.TB, v6 bool) ([]*NS, []netip.Addr) {
+	t.Helper()
+	hosts := []*NS{NewNS(t, "host0"), NewNS(t, "host1")}
+	veth := &netlink.Veth{
+		LinkAttrs:     netlink.LinkAttrs{Name: "eth0", TxQLen: -1},
+		PeerName:      "eth0-peer",
+		PeerNamespace: netlink.NsFd(int(hosts[1].Handle)),
+	}
+	if err := hosts[0].NL.LinkAdd(veth); err != nil {
+		t.Fatalf("underlay veth: %v", err)
+	}
+	var addrs []netip.Addr
+	for i, h := range hosts {
+		name := "eth0"
+		if i == 1 {
+			name = "eth0-peer"
+		}
+		l, err := h.NL.LinkByName(name)
+		if err != nil {
+			t.Fatalf("host %d %s: %v", i, name, err)
+		}
+		if i == 1 {
+			if err := h.NL.LinkSetName(l, "eth0"); err != nil {
+				t.Fatalf("host 1 rename: %v", err)
+			}
+		}
+		a := netip.MustParsePrefix(fmt.Sprintf("192.0.2.%d/24", 10+i))
+		if v6 {
+			a = netip.MustParsePrefix(fmt.Sprintf("2001:db8::%x/64", 0x10+i))
+		}
+		if err := h.NL.AddrAdd(l, &netlink.Addr{IPNet: ipNet(a), Flags: unix.IFA_F_NODAD}); err != nil {
+			t.Fatalf("host %d address: %v", i, err)
+		}
+		if err := h.NL.LinkSetUp(l); err != nil {
+			t.Fatalf("host %d eth0 up: %v", i, err)
+		}
+		addrs = append(addrs, a.Addr())
+	}
+	return hosts, addrs
+}
+
 // Container plays dockerd's part of Join: it moves the host-side link
 // srcName from host into a new namespace, renames it eth0, gives it addr and
 // brings it up; routes are added as given (dst -> via).
