@@ -207,6 +207,9 @@ func Run(ctx context.Context, st *config.Settings, log *slog.Logger) error {
 		if names != nil {
 			m.Register(names.srv.Collector())
 		}
+		if nsync != nil {
+			m.Register(newNetSyncCollector(nsync))
+		}
 		g.observe = m.ObserveCall
 		ia.refused = m.ObserveIPAMRefusal
 		msrv = &http.Server{Handler: m.Handler(), ReadHeaderTimeout: 10 * time.Second}

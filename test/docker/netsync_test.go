@@ -22,12 +22,33 @@ func netsyncLab(t *testing.T, n int) (*lab, []*engine, string) {
 		t.Fatal(err)
 	}
 	for i, e := range es {
-		e.startOverlayd("--join", es[(i+1)%n].addr.String(), "--secret-file", key, "--netsync", "on")
+		e.startOverlayd("--join", es[(i+1)%n].addr.String(), "--secret-file", key, "--netsync", "on",
+			"--metrics-addr", netsyncMetricsAddr)
 	}
 	for _, e := range es {
 		e.waitAlive(n)
 	}
 	return l, es, key
+}
+
+// netsyncMetricsAddr is where the lab's overlayds serve their metrics,
+// each on its engine namespace's loopback.
+const netsyncMetricsAddr = "127.0.0.1:9447"
+
+// metric is the value of the sample named series (its whole name with
+// labels, as the exposition writes it) of the engine's overlayd, or "".
+func (e *engine) metric(series string) string {
+	e.t.Helper()
+	out, err := e.in(busyboxBinary, "wget", "-qO-", "http://"+netsyncMetricsAddr+"/metrics")
+	if err != nil {
+		e.t.Fatalf("engine %s: scrape: %v: %s", e.name, err, out)
+	}
+	for _, l := range strings.Split(out, "\n") {
+		if v, ok := strings.CutPrefix(l, series+" "); ok {
+			return strings.TrimSpace(v)
+		}
+	}
+	return ""
 }
 
 // hasNetwork reports whether the engine has a network of that name.
@@ -270,6 +291,9 @@ func TestNetworksDefinedOnce(t *testing.T) {
 		}
 		return false
 	})
+	if got := b.metric("overlayd_netsync_conflicts"); got != "1" {
+		t.Errorf("engine h2: overlayd_netsync_conflicts %q, want 1", got)
+	}
 	if got := b.must("network", "inspect", "-f", "{{index .Options \"vni\"}}", "conf"); got != "4502" {
 		t.Fatalf("engine h2: its own conf was changed: vni %s", got)
 	}
