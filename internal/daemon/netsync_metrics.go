@@ -37,12 +37,7 @@ func (c *netSyncCollector) Collect(ch chan<- prometheus.Metric) {
 	if st == nil {
 		return
 	}
-	live := 0
-	for _, e := range st.Entries {
-		if e.Live {
-			live++
-		}
-	}
+	live := st.Live()
 	ch <- prometheus.MustNewConstMetric(c.networks, prometheus.GaugeValue, float64(live), "live")
 	ch <- prometheus.MustNewConstMetric(c.networks, prometheus.GaugeValue, float64(len(st.Entries)-live), "removed")
 	ch <- prometheus.MustNewConstMetric(c.conflicts, prometheus.GaugeValue, float64(len(st.Conflicts)))

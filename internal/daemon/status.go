@@ -56,12 +56,7 @@ func (r *StatusReport) renderNetSync(w io.Writer) {
 	if n == nil {
 		return
 	}
-	live := 0
-	for _, e := range n.Entries {
-		if e.Live {
-			live++
-		}
-	}
+	live := n.Live()
 	fmt.Fprintf(w, "Networks defined once: %d live, %d removed (driver %s; replicas created %d, removed %d)", live, len(n.Entries)-live, n.Driver, n.Created, n.Removed)
 	if n.LastError != "" {
 		fmt.Fprintf(w, " (failing: %s)", n.LastError)

@@ -132,6 +132,17 @@ type Status struct {
 	EngineCalls uint64 `json:"engine_calls"`
 }
 
+// Live is how many of the entries are live (the others are removals).
+func (st *Status) Live() int {
+	n := 0
+	for _, e := range st.Entries {
+		if e.Live {
+			n++
+		}
+	}
+	return n
+}
+
 // UsedElsewhere is a removed network another host keeps in use.
 type UsedElsewhere struct {
 	Name       string `json:"name"`
