@@ -191,11 +191,17 @@ func TestNetworksDefinedOnce(t *testing.T) {
 	a.run("a1", "ov", "")
 	b.run("b1", "ov", "")
 	c.run("c1", "ov", "")
-	for _, dst := range []struct {
+	// A container on each host pings the others.
+	ctrs := []struct {
 		e *engine
 		c string
-	}{{b, "b1"}, {c, "c1"}} {
-		a.mustPing("a1", dst.e.addrOn(dst.c, "ov"))
+	}{{a, "a1"}, {b, "b1"}, {c, "c1"}}
+	for _, src := range ctrs {
+		for _, dst := range ctrs {
+			if src != dst {
+				src.e.mustPing(src.c, dst.e.addrOn(dst.c, "ov"))
+			}
+		}
 	}
 
 	// A fourth host joins later and gets every network.
